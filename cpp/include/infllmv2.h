@@ -1,0 +1,121 @@
+/*
+ * infllmv2.h: the C ABI of the InfLLM-V2 sparse attention kernels.
+ *
+ * The library needs neither PyTorch nor TileLang at run time: only the CUDA driver (the CUDA
+ * runtime is linked in statically). Every function returns an infllmv2_status; on failure
+ * infllmv2_last_error() (per thread) holds a message naming the argument and what was
+ * expected. No function synchronises the host with the device, and every kernel runs on the
+ * stream the caller passes.
+ *
+ * Conventions (see SPEC.md of the project for the full contract):
+ *   - Packed variable-length ("varlen") layout, as in FlashAttention: a batch of B sequences
+ *     is stored back to back; cu_seqlens_x is an int32 device array of B+1 offsets
+ *     (cu_seqlens_x[0] = 0, non-decreasing, cu_seqlens_x[B] = total_x).
+ *   - Keys k: (total_k, heads_k, head_dim), contiguous, row-major, in device memory of the
+ *     current device.
+ *   - dtype: bf16 or fp16 inputs, fp32 accumulation.
+ *
+ * Arch dispatch: the library holds kernel variants per GPU arch (build_info lists them). A
+ * call picks the best variant for the current device: sm_90a code on compute capability 9.0
+ * only, otherwise the newest arch <= the device's (sm_89 on 8.9, sm_80 on 8.0/8.6/8.7), whose
+ * embedded PTX is compiled by the driver on newer GPUs; a variant whose shared memory exceeds
+ * the device's per-block limit is never picked. infllmv2_set_arch_override() (or the
+ * environment variable INFLLMV2_FORCE_ARCH, read at load) forces one arch, to check the
+ * sm_80 and sm_89 variants on a Hopper GPU through their PTX.
+ *
+ * Support matrix of this version:
+ *   op               dtype      head_dim  heads                    archs
+ *   compress_keys    bf16,fp16  64,128    any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
+ */
+#ifndef INFLLMV2_H_
+#define INFLLMV2_H_
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define INFLLMV2_API __declspec(dllexport)
+#else
+#define INFLLMV2_API __attribute__((visibility("default")))
+#endif
+
+/* Bumped on any incompatible change of a signature or of a struct/enum value. */
+#define INFLLMV2_ABI_VERSION 1
+
+typedef enum {
+  INFLLMV2_OK = 0,
+  INFLLMV2_ERR_INVALID_ARGUMENT = 1, /* a null pointer, a bad size, a host pointer, ...      */
+  INFLLMV2_ERR_UNSUPPORTED = 2,      /* a valid request this build has no kernel for        */
+  INFLLMV2_ERR_UNSUPPORTED_ARCH = 3, /* the current GPU's arch is not compiled in           */
+  INFLLMV2_ERR_CUDA = 4              /* the CUDA runtime reported an error                  */
+} infllmv2_status;
+
+typedef enum {
+  INFLLMV2_DTYPE_BF16 = 0,
+  INFLLMV2_DTYPE_FP16 = 1
+} infllmv2_dtype;
+
+/* INFLLMV2_ABI_VERSION of the library actually loaded; compare with the header's. */
+INFLLMV2_API int infllmv2_abi_version(void);
+
+/* The library's version string, e.g. "0.1.0". */
+INFLLMV2_API const char* infllmv2_version(void);
+
+/* A JSON object: version, abi_version, cuda_runtime, tilelang, archs compiled in, and every
+ * kernel unit (name, arch, threads, dynamic shared memory). Static storage; works without a GPU. */
+INFLLMV2_API const char* infllmv2_build_info(void);
+
+/* The message of the last failed call on this thread ("" if none). */
+INFLLMV2_API const char* infllmv2_last_error(void);
+
+/* Forces every later call (all threads) to use the variants of one arch, e.g. "sm_80";
+ * NULL or "" restores automatic dispatch. INFLLMV2_ERR_UNSUPPORTED_ARCH if the arch is not
+ * compiled in. For testing: the forced variant must be able to run on the device. */
+INFLLMV2_API infllmv2_status infllmv2_set_arch_override(const char* arch);
+
+/* The arch that a call on the current device would use now (e.g. "sm_90a"), or NULL with
+ * the reason in infllmv2_last_error(). */
+INFLLMV2_API const char* infllmv2_selected_arch(void);
+
+/*
+ * infllmv2_compress_keys: stage 0, mean-pooled compressed keys ("semantic kernels").
+ *
+ *   For each sequence b (length L = cu_seqlens_k[b+1] - cu_seqlens_k[b]) and KV head h:
+ *     ck[cu_seqlens_c[b] + j, h] = mean(k[cu_seqlens_k[b] + j*s + t, h], t = 0 .. w-1)
+ *     for j = 0 .. n_b - 1, n_b = (L - w) / s + 1 if L >= w else 0,
+ *   with w = kernel_size, s = kernel_stride. With punct_mask (PHSA):
+ *     ck = lam * mean(window) + (1 - lam) * mean(punctuation tokens of the window),
+ *   the plain mean where the window holds no punctuation token.
+ *
+ *   [in]  k             (total_k, heads_k, head_dim), dtype
+ *   [in]  cu_seqlens_k  int32 (batch + 1)
+ *   [in]  cu_seqlens_c  int32 (batch + 1): offsets of the n_b above (the caller computes them)
+ *   [in]  punct_mask    uint8 (total_k), nonzero = punctuation; NULL for the plain mean
+ *   [in]  phsa_lambda   weight lam in [0, 1] (ignored without punct_mask)
+ *   [out] ck            (total_c, heads_k, head_dim), dtype
+ *   [in]  batch         B >= 1 (<= 65535)
+ *   [in]  total_k, total_c  row counts of k and ck (< 2^31)
+ *   [in]  max_nc        max over b of n_b (sizes the grid)
+ *   [in]  heads_k       >= 1 (<= 65535); head_dim 64 or 128
+ *   [in]  kernel_size, kernel_stride  w >= 1, s >= 1 (32/16 fine, 128/64 coarse)
+ *   [in]  stream        the stream to run on
+ *   No workspace. Rows are bounds-checked against total_k / total_c on the device, so
+ *   inconsistent cu_seqlens give wrong values, never an out-of-bounds access.
+ */
+INFLLMV2_API infllmv2_status infllmv2_compress_keys(
+    const void* k, const int32_t* cu_seqlens_k, const int32_t* cu_seqlens_c,
+    const uint8_t* punct_mask, float phsa_lambda, void* ck,
+    int32_t batch, int64_t total_k, int64_t total_c, int32_t max_nc,
+    int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype,
+    int32_t kernel_size, int32_t kernel_stride, cudaStream_t stream);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* INFLLMV2_H_ */

@@ -1,0 +1,188 @@
+// The library-wide part of the C ABI: version, build info, errors, arch override.
+#include "runtime.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "registry.h"
+
+#ifndef INFLLMV2_VERSION
+#define INFLLMV2_VERSION "0.0.0"
+#endif
+
+namespace infllmv2 {
+namespace {
+
+thread_local std::string g_last_error;
+
+std::mutex g_mutex;
+std::string g_override;  // guarded by g_mutex
+bool g_override_loaded = false;
+
+std::string build_info_json() {
+  std::string archs, units;
+  std::set<std::string> seen;
+  for (const infllmv2_unit_info* u = infllmv2_all_units; u->kernel != nullptr; ++u) {
+    if (seen.insert(u->arch).second) archs += std::string(archs.empty() ? "" : ", ") + "\"" + u->arch + "\"";
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "%s{\"kernel\": \"%s\", \"name\": \"%s\", \"arch\": \"%s\", \"threads\": %d, \"dynamic_smem\": %d}",
+                  units.empty() ? "" : ", ", u->kernel, u->name, u->arch, u->threads, u->dynamic_smem);
+    units += buf;
+  }
+  char head[256];
+  std::snprintf(head, sizeof head,
+                "{\"version\": \"%s\", \"abi_version\": %d, \"cuda_runtime\": %d, \"tilelang\": \"%s\", ",
+                INFLLMV2_VERSION, INFLLMV2_ABI_VERSION, CUDART_VERSION, INFLLMV2_TILELANG_VERSION);
+  return std::string(head) + "\"archs\": [" + archs + "], \"kernels\": [" + units + "]}";
+}
+
+}  // namespace
+
+infllmv2_status fail(infllmv2_status status, const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  g_last_error = buf;
+  return status;
+}
+
+void clear_error() { g_last_error.clear(); }
+
+const char* dtype_name(int dtype) {
+  switch (dtype) {
+    case INFLLMV2_DTYPE_BF16: return "bf16";
+    case INFLLMV2_DTYPE_FP16: return "fp16";
+    default: return "unknown";
+  }
+}
+
+std::string arch_override() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_override_loaded) {
+    const char* env = std::getenv("INFLLMV2_FORCE_ARCH");
+    if (env != nullptr) g_override = env;
+    g_override_loaded = true;
+  }
+  return g_override;
+}
+
+bool arch_runs_on(const char* arch, int sm, int cc) {
+  size_t n = std::strlen(arch);
+  bool arch_specific = n > 0 && arch[n - 1] == 'a';
+  return arch_specific ? cc == sm : cc >= sm;
+}
+
+std::string compiled_archs() {
+  std::string out;
+  std::set<std::string> seen;
+  for (const infllmv2_unit_info* u = infllmv2_all_units; u->kernel != nullptr; ++u)
+    if (seen.insert(u->arch).second) out += (out.empty() ? "" : ", ") + std::string(u->arch);
+  return out.empty() ? "none" : out;
+}
+
+infllmv2_status current_device(const char* op, Device* dev) {
+  cudaError_t err = cudaGetDevice(&dev->index);
+  int major = 0, minor = 0;
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev->index);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev->index);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&dev->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev->index);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // do not leave a sticky-looking error for the caller's next check
+    return fail(INFLLMV2_ERR_CUDA, "%s: no usable CUDA device: %s (%s)", op, cudaGetErrorString(err),
+                cudaGetErrorName(err));
+  }
+  dev->cc = 10 * major + minor;
+  return INFLLMV2_OK;
+}
+
+infllmv2_status check_device_pointer(const char* op, const char* name, const void* ptr, const Device& dev) {
+  if (ptr == nullptr) return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: %s is NULL", op, name);
+  cudaPointerAttributes attr;
+  cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: %s is not a CUDA pointer (%s)", op, name, cudaGetErrorString(err));
+  }
+  if (attr.type == cudaMemoryTypeUnregistered || attr.type == cudaMemoryTypeHost)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: %s must be device memory, got a host pointer", op, name);
+  if (attr.type == cudaMemoryTypeDevice && attr.device != dev.index)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: %s is on device %d but the current device is %d", op, name,
+                attr.device, dev.index);
+  return INFLLMV2_OK;
+}
+
+infllmv2_status init_unit_once(const char* op, const void* unit_key, int device, int (*init)(),
+                               const char* (*last_error)()) {
+  static std::set<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (done.count({unit_key, device})) return INFLLMV2_OK;
+  if (init() != 0) return fail(INFLLMV2_ERR_CUDA, "%s: kernel initialisation failed: %s", op, last_error());
+  done.insert({unit_key, device});
+  return INFLLMV2_OK;
+}
+
+infllmv2_status launch_result(const char* op, const char* unit_name, int rc, const char* (*last_error)()) {
+  if (rc == 0) return INFLLMV2_OK;
+  return fail(INFLLMV2_ERR_CUDA, "%s: launch of %s failed: %s", op, unit_name, last_error());
+}
+
+}  // namespace infllmv2
+
+using namespace infllmv2;
+
+extern "C" {
+
+INFLLMV2_API int infllmv2_abi_version(void) { return INFLLMV2_ABI_VERSION; }
+
+INFLLMV2_API const char* infllmv2_version(void) { return INFLLMV2_VERSION; }
+
+INFLLMV2_API const char* infllmv2_build_info(void) {
+  static const std::string info = build_info_json();
+  return info.c_str();
+}
+
+INFLLMV2_API const char* infllmv2_last_error(void) { return g_last_error.c_str(); }
+
+INFLLMV2_API infllmv2_status infllmv2_set_arch_override(const char* arch) {
+  std::string want = arch == nullptr ? "" : arch;
+  if (!want.empty()) {
+    bool known = false;
+    for (const infllmv2_unit_info* u = infllmv2_all_units; u->kernel != nullptr; ++u) known |= want == u->arch;
+    if (!known)
+      return fail(INFLLMV2_ERR_UNSUPPORTED_ARCH, "infllmv2_set_arch_override: arch '%s' is not compiled in; compiled archs: %s",
+                  want.c_str(), compiled_archs().c_str());
+  }
+  arch_override();  // load the environment first so that it cannot overwrite this call later
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_override = want;
+  return INFLLMV2_OK;
+}
+
+INFLLMV2_API const char* infllmv2_selected_arch(void) {
+  Device dev;
+  if (current_device("infllmv2_selected_arch", &dev) != INFLLMV2_OK) return nullptr;
+  std::string forced = arch_override();
+  const infllmv2_unit_info* best = nullptr;
+  int best_sm = -1;
+  for (const infllmv2_unit_info* u = infllmv2_all_units; u->kernel != nullptr; ++u) {
+    int sm = std::atoi(u->arch + 3);
+    bool usable = forced.empty() ? arch_runs_on(u->arch, sm, dev.cc) : forced == u->arch;
+    if (usable && sm > best_sm) best = u, best_sm = sm;
+  }
+  if (best == nullptr) {
+    fail(INFLLMV2_ERR_UNSUPPORTED_ARCH, "the GPU (device %d) is sm_%d, which this build does not support; compiled archs: %s",
+         dev.index, dev.cc, compiled_archs().c_str());
+    return nullptr;
+  }
+  return best->arch;
+}
+
+}  // extern "C"

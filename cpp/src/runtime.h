@@ -1,0 +1,98 @@
+// Host glue shared by the op wrappers: error reporting, argument checks, arch dispatch over
+// the generated unit tables, and once-per-device unit initialisation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <string>
+
+#include "infllmv2.h"
+
+namespace infllmv2 {
+
+// Records the message for infllmv2_last_error() and returns the status, so that wrappers
+// can `return fail(...)`.
+infllmv2_status fail(infllmv2_status status, const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void clear_error();
+
+const char* dtype_name(int dtype);
+
+// The device the next launch goes to, with what dispatch needs to know about it.
+struct Device {
+  int index = 0;
+  int cc = 0;          // compute capability as 10*major + minor
+  int smem_optin = 0;  // max dynamic shared memory per block
+};
+infllmv2_status current_device(const char* op, Device* dev);
+
+// Checks that ptr is device memory of dev (not host, not another GPU). `name` is the
+// argument's name in the C ABI.
+infllmv2_status check_device_pointer(const char* op, const char* name, const void* ptr, const Device& dev);
+
+// The arch forced by infllmv2_set_arch_override / INFLLMV2_FORCE_ARCH, or "" for automatic.
+std::string arch_override();
+
+// Whether code built for `arch` (e.g. "sm_90a", sm = 90) can be used on a device of compute
+// capability cc: an arch-specific ("a") build only on exactly that cc, otherwise any
+// cc >= sm (through the embedded PTX when the SASS does not match).
+bool arch_runs_on(const char* arch, int sm, int cc);
+
+// The comma-separated archs present in the build.
+std::string compiled_archs();
+
+// Runs unit_init once per (unit, device); on failure reports the unit's own message.
+infllmv2_status init_unit_once(const char* op, const void* unit_key, int device, int (*init)(),
+                               const char* (*last_error)());
+
+// Picks the unit of `table` for `dev`: only units whose config satisfies `match`, of the
+// forced arch if any, else of the newest arch that runs on the device, whose dynamic shared
+// memory fits. Reports a precise error otherwise: unsupported config, unsupported arch, or no
+// variant fitting the shared memory.
+template <class Unit, class Match>
+infllmv2_status pick_unit(const char* op, const Unit* table, const Device& dev, Match match,
+                          const std::string& config_desc, const Unit** out) {
+  const std::string forced = arch_override();
+  const Unit* best = nullptr;
+  bool config_exists = false, arch_ok = false, smem_rejected = false;
+  for (const Unit* u = table; u->name != nullptr; ++u) {
+    if (!match(*u)) continue;
+    config_exists = true;
+    bool usable = forced.empty() ? arch_runs_on(u->arch, u->sm, dev.cc) : forced == u->arch;
+    if (!usable) continue;
+    arch_ok = true;
+    if (u->dynamic_smem > dev.smem_optin) {
+      smem_rejected = true;
+      continue;
+    }
+    if (best == nullptr || u->sm > best->sm) best = u;
+  }
+  if (best != nullptr) {
+    *out = best;
+    return init_unit_once(op, best, dev.index, best->init, best->last_error);
+  }
+  if (!config_exists)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: no kernel is built for %s", op, config_desc.c_str());
+  if (!arch_ok) {
+    if (!forced.empty())
+      return fail(INFLLMV2_ERR_UNSUPPORTED_ARCH, "%s: arch override %s has no kernel for %s; compiled archs: %s", op,
+                  forced.c_str(), config_desc.c_str(), compiled_archs().c_str());
+    return fail(INFLLMV2_ERR_UNSUPPORTED_ARCH,
+                "%s: the GPU (device %d) is sm_%d, which this build does not support; compiled archs: %s", op,
+                dev.index, dev.cc, compiled_archs().c_str());
+  }
+  (void)smem_rejected;
+  return fail(INFLLMV2_ERR_UNSUPPORTED,
+              "%s: every variant for %s needs more shared memory per block than device %d (sm_%d) has (%d bytes)",
+              op, config_desc.c_str(), dev.index, dev.cc, dev.smem_optin);
+}
+
+// Runs a unit's call() and turns its status into ours.
+infllmv2_status launch_result(const char* op, const char* unit_name, int rc, const char* (*last_error)());
+
+}  // namespace infllmv2
