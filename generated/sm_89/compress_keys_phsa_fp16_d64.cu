@@ -11,7 +11,6 @@
 #include <tl_templates/cuda/scan.h>
 #include <tl_templates/cuda/ldsm.h>
 #include <tl_templates/cuda/threadblock_swizzle.h>
-#include <tl_templates/cuda/debug.h>
 #ifdef ENABLE_BF16
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif

@@ -1,0 +1,37 @@
+"""InfLLM-V2 sparse attention kernels: TileLang kernels compiled ahead of time into one C
+library, with a torch layer on top. CUDA tensors run the kernels; CPU tensors run the PyTorch
+reference (``infllmv2.reference``), which is also the oracle the kernels are tested against.
+"""
+
+from . import reference
+from ._lib import (
+    Infllmv2ArgumentError,
+    Infllmv2Error,
+    Infllmv2UnsupportedError,
+    available as library_available,
+    build_info,
+    library_path,
+    selected_arch,
+    set_arch_override,
+)
+from .ops import compress_keys
+
+try:
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    __version__ = _version("infllmv2")
+except PackageNotFoundError:  # a source checkout on sys.path
+    __version__ = "0.0.0+source"
+
+__all__ = [
+    "compress_keys",
+    "build_info",
+    "library_available",
+    "library_path",
+    "selected_arch",
+    "set_arch_override",
+    "reference",
+    "Infllmv2Error",
+    "Infllmv2ArgumentError",
+    "Infllmv2UnsupportedError",
+]

@@ -1,0 +1,85 @@
+"""python -m infllmv2 {check,info}
+
+check: prints the build info and the device, then runs every op on the GPU if there is one
+(with every arch variant this GPU can run) and otherwise on the CPU reference path, and
+checks each result against the fp32 reference by the library's error rule. Exits 1 on any
+mismatch.
+info: prints the build info as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import infllmv2
+from infllmv2 import reference
+from infllmv2.testing import cu_seqlens, random_mask, random_tokens, within_error_rule
+
+
+def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
+    lengths = [1, 63, 64, 65, 257, 1000]
+    k = random_tokens(lengths, 2, head_dim, dtype, device, seed=head_dim + phsa)
+    cu = cu_seqlens(lengths, device)
+    mask = random_mask(k.shape[0], 0.05, device) if phsa else None
+    out, _ = infllmv2.compress_keys(k, cu, *geometry, punct_mask=mask, phsa_lambda=0.25)
+    lowp, _ = reference.compress_keys(k.cpu(), cu.cpu(), *geometry, punct_mask=None if mask is None else mask.cpu(), phsa_lambda=0.25)
+    ref32, _ = reference.compress_keys(k.cpu().float(), cu.cpu(), *geometry, punct_mask=None if mask is None else mask.cpu(), phsa_lambda=0.25)
+    return within_error_rule(out.cpu(), lowp, ref32)
+
+
+def check() -> int:
+    print(f"infllmv2 {infllmv2.__version__}")
+    if infllmv2.library_available():
+        info = infllmv2.build_info()
+        print(f"library: {infllmv2.library_path()}")
+        print(f"  abi {info['abi_version']}, cuda runtime {info['cuda_runtime']}, tilelang {info['tilelang']}, "
+              f"archs {', '.join(info['archs'])}, {len(info['kernels'])} kernel units")
+    else:
+        print(f"library: not available ({infllmv2.library_path()})")
+    gpu = torch.cuda.is_available() and infllmv2.library_available()
+    if gpu:
+        major, minor = torch.cuda.get_device_capability()
+        print(f"device: {torch.cuda.get_device_name()} (sm_{major}{minor}), kernels: {infllmv2.selected_arch()}")
+        archs = [a for a in infllmv2.build_info()["archs"] if not (a.endswith("a") and a[3:-1] != f"{major}{minor}")
+                 and int(a[3:5]) <= 10 * major + minor]
+    else:
+        print("device: no CUDA GPU: running the CPU reference path")
+        archs = [None]
+    failures = 0
+    print(f"{'op':<16}{'arch':<8}{'dtype':<10}{'D':>4}  {'variant':<14}{'max err':>10}{'torch err':>11}  result")
+    for arch in archs:
+        if arch is not None:
+            infllmv2.set_arch_override(arch)
+        try:
+            for dtype in (torch.bfloat16, torch.float16):
+                for head_dim in (64, 128):
+                    for phsa in (0, 1):
+                        for geometry in ((32, 16), (128, 64)):
+                            ok, err, base = _check_compress_keys("cuda" if gpu else "cpu", dtype, head_dim, phsa, geometry)
+                            failures += not ok
+                            variant = f"{'phsa ' if phsa else ''}{geometry[0]}/{geometry[1]}"
+                            print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  {variant:<14}"
+                                  f"{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
+        finally:
+            if arch is not None:
+                infllmv2.set_arch_override(None)
+    print("all checks passed" if failures == 0 else f"{failures} checks FAILED")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infllmv2")
+    ap.add_argument("command", choices=["check", "info"])
+    args = ap.parse_args(argv)
+    if args.command == "info":
+        print(json.dumps(infllmv2.build_info(), indent=1))
+        return 0
+    return check()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""ctypes binding of the C ABI (cpp/include/infllmv2.h).
+
+ctypes rather than a compiled extension: the library has a C ABI and no Python or torch
+symbols, so one wheel serves every Python >= 3.10 and every torch. The library is loaded on
+first use, from $INFLLMV2_LIBRARY or from beside this file (where the wheel installs it), so
+`import infllmv2` works on a machine with no GPU and no library at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+
+ABI_VERSION = 1
+
+OK = 0
+ERR_INVALID_ARGUMENT = 1
+ERR_UNSUPPORTED = 2
+ERR_UNSUPPORTED_ARCH = 3
+ERR_CUDA = 4
+
+DTYPE_BF16 = 0
+DTYPE_FP16 = 1
+
+
+class Infllmv2Error(RuntimeError):
+    """An error reported by the C library; `status` is the infllmv2_status code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Infllmv2ArgumentError(Infllmv2Error, ValueError):
+    """The C library rejected an argument (INFLLMV2_ERR_INVALID_ARGUMENT)."""
+
+
+class Infllmv2UnsupportedError(Infllmv2Error, NotImplementedError):
+    """No kernel for this request or for this GPU's arch."""
+
+
+_lock = threading.Lock()
+_lib = None
+
+_c = ctypes
+_SIGNATURES = {
+    "infllmv2_abi_version": (_c.c_int, []),
+    "infllmv2_version": (_c.c_char_p, []),
+    "infllmv2_build_info": (_c.c_char_p, []),
+    "infllmv2_last_error": (_c.c_char_p, []),
+    "infllmv2_set_arch_override": (_c.c_int, [_c.c_char_p]),
+    "infllmv2_selected_arch": (_c.c_char_p, []),
+    "infllmv2_compress_keys": (
+        _c.c_int,
+        [_c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_void_p, _c.c_float, _c.c_void_p,
+         _c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int,
+         _c.c_int32, _c.c_int32, _c.c_void_p],
+    ),
+}
+
+
+def library_path() -> str:
+    env = os.environ.get("INFLLMV2_LIBRARY")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libinfllmv2.so")
+
+
+def lib():
+    """The loaded library; raises with the path tried if it cannot be loaded."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            if not os.path.exists(path):
+                raise Infllmv2Error(
+                    ERR_UNSUPPORTED,
+                    f"infllmv2: the kernel library is not at {path}; install the wheel (pip install .) "
+                    "or point INFLLMV2_LIBRARY at a built libinfllmv2.so",
+                )
+            handle = ctypes.CDLL(path)
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(handle, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+            if handle.infllmv2_abi_version() != ABI_VERSION:
+                raise Infllmv2Error(
+                    ERR_UNSUPPORTED,
+                    f"infllmv2: {path} has ABI version {handle.infllmv2_abi_version()}, this binding needs {ABI_VERSION}",
+                )
+            _lib = handle
+        return _lib
+
+
+def available() -> bool:
+    try:
+        lib()
+        return True
+    except (Infllmv2Error, OSError):
+        return False
+
+
+def check(status: int) -> None:
+    """Raise the Python exception matching a non-OK status, with the library's message."""
+    if status == OK:
+        return
+    message = lib().infllmv2_last_error().decode()
+    if status == ERR_INVALID_ARGUMENT:
+        raise Infllmv2ArgumentError(status, message)
+    if status in (ERR_UNSUPPORTED, ERR_UNSUPPORTED_ARCH):
+        raise Infllmv2UnsupportedError(status, message)
+    raise Infllmv2Error(status, message)
+
+
+def build_info() -> dict:
+    return json.loads(lib().infllmv2_build_info().decode())
+
+
+def set_arch_override(arch: str | None) -> None:
+    check(lib().infllmv2_set_arch_override(arch.encode() if arch else None))
+
+
+def selected_arch() -> str:
+    out = lib().infllmv2_selected_arch()
+    if out is None:
+        raise Infllmv2Error(ERR_CUDA, lib().infllmv2_last_error().decode())
+    return out.decode()

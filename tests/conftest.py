@@ -1,0 +1,33 @@
+import os
+import sys
+
+import pytest
+
+try:
+    import infllmv2  # noqa: F401  (the installed wheel, as CI tests it)
+except ImportError:  # a source checkout: the package from python/, the library from $INFLLMV2_LIBRARY
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+    import infllmv2  # noqa: F401
+
+import torch
+
+
+def _gpu_ready():
+    return torch.cuda.is_available() and infllmv2.library_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu_ready():
+        return
+    why = "no CUDA GPU" if not torch.cuda.is_available() else f"no kernel library at {infllmv2.library_path()}"
+    skip = pytest.mark.skip(reason=f"gpu tier: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def arch_override():
+    """Sets the C library's forced arch for one test and always clears it afterwards."""
+    yield infllmv2.set_arch_override
+    infllmv2.set_arch_override(None)

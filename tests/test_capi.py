@@ -1,0 +1,106 @@
+"""The C ABI itself, through ctypes: build info, arch override, status codes and messages."""
+
+import ctypes
+
+import pytest
+import torch
+
+import infllmv2
+from infllmv2 import _lib
+
+
+def _compress(k=1, cu_k=1, cu_c=1, punct=None, lam=0.5, ck=1, batch=1, total_k=64, total_c=3, max_nc=3,
+              heads_k=2, head_dim=128, dtype=_lib.DTYPE_BF16, ks=32, st=16):
+    lib = _lib.lib()
+    status = lib.infllmv2_compress_keys(k, cu_k, cu_c, punct, lam, ck, batch, total_k, total_c, max_nc, heads_k,
+                                        head_dim, dtype, ks, st, None)
+    return status, lib.infllmv2_last_error().decode()
+
+
+def test_build_info_lists_archs_and_kernels():
+    info = infllmv2.build_info()
+    assert info["abi_version"] == _lib.ABI_VERSION == _lib.lib().infllmv2_abi_version()
+    assert info["tilelang"] == "0.1.15"
+    assert info["archs"] and set(info["archs"]) <= {"sm_80", "sm_89", "sm_90a"}
+    for arch in info["archs"]:
+        names = {u["name"] for u in info["kernels"] if u["arch"] == arch and u["kernel"].startswith("compress_keys")}
+        assert len(names) == 8, (arch, names)  # {plain, phsa} x {bf16, fp16} x {64, 128}
+
+
+def test_unknown_arch_override_is_refused():
+    with pytest.raises(infllmv2.Infllmv2UnsupportedError, match="arch 'sm_75' is not compiled in; compiled archs: sm_"):
+        infllmv2.set_arch_override("sm_75")
+    infllmv2.set_arch_override(None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, message",
+    [
+        (dict(head_dim=96), _lib.ERR_UNSUPPORTED, "head_dim must be 64 or 128, got 96"),
+        (dict(dtype=7), _lib.ERR_INVALID_ARGUMENT, "dtype must be INFLLMV2_DTYPE_BF16 or INFLLMV2_DTYPE_FP16, got 7"),
+        (dict(batch=0), _lib.ERR_INVALID_ARGUMENT, "batch must be in \\[1, 65535\\], got 0"),
+        (dict(heads_k=70000), _lib.ERR_INVALID_ARGUMENT, "heads_k must be in \\[1, 65535\\], got 70000"),
+        (dict(total_k=-1), _lib.ERR_INVALID_ARGUMENT, "total_k must be in"),
+        (dict(total_k=2**31), _lib.ERR_INVALID_ARGUMENT, "total_k must be in"),
+        (dict(max_nc=4), _lib.ERR_INVALID_ARGUMENT, "max_nc must be in \\[0, total_c=3\\], got 4"),
+        (dict(ks=0), _lib.ERR_INVALID_ARGUMENT, "kernel_size and kernel_stride must be >= 1"),
+        (dict(total_c=100, max_nc=1), _lib.ERR_INVALID_ARGUMENT, "total_c=100 exceeds what total_k=64 keys"),
+        (dict(punct=1, lam=2.0), _lib.ERR_INVALID_ARGUMENT, "phsa_lambda must be in \\[0, 1\\], got 2"),
+    ],
+)
+def test_invalid_arguments_are_named(kwargs, status, message):
+    got, text = _compress(**kwargs)
+    assert got == status
+    assert text.startswith("infllmv2_compress_keys: ")
+    import re
+
+    assert re.search(message, text), text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_without_a_gpu_calls_fail_cleanly():
+    status, text = _compress()
+    assert status == _lib.ERR_CUDA and "no usable CUDA device" in text
+    assert _lib.lib().infllmv2_selected_arch() is None
+
+
+@pytest.mark.gpu
+def test_pointer_checks_on_gpu():
+    k = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    cu_c = torch.tensor([0, 3], dtype=torch.int32, device="cuda")
+    out = torch.empty(3, 2, 128, device="cuda", dtype=torch.bfloat16)
+    host = torch.randn(64, 2, 128).bfloat16()
+    good = dict(k=k.data_ptr(), cu_k=cu.data_ptr(), cu_c=cu_c.data_ptr(), ck=out.data_ptr())
+    assert _compress(**good) == (_lib.OK, "")
+    status, text = _compress(**{**good, "k": host.data_ptr()})
+    assert status == _lib.ERR_INVALID_ARGUMENT and "k must be device memory, got a host pointer" in text
+    status, text = _compress(**{**good, "cu_k": None})
+    assert status == _lib.ERR_INVALID_ARGUMENT and "cu_seqlens_k is NULL" in text
+    status, text = _compress(**{**good, "ck": ctypes.addressof(ctypes.c_int(0))})
+    assert status == _lib.ERR_INVALID_ARGUMENT and "ck must be device memory" in text
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_dispatch_picks_the_native_arch():
+    major, minor = torch.cuda.get_device_capability()
+    arch = infllmv2.selected_arch()
+    archs = infllmv2.build_info()["archs"]
+    if (major, minor) == (9, 0) and "sm_90a" in archs:
+        assert arch == "sm_90a"
+    else:
+        assert int(arch[3:5]) <= 10 * major + minor
+
+
+@pytest.mark.gpu
+def test_inconsistent_cu_seqlens_cannot_fault():
+    """cu_seqlens that point past the tensors give garbage rows, never an illegal access."""
+    k = torch.randn(100, 2, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1_000_000], dtype=torch.int32, device="cuda")
+    cu_c = torch.tensor([0, 6], dtype=torch.int32, device="cuda")
+    out = torch.empty(6, 2, 128, device="cuda", dtype=torch.bfloat16)
+    status, text = _compress(k=k.data_ptr(), cu_k=cu.data_ptr(), cu_c=cu_c.data_ptr(), ck=out.data_ptr(),
+                             total_k=100, total_c=6, max_nc=6)
+    assert status == _lib.OK, text
+    torch.cuda.synchronize()  # an illegal address would surface here
