@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import multiprocessing
 import os
@@ -31,9 +32,13 @@ import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-OPS = ["dsl.compress_keys"]
+OPS = ["dsl.compress_keys", "dsl.sparse_attn"]
 ARCHS = ["sm_80", "sm_89", "sm_90a"]
 TILELANG_VERSION = "0.1.15"
+
+# Opt-in shared memory per block: 8.0 has 163 KB, 8.6/8.9 99 KB, 9.0 227 KB. A unit built for
+# sm_80 also runs on 8.6 through dispatch, so sm_80 units are held to the smaller 8.6 limit.
+SMEM_LIMITS = {80: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
 # Codes shared with cpp/include/infllmv2.h (infllmv2_dtype).
 DTYPE_CODES = {"bfloat16": 0, "float16": 1}
@@ -74,7 +79,9 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
 
     mod = importlib.import_module(module_name)
     variant = mod.variant_name(**config)
-    func = mod.program(**config)
+    # Programs whose tiling depends on the arch (pipeline depth, shared memory) take it.
+    takes_arch = "arch" in inspect.signature(mod.program).parameters
+    func = mod.program(**config, arch=arch) if takes_arch else mod.program(**config)
     kernel = str(func.attrs["global_symbol"])
     symbol = unit_symbol(variant, arch)
     func = func.with_attr("global_symbol", symbol)
@@ -116,6 +123,8 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
     threads = [int(x) for x in wrapper.block_info[kernels[0]]]
     grid = [wrapper._pythonic_expr(x) for x in wrapper.grid_info[kernels[0]]]
     smem = wrapper.dynamic_smem_buf[kernels[0]] or 0
+    if int(smem) > SMEM_LIMITS[arch_sm(arch)]:
+        raise RuntimeError(f"{symbol}: {smem} bytes of dynamic shared memory exceed the {arch} limit {SMEM_LIMITS[arch_sm(arch)]}")
     info = {
         "op": mod.OP,
         "kernel": kernel,
@@ -123,6 +132,8 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
         "arch": arch,
         "sm": arch_sm(arch),
         "config": config,
+        # compile-time constants a host wrapper must know (e.g. tile sizes), per arch
+        "constants": dict(mod.unit_constants(arch=arch, **config)) if hasattr(mod, "unit_constants") else {},
         "file": f"{arch}/{variant}.cu",
         "symbol": symbol,
         "device_kernels": kernels,
@@ -151,16 +162,18 @@ def _registry(entries: list[dict]) -> str:
         by_kernel.setdefault(e["kernel"], []).append(e)
     for kernel, units in sorted(by_kernel.items()):
         sig = [p for p in units[0]["params"]]
-        keys = sorted(units[0]["config"])
+        # string-valued config (like which kernel of an op family) names the table, not a field
+        keys = sorted(k for k, v in units[0]["config"].items() if k == "dtype" or isinstance(v, int))
+        ckeys = sorted(units[0]["constants"])
         for u in units:
-            if [p[1] for p in u["params"]] != [p[1] for p in sig] or sorted(u["config"]) != keys:
+            if [p[1] for p in u["params"]] != [p[1] for p in sig] or sorted(k for k, v in u["config"].items() if k == "dtype" or isinstance(v, int)) != keys or sorted(u["constants"]) != ckeys:
                 raise RuntimeError(f"kernel {kernel}: variants disagree on parameters or config keys")
         c_args = ", ".join(("void*" if t.endswith("*") else t) + " " + n for t, n in sig)
         out.append(f"// ---- {kernel}: call({', '.join(n for _, n in sig)})")
         out.append(f"typedef int (*infllmv2_{kernel}_call_fn)({c_args});")
         out.append(f"struct infllmv2_{kernel}_unit {{")
         out.append("  const char* name; const char* arch; int sm; int dynamic_smem; int threads;")
-        for k in keys:
+        for k in keys + ckeys:
             out.append(f"  int {k};")
         out.append(f"  int (*init)(); infllmv2_{kernel}_call_fn call; const char* (*last_error)();")
         out.append("};")
@@ -177,6 +190,7 @@ def _registry(entries: list[dict]) -> str:
             for k in keys:
                 v = u["config"][k]
                 vals.append(str(DTYPE_CODES[v] if k == "dtype" else int(v)))
+            vals += [str(int(u["constants"][k])) for k in ckeys]
             guard = "INFLLMV2_HAS_" + u["arch"].upper()
             threads = u["threads"][0] * u["threads"][1] * u["threads"][2]
             out.append(f"#if {guard}")
@@ -186,7 +200,7 @@ def _registry(entries: list[dict]) -> str:
             )
             out.append("#endif")
         # A zero-length array is not C++; the sentinel also terminates loops.
-        out.append(f"  {{nullptr, nullptr, 0, 0, 0, {', '.join('0' for _ in keys)}, nullptr, nullptr, nullptr}},")
+        out.append(f"  {{nullptr, nullptr, 0, 0, 0, {', '.join('0' for _ in keys + ckeys)}, nullptr, nullptr, nullptr}},")
         out.append("};")
         out.append("")
     # One flat list of every unit, for infllmv2_build_info().

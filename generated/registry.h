@@ -221,6 +221,446 @@ static const infllmv2_compress_keys_phsa_unit infllmv2_compress_keys_phsa_units[
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
+// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, topk_idx, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, batch_plus_one, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_sparse_attn_bwd_dkdv_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int t_max;
+  int (*init)(); infllmv2_sparse_attn_bwd_dkdv_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 85520, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 85520, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 85520, 256, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 52752, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 52752, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 52752, 256, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 85520, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 85520, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 85520, 256, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 52752, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 52752, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 52752, 256, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_attn_bwd_dq: call(Q, K, V, dO, LSE, Delta, topk_idx, cu_seqlens_q, cu_seqlens_k, dQ, batch, max_tiles, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, batch_plus_one, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dq_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_sparse_attn_bwd_dq_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int t_max;
+  int (*init)(); infllmv2_sparse_attn_bwd_dq_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq_bf16_d128", "sm_80", 80, 81920, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq_bf16_d128", "sm_89", 89, 81920, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90, 139280, 256, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq_bf16_d64", "sm_80", 80, 49152, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq_bf16_d64", "sm_89", 89, 49152, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90, 90128, 256, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq_fp16_d128", "sm_80", 80, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq_fp16_d128", "sm_89", 89, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90, 139280, 256, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq_fp16_d64", "sm_80", 80, 49152, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq_fp16_d64", "sm_89", 89, 49152, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90, 90128, 256, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_attn_bwd_preprocess: call(O, dO, Delta, total_q, heads, stream)
+typedef int (*infllmv2_sparse_attn_bwd_preprocess_call_fn)(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+struct infllmv2_sparse_attn_bwd_preprocess_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int t_max;
+  int (*init)(); infllmv2_sparse_attn_bwd_preprocess_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_bwd_preprocess_unit infllmv2_sparse_attn_bwd_preprocess_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 80, 0, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_89", 89, 0, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_90a", 90, 0, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_80", 80, 0, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_89", 89, 0, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_90a", 90, 0, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_80", 80, 0, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_89", 89, 0, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_90a", 90, 0, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_80", 80, 0, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_89", 89, 0, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_90a", 90, 0, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_attn_fwd: call(Q, K, V, topk_idx, cu_seqlens_q, cu_seqlens_k, O, LSE, batch, max_tiles, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, batch_plus_one, stream)
+typedef int (*infllmv2_sparse_attn_fwd_call_fn)(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_sparse_attn_fwd_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int t_max;
+  int (*init)(); infllmv2_sparse_attn_fwd_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_fwd_unit infllmv2_sparse_attn_fwd_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd_bf16_d128", "sm_80", 80, 65536, 128, 0, 128, 64, 8, infllmv2_sparse_attn_fwd_bf16_d128_sm80_init, infllmv2_sparse_attn_fwd_bf16_d128_sm80_call, infllmv2_sparse_attn_fwd_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd_bf16_d128", "sm_89", 89, 65536, 128, 0, 128, 64, 8, infllmv2_sparse_attn_fwd_bf16_d128_sm89_init, infllmv2_sparse_attn_fwd_bf16_d128_sm89_call, infllmv2_sparse_attn_fwd_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_bf16_d128", "sm_90a", 90, 114704, 256, 0, 128, 64, 16, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd_bf16_d64", "sm_80", 80, 32768, 128, 0, 64, 64, 8, infllmv2_sparse_attn_fwd_bf16_d64_sm80_init, infllmv2_sparse_attn_fwd_bf16_d64_sm80_call, infllmv2_sparse_attn_fwd_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd_bf16_d64", "sm_89", 89, 32768, 128, 0, 64, 64, 8, infllmv2_sparse_attn_fwd_bf16_d64_sm89_init, infllmv2_sparse_attn_fwd_bf16_d64_sm89_call, infllmv2_sparse_attn_fwd_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_bf16_d64", "sm_90a", 90, 73744, 256, 0, 64, 64, 16, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd_fp16_d128", "sm_80", 80, 65536, 128, 1, 128, 64, 8, infllmv2_sparse_attn_fwd_fp16_d128_sm80_init, infllmv2_sparse_attn_fwd_fp16_d128_sm80_call, infllmv2_sparse_attn_fwd_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd_fp16_d128", "sm_89", 89, 65536, 128, 1, 128, 64, 8, infllmv2_sparse_attn_fwd_fp16_d128_sm89_init, infllmv2_sparse_attn_fwd_fp16_d128_sm89_call, infllmv2_sparse_attn_fwd_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_fp16_d128", "sm_90a", 90, 114704, 256, 1, 128, 64, 16, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd_fp16_d64", "sm_80", 80, 32768, 128, 1, 64, 64, 8, infllmv2_sparse_attn_fwd_fp16_d64_sm80_init, infllmv2_sparse_attn_fwd_fp16_d64_sm80_call, infllmv2_sparse_attn_fwd_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd_fp16_d64", "sm_89", 89, 32768, 128, 1, 64, 64, 8, infllmv2_sparse_attn_fwd_fp16_d64_sm89_init, infllmv2_sparse_attn_fwd_fp16_d64_sm89_call, infllmv2_sparse_attn_fwd_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_fp16_d64", "sm_90a", 90, 73744, 256, 1, 64, 64, 16, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 struct infllmv2_unit_info { const char* kernel; const char* name; const char* arch; int dynamic_smem; int threads; };
 static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_80
@@ -294,6 +734,150 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"compress_keys_phsa", "compress_keys_phsa_fp16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 85520, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 85520, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 85520, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 52752, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 52752, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 52752, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 85520, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 85520, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 85520, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 52752, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 52752, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 52752, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_80", 81920, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_89", 81920, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_90a", 139280, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_80", 49152, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_89", 49152, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90128, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_80", 81920, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_89", 81920, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_90a", 139280, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_80", 49152, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_89", 49152, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90128, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_80", 65536, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_89", 65536, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_90a", 114704, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_80", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_89", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_90a", 73744, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_80", 65536, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_89", 65536, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_90a", 114704, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_80", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_89", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_90a", 73744, 256},
 #endif
   {nullptr, nullptr, nullptr, 0, 0},
 };

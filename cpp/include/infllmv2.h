@@ -26,6 +26,8 @@
  * Support matrix of this version:
  *   op               dtype      head_dim  heads                    archs
  *   compress_keys    bf16,fp16  64,128    any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
+ *   sparse_attn_fwd  bf16,fp16  64,128    G = heads/heads_k <= 64  sm_80, sm_89, sm_90a (+PTX)
+ *   sparse_attn_bwd  bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
  */
 #ifndef INFLLMV2_H_
 #define INFLLMV2_H_
@@ -113,6 +115,57 @@ INFLLMV2_API infllmv2_status infllmv2_compress_keys(
     int32_t batch, int64_t total_k, int64_t total_c, int32_t max_nc,
     int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype,
     int32_t kernel_size, int32_t kernel_stride, cudaStream_t stream);
+
+/*
+ * infllmv2_sparse_attn_fwd: stage 2, block-sparse attention over selected 64-key blocks.
+ *
+ *   For query i of sequence b (Lq queries, Lk keys; position p = Lk - Lq + i) and query head
+ *   h of KV head g = h / G (G = heads / heads_k):
+ *     out[i, h] = sum_t softmax_t(scale * q[i, h] . k[t, g]) v[t, g]
+ *     lse[h, i] = log sum_t exp(scale * q[i, h] . k[t, g])            (natural log)
+ *   over keys t (per-sequence index) with t / 64 in topk_idx[g, i, :] and t <= p. An empty
+ *   set gives out = 0 and lse = -inf.
+ *
+ *   [in]  q            (total_q, heads, head_dim), dtype
+ *   [in]  k, v         (total_k, heads_k, head_dim), dtype
+ *   [in]  topk_idx     int32 (heads_k, total_q, topk): per-sequence block indices, each row
+ *                      ASCENDING over its valid entries with -1 padding after them (the format
+ *                      selection writes). Entries beyond the query's own block are ignored.
+ *   [in]  cu_seqlens_q, cu_seqlens_k  int32 (batch + 1)
+ *   [out] out          (total_q, heads, head_dim), dtype
+ *   [out] lse          fp32 (heads, total_q)
+ *   [in]  max_seqlen_q the longest query sequence (sizes the grid)
+ *   [in]  topk         1 .. 128; head_dim 64 or 128; heads % heads_k == 0, G <= 64
+ *   [in]  softmax_scale  0 for 1/sqrt(head_dim)
+ *   No workspace. No host synchronisation: usable inside CUDA graphs.
+ */
+INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
+    const void* q, const void* k, const void* v, const int32_t* topk_idx, const int32_t* cu_seqlens_q,
+    const int32_t* cu_seqlens_k, void* out, float* lse, int32_t batch, int64_t total_q, int64_t total_k,
+    int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
+    infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/* Bytes of device workspace infllmv2_sparse_attn_bwd needs (fp32 rowsum(dout * out)). */
+INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads);
+
+/*
+ * infllmv2_sparse_attn_bwd: gradients of infllmv2_sparse_attn_fwd with the selection held
+ * constant: dq (total_q, heads, head_dim), dk and dv (total_k, heads_k, head_dim) summed over
+ * the G query heads of each group, all in dtype. Keys no query selected get exactly zero.
+ *
+ *   [in]  out, lse     what infllmv2_sparse_attn_fwd returned for these inputs
+ *   [in]  dout         (total_q, heads, head_dim), dtype
+ *   [in]  workspace    device memory of at least infllmv2_sparse_attn_bwd_workspace_size()
+ *   [in]  max_seqlen_k the longest key sequence (sizes the key-block grid)
+ *   Other arguments as for the forward. Deterministic: every gradient element is computed by
+ *   one thread block in a fixed order (no atomics), so repeated calls are bitwise identical.
+ */
+INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
+    const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,
+    const int32_t* topk_idx, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* dq, void* dk,
+    void* dv, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k,
+    int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
+    int32_t topk, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -14,7 +14,7 @@ from ._lib import (
     selected_arch,
     set_arch_override,
 )
-from .ops import compress_keys
+from .ops import compress_keys, sparse_attn_varlen
 
 try:
     from importlib.metadata import PackageNotFoundError, version as _version
@@ -25,6 +25,7 @@ except PackageNotFoundError:  # a source checkout on sys.path
 
 __all__ = [
     "compress_keys",
+    "sparse_attn_varlen",
     "build_info",
     "library_available",
     "library_path",

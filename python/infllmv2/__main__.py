@@ -17,7 +17,7 @@ import torch
 
 import infllmv2
 from infllmv2 import reference
-from infllmv2.testing import cu_seqlens, random_mask, random_tokens, within_error_rule
+from infllmv2.testing import cu_seqlens, random_mask, random_tokens, realistic_topk, within_error_rule
 
 
 def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
@@ -29,6 +29,31 @@ def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
     lowp, _ = reference.compress_keys(k.cpu(), cu.cpu(), *geometry, punct_mask=None if mask is None else mask.cpu(), phsa_lambda=0.25)
     ref32, _ = reference.compress_keys(k.cpu().float(), cu.cpu(), *geometry, punct_mask=None if mask is None else mask.cpu(), phsa_lambda=0.25)
     return within_error_rule(out.cpu(), lowp, ref32)
+
+
+def _check_sparse_attn(device, dtype, head_dim, G):
+    lengths_q, lengths_k = [1, 63, 64, 65, 300, 17], [1, 63, 64, 65, 300, 700]
+    hk = 2
+    q = random_tokens(lengths_q, G * hk, head_dim, dtype, device, seed=G)
+    k = random_tokens(lengths_k, hk, head_dim, dtype, device, seed=G + 1)
+    v = random_tokens(lengths_k, hk, head_dim, dtype, device, seed=G + 2)
+    cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
+    idx = realistic_topk(lengths_q, lengths_k, hk, 6, local_blocks=2, correlated=False, device=device)
+    dout = torch.randn_like(q)
+    ok_all, worst = True, (0.0, 0.0)
+    runs = []
+    for qq, kk, vv, do in ((q, k, v, dout), (q.cpu(), k.cpu(), v.cpu(), dout.cpu()),
+                           (q.cpu().float(), k.cpu().float(), v.cpu().float(), dout.cpu().float())):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (qq, kk, vv))
+        c_q, c_k, ix = cu_q.to(qq.device), cu_k.to(qq.device), idx.to(qq.device)
+        out = infllmv2.sparse_attn_varlen(qq, kk, vv, c_q, c_k, ix)
+        runs.append([out.detach().cpu(), *(g.cpu() for g in torch.autograd.grad(out, (qq, kk, vv), do))])
+    for got, lowp, ref32 in zip(*runs):
+        ok, err, base = within_error_rule(got, lowp, ref32)
+        ok_all &= ok
+        if err > worst[0]:
+            worst = (err, base)
+    return ok_all, worst[0], worst[1]
 
 
 def check() -> int:
@@ -64,6 +89,11 @@ def check() -> int:
                             variant = f"{'phsa ' if phsa else ''}{geometry[0]}/{geometry[1]}"
                             print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  {variant:<14}"
                                   f"{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
+                    for G in (1, 4, 16):
+                        ok, err, base = _check_sparse_attn("cuda" if gpu else "cpu", dtype, head_dim, G)
+                        failures += not ok
+                        print(f"{'sparse_attn':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
+                              f"{f'G={G} fwd+bwd':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
         finally:
             if arch is not None:
                 infllmv2.set_arch_override(None)

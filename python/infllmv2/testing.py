@@ -56,3 +56,73 @@ def assert_close_to_reference(out, lowp, ref32, factor=2.0, what="output"):
     assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten or poisoned rows?)"
     ok, err, base = within_error_rule(out, lowp, ref32, factor)
     assert ok, f"{what}: error {err:.3g} > {factor} x PyTorch {out.dtype} error {base:.3g}"
+
+
+# ---------------------------------------------------------------------------- stage-2 workloads
+
+
+def realistic_topk(lengths_q, lengths_k, heads_k, topk, block=64, init_blocks=1, local_blocks=32, shared_extra=4,
+                   correlated=True, device="cpu", seed=0, chunk=8192):
+    """Selections shaped like InfLLM-V2's: int32 (heads_k, total_q, topk), rows ascending, -1 padded.
+
+    Every token keeps the init blocks and its local window (``local_blocks`` blocks plus its own)
+    and fills the rest of its ``topk`` with past blocks. ``correlated``: the tokens of one
+    64-token query block draw their past blocks from one shared random candidate list of
+    ``rest + shared_extra`` blocks, each token dropping ``shared_extra`` of them at random, so
+    adjacent tokens share most of their picks (as in a model, where neighbouring queries score
+    the same compressed keys alike). Otherwise every token draws its past blocks independently:
+    the worst case for kernels that share K/V tiles across tokens.
+    """
+    g = torch.Generator(device=device).manual_seed(seed)
+    dev = torch.device(device)
+    parts = []
+    for lq, lk in zip(lengths_q, lengths_k):
+        nb = (lk + block - 1) // block
+        out = torch.full((heads_k, lq, topk), -1, dtype=torch.int32, device=dev)
+        ar = torch.arange(nb, device=dev)
+        n_qb = (lk - 1) // block + 1 if lk else 0
+        for h in range(heads_k):
+            base = torch.rand((max(n_qb, 1), nb), generator=g, device=dev)
+            for c0 in range(0, lq, chunk):
+                c1 = min(lq, c0 + chunk)
+                pos = torch.arange(lk - lq + c0, lk - lq + c1, device=dev)
+                qblk = pos // block
+                lo = torch.clamp(qblk - local_blocks, min=0)
+                forced = (ar[None, :] >= lo[:, None]) & (ar[None, :] <= qblk[:, None])
+                forced |= (ar[None, :] < init_blocks) & (ar[None, :] <= qblk[:, None])
+                rest = torch.clamp(topk - forced.sum(1), min=0)
+                past = (ar[None, :] >= init_blocks) & (ar[None, :] < lo[:, None])
+                if correlated:
+                    # the query block's shared ranking; keep its best rest + extra past blocks,
+                    # then each token keeps a random `rest` of those
+                    rank_score = torch.where(past, base[qblk], -1.0)
+                    order = rank_score.argsort(dim=1, descending=True)
+                    rank = torch.empty_like(order)
+                    rank.scatter_(1, order, torch.arange(nb, device=dev).expand_as(order))
+                    in_list = past & (rank < (rest + shared_extra)[:, None])
+                    score = torch.where(in_list, torch.rand((c1 - c0, nb), generator=g, device=dev), -1.0)
+                else:
+                    score = torch.where(past, torch.rand((c1 - c0, nb), generator=g, device=dev), -1.0)
+                # the rest-th best score of each row is the threshold of its picks
+                srt = score.sort(dim=1, descending=True).values
+                thr = srt.gather(1, torch.clamp(rest - 1, min=0, max=nb - 1)[:, None])
+                picked = (score >= thr) & (score >= 0) & (rest[:, None] > 0)
+                sel = forced | picked
+                idx = torch.where(sel, ar[None, :], nb + 1).sort(dim=1).values[:, :topk]
+                idx = torch.where(idx > nb, -1, idx).to(torch.int32)
+                out[h, c0:c1, : idx.shape[1]] = idx
+        parts.append(out)
+    return torch.cat(parts, dim=1)
+
+
+def visible_pairs(topk_idx, lengths_q, lengths_k, block=64) -> int:
+    """Query-key pairs a stage-2 call must compute, per KV group row (multiply by G for heads)."""
+    total = 0
+    off = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        idx = topk_idx[:, off : off + lq].long()
+        pos = torch.arange(lk - lq, lk, device=idx.device)[None, :, None]
+        vis = torch.clamp(pos - idx * block + 1, min=0, max=block)
+        total += int(torch.where(idx >= 0, vis, 0).sum())
+        off += lq
+    return total

@@ -1,0 +1,143 @@
+"""Stage-2 sparse attention, forward and backward, against dense causal attention (SDPA cuDNN and
+flash backends) measured in the same run.
+
+    python benchmarks/bench_sparse_attn.py --json out.json
+
+Configuration of the original kernels' table: bf16, D = 128, Hq = 32, Hk = 2 (G = 16), block 64,
+K = 64 selected blocks per token (the init block, the local window of 32 blocks plus the
+current one, the rest drawn from past blocks: `infllmv2.testing.realistic_topk`), causal,
+equal-length varlen at 32K x 8, 64K x 4, 128K x 2 tokens; plus G = 4 (Hk = 8) at 32K x 8 and
+the worst case of independent per-token selections at 32K x 8.
+
+TFLOP/s count the query-key pairs actually visible (causal, selected): 4 * D flops per pair and
+head forward, 2.5x that backward; dense causal counts S(S+1)/2 pairs per sequence and head.
+Times are medians of CUDA-event timings after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from infllmv2.ops import sort_topk_idx
+from infllmv2.testing import cu_seqlens, realistic_topk, visible_pairs
+
+import infllmv2  # noqa: F401  (registers the custom ops)
+
+
+def bench(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def dense(seqlen, batch, hq, hk, D, backend, reps):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch, hq, seqlen, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, hk, seqlen, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, hk, seqlen, D, device="cuda", dtype=torch.bfloat16)
+    # GQA as the dense kernels take it: each KV head repeated for its G query heads
+    k = k.repeat_interleave(hq // hk, dim=1).requires_grad_()
+    v = v.repeat_interleave(hq // hk, dim=1).requires_grad_()
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    try:
+        with sdpa_kernel([be]):
+            fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            dout = torch.randn_like(out)
+            bwd = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), reps)
+    except RuntimeError as e:  # a backend missing on this GPU/torch
+        print(f"  dense {backend}: unavailable ({str(e).splitlines()[0][:80]})")
+        return None, None
+    finally:
+        del q, k, v
+        torch.cuda.empty_cache()
+    return fwd, bwd
+
+
+def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps):
+    lengths = [seqlen] * batch
+    q = torch.randn(seqlen * batch, hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(seqlen * batch, hk, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(seqlen * batch, hk, D, device="cuda", dtype=torch.bfloat16)
+    cu = cu_seqlens(lengths, "cuda")
+    idx = sort_topk_idx(realistic_topk(lengths, lengths, hk, topk, correlated=correlated, device="cuda"))
+    pairs = visible_pairs(idx, lengths, lengths) * (hq // hk)
+    ops = torch.ops.infllmv2
+    fwd = bench(lambda: ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0), reps)
+    out, lse = ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0)
+    dout = torch.randn_like(out)
+    bwd = bench(lambda: ops.sparse_attn_bwd(dout, q, k, v, out, lse, idx, cu, cu, seqlen, seqlen, 0.0), reps)
+    return fwd, bwd, pairs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="bench_sparse_attn.json")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="32K x 8 only")
+    args = ap.parse_args()
+    D, hq, topk = 128, 32, 64
+    rows = [(32768, 8, 2, True), (65536, 4, 2, True), (131072, 2, 2, True), (32768, 8, 8, True), (32768, 8, 2, False)]
+    if args.quick:
+        rows = rows[:1]
+    dense_cache = {}
+    results = []
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}, torch {torch.__version__}, bf16, D={D}, Hq={hq}, K={topk}, block 64, causal")
+    for seqlen, batch, hk, correlated in rows:
+        fwd, bwd, pairs = sparse(seqlen, batch, hq, hk, D, topk, correlated, args.reps)
+        key = (seqlen, batch)
+        if key not in dense_cache:
+            # dense cost does not depend on Hk once K/V are expanded; measure once per shape
+            dense_cache[key] = {b: dense(seqlen, batch, hq, hk, D, b, args.reps) for b in ("cudnn", "flash")}
+        dn = dense_cache[key]
+        dense_pairs = batch * hq * seqlen * (seqlen + 1) // 2
+        f_flops, b_flops = 4 * D * pairs, 2.5 * 4 * D * pairs
+        df, db = 4 * D * dense_pairs, 2.5 * 4 * D * dense_pairs
+        r = {
+            "tokens": f"{seqlen // 1024}K x {batch}", "seqlen": seqlen, "batch": batch, "heads": hq, "heads_k": hk,
+            "G": hq // hk, "topk": topk, "selection": "correlated" if correlated else "independent",
+            "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": f_flops / fwd / 1e9, "bwd_tflops": b_flops / bwd / 1e9,
+            "visible_pairs": pairs,
+        }
+        for b in ("cudnn", "flash"):
+            f, bw = dn[b]
+            r[f"{b}_fwd_ms"], r[f"{b}_bwd_ms"] = f, bw
+            r[f"{b}_fwd_tflops"] = df / f / 1e9 if f else None
+            r[f"{b}_bwd_tflops"] = db / bw / 1e9 if bw else None
+        if dn["cudnn"][0]:
+            r["speedup_vs_cudnn_fwd_bwd"] = (dn["cudnn"][0] + dn["cudnn"][1]) / (fwd + bwd)
+        results.append(r)
+        torch.cuda.empty_cache()
+
+    hdr = (f"{'tokens':<10}{'G':>3} {'selection':<12}{'fwd ms':>8}{'TF/s':>6}{'bwd ms':>8}{'TF/s':>6}"
+           f"{'cuDNN f/b ms':>16}{'TF/s':>10}{'flash f/b ms':>16}{'x cuDNN':>9}")
+    print(hdr)
+    for r in results:
+        cd = f"{r['cudnn_fwd_ms']:.1f}/{r['cudnn_bwd_ms']:.1f}" if r["cudnn_fwd_ms"] else "n/a"
+        cdt = f"{r['cudnn_fwd_tflops']:.0f}/{r['cudnn_bwd_tflops']:.0f}" if r["cudnn_fwd_ms"] else ""
+        fl = f"{r['flash_fwd_ms']:.1f}/{r['flash_bwd_ms']:.1f}" if r["flash_fwd_ms"] else "n/a"
+        sp = f"{r.get('speedup_vs_cudnn_fwd_bwd', 0):.2f}x"
+        print(f"{r['tokens']:<10}{r['G']:>3} {r['selection']:<12}{r['fwd_ms']:>8.1f}{r['fwd_tflops']:>6.0f}"
+              f"{r['bwd_ms']:>8.1f}{r['bwd_tflops']:>6.0f}{cd:>16}{cdt:>10}{fl:>16}{sp:>9}")
+    with open(args.json, "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "results": results}, f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+// infllmv2_sparse_attn_{fwd,bwd}: validation and dispatch over the generated sparse_attn units.
+#include <climits>
+#include <cmath>
+#include <string>
+
+#include "registry.h"
+#include "runtime.h"
+
+using namespace infllmv2;
+
+namespace {
+
+constexpr int kMaxGridYZ = 65535;
+constexpr int kBlock = 64;   // keys per selected block
+constexpr int kMaxTopk = 128;  // entries per selection row the kernels hold in shared memory
+
+struct Shape {
+  int32_t batch;
+  int64_t total_q, total_k;
+  int32_t max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk;
+  infllmv2_dtype dtype;
+  float softmax_scale;
+};
+
+infllmv2_status check_shape(const char* op, const Shape& s) {
+  if (s.dtype != INFLLMV2_DTYPE_BF16 && s.dtype != INFLLMV2_DTYPE_FP16)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: dtype must be INFLLMV2_DTYPE_BF16 or INFLLMV2_DTYPE_FP16, got %d",
+                op, (int)s.dtype);
+  if (s.head_dim != 64 && s.head_dim != 128)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: head_dim must be 64 or 128, got %d", op, s.head_dim);
+  if (s.batch < 1 || s.batch > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, s.batch);
+  if (s.heads_k < 1 || s.heads_k > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads_k must be in [1, %d], got %d", op, kMaxGridYZ, s.heads_k);
+  if (s.heads < s.heads_k || s.heads % s.heads_k != 0)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads (%d) must be a multiple of heads_k (%d)", op, s.heads,
+                s.heads_k);
+  if (s.heads / s.heads_k > 64)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: group size heads/heads_k = %d exceeds 64, the query rows of one tile",
+                op, s.heads / s.heads_k);
+  if (s.topk < 1 || s.topk > kMaxTopk)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: topk must be in [1, %d], got %d", op, kMaxTopk, s.topk);
+  if (s.total_q < 0 || s.total_q > INT_MAX || s.total_k < 0 || s.total_k > INT_MAX)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: total_q and total_k must be in [0, 2^31), got %lld and %lld", op,
+                (long long)s.total_q, (long long)s.total_k);
+  if (s.max_seqlen_q < 0 || s.max_seqlen_q > s.total_q)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_q must be in [0, total_q=%lld], got %d", op,
+                (long long)s.total_q, s.max_seqlen_q);
+  if (s.max_seqlen_k < 0 || s.max_seqlen_k > s.total_k)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_k must be in [0, total_k=%lld], got %d", op,
+                (long long)s.total_k, s.max_seqlen_k);
+  if (!(s.softmax_scale >= 0.0f) || !std::isfinite(s.softmax_scale))
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: softmax_scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got %g",
+                op, (double)s.softmax_scale);
+  return INFLLMV2_OK;
+}
+
+float scale_log2(const Shape& s) {
+  float scale = s.softmax_scale > 0.0f ? s.softmax_scale : 1.0f / std::sqrt((float)s.head_dim);
+  return scale * 1.4426950408889634f;  // the kernels use exp2
+}
+
+int tile_tokens(int block_m, int t_max, int groups) {
+  int t = block_m / groups;
+  return t < t_max ? t : t_max;
+}
+
+std::string desc(const Shape& s) {
+  return std::string("dtype=") + dtype_name(s.dtype) + " head_dim=" + std::to_string(s.head_dim);
+}
+
+template <class Unit>
+auto matcher(const Shape& s) {
+  return [&s](const Unit& u) { return u.dtype == s.dtype && u.head_dim == s.head_dim; };
+}
+
+infllmv2_status check_pointers(const char* op, const Device& dev, std::initializer_list<std::pair<const char*, const void*>> ptrs) {
+  for (const auto& p : ptrs) {
+    infllmv2_status st = check_device_pointer(op, p.first, p.second, dev);
+    if (st != INFLLMV2_OK) return st;
+  }
+  return INFLLMV2_OK;
+}
+
+}  // namespace
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
+    const void* q, const void* k, const void* v, const int32_t* topk_idx, const int32_t* cu_seqlens_q,
+    const int32_t* cu_seqlens_k, void* out, float* lse, int32_t batch, int64_t total_q, int64_t total_k,
+    int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk, infllmv2_dtype dtype,
+    float softmax_scale, cudaStream_t stream) {
+  static const char* op = "infllmv2_sparse_attn_fwd";
+  clear_error();
+  Shape s{batch, total_q, total_k, max_seqlen_q, 0, heads, heads_k, head_dim, topk, dtype, softmax_scale};
+  infllmv2_status st = check_shape(op, s);
+  if (st != INFLLMV2_OK) return st;
+  Device dev;
+  if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+    return st;
+  if (total_q > 0 &&
+      (st = check_pointers(op, dev, {{"q", q}, {"topk_idx", topk_idx}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
+    return st;
+  if (total_k > 0 && (st = check_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
+
+  const infllmv2_sparse_attn_fwd_unit* unit = nullptr;
+  st = pick_unit(op, infllmv2_sparse_attn_fwd_units, dev, matcher<infllmv2_sparse_attn_fwd_unit>(s), desc(s), &unit);
+  if (st != INFLLMV2_OK || total_q == 0 || max_seqlen_q == 0) return st;
+  const int groups = heads / heads_k, T = tile_tokens(unit->block_m, unit->t_max, groups);
+  int rc = unit->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<int32_t*>(topk_idx),
+                      const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), out, lse, batch,
+                      (max_seqlen_q + T - 1) / T, groups, T, scale_log2(s), (int)total_q, heads, (int)total_k, heads_k,
+                      topk, batch + 1, stream);
+  return launch_result(op, unit->name, rc, unit->last_error);
+}
+
+extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads) {
+  if (total_q <= 0 || heads <= 0) return 0;
+  return (size_t)total_q * (size_t)heads * sizeof(float);  // Delta = rowsum(dO * O), fp32 (heads, total_q)
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
+    const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,
+    const int32_t* topk_idx, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* dq, void* dk, void* dv,
+    void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+    int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk, infllmv2_dtype dtype,
+    float softmax_scale, cudaStream_t stream) {
+  static const char* op = "infllmv2_sparse_attn_bwd";
+  clear_error();
+  Shape s{batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk, dtype, softmax_scale};
+  infllmv2_status st = check_shape(op, s);
+  if (st != INFLLMV2_OK) return st;
+  const size_t need = infllmv2_sparse_attn_bwd_workspace_size(total_q, heads);
+  if (workspace_size < need)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: workspace_size is %zu bytes, infllmv2_sparse_attn_bwd_workspace_size() asks for %zu", op,
+                workspace_size, need);
+  Device dev;
+  if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+    return st;
+  if (total_q > 0 && (st = check_pointers(op, dev, {{"q", q}, {"out", out}, {"dout", dout}, {"lse", lse},
+                                                    {"topk_idx", topk_idx}, {"dq", dq}, {"workspace", workspace}})) !=
+                         INFLLMV2_OK)
+    return st;
+  if (total_k > 0 && (st = check_pointers(op, dev, {{"k", k}, {"v", v}, {"dk", dk}, {"dv", dv}})) != INFLLMV2_OK)
+    return st;
+
+  const infllmv2_sparse_attn_bwd_preprocess_unit* pre = nullptr;
+  const infllmv2_sparse_attn_bwd_dq_unit* udq = nullptr;
+  const infllmv2_sparse_attn_bwd_dkdv_unit* udkdv = nullptr;
+  if ((st = pick_unit(op, infllmv2_sparse_attn_bwd_preprocess_units, dev,
+                      matcher<infllmv2_sparse_attn_bwd_preprocess_unit>(s), desc(s), &pre)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dq_units, dev, matcher<infllmv2_sparse_attn_bwd_dq_unit>(s), desc(s),
+                      &udq)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_units, dev, matcher<infllmv2_sparse_attn_bwd_dkdv_unit>(s),
+                      desc(s), &udkdv)) != INFLLMV2_OK)
+    return st;
+  if (total_k > 0 && max_seqlen_k > 0 && (total_q == 0 || max_seqlen_q == 0)) {
+    // No query saw any key: the key gradients are zero, and no kernel would write them.
+    const size_t bytes = (size_t)total_k * heads_k * head_dim * 2;
+    cudaError_t e1 = cudaMemsetAsync(dk, 0, bytes, stream), e2 = cudaMemsetAsync(dv, 0, bytes, stream);
+    if (e1 != cudaSuccess || e2 != cudaSuccess)
+      return fail(INFLLMV2_ERR_CUDA, "%s: zeroing dk/dv failed: %s", op, cudaGetErrorString(e1 != cudaSuccess ? e1 : e2));
+    return INFLLMV2_OK;
+  }
+  if (total_q == 0 || max_seqlen_q == 0) return INFLLMV2_OK;
+  float* delta = static_cast<float*>(workspace);
+  const int groups = heads / heads_k;
+  const float sl2 = scale_log2(s);
+  int rc = pre->call(const_cast<void*>(out), const_cast<void*>(dout), delta, (int)total_q, heads, stream);
+  if ((st = launch_result(op, pre->name, rc, pre->last_error)) != INFLLMV2_OK) return st;
+  int T = tile_tokens(udq->block_m, udq->t_max, groups);
+  rc = udq->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
+                 const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), const_cast<int32_t*>(cu_seqlens_q),
+                 const_cast<int32_t*>(cu_seqlens_k), dq, batch, (max_seqlen_q + T - 1) / T, groups, T, sl2,
+                 (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
+  if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
+  if (total_k == 0 || max_seqlen_k == 0) return INFLLMV2_OK;
+  T = tile_tokens(udkdv->block_m, udkdv->t_max, groups);
+  rc = udkdv->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
+                   const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), const_cast<int32_t*>(cu_seqlens_q),
+                   const_cast<int32_t*>(cu_seqlens_k), dk, dv, batch, (max_seqlen_k + kBlock - 1) / kBlock, groups, T,
+                   sl2, (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
+  return launch_result(op, udkdv->name, rc, udkdv->last_error);
+}

@@ -1,0 +1,565 @@
+"""sparse_attn: stage 2 of InfLLM-V2, block-sparse attention over selected 64-token blocks.
+
+For the query at position p of a sequence and query head h of KV group g = h // G:
+
+    O[p, h]   = sum_t softmax_t(scale * q[p, h] . k[t, g]) v[t, g]
+    LSE[h, p] = log sum_t exp(scale * q[p, h] . k[t, g])          (natural log, fp32)
+
+over keys t with t // 64 in topk_idx[g, p, :] and t <= p (bottom-right causal alignment,
+p = Lk - Lq + i for the i-th of Lq queries); an empty set gives O = 0, LSE = -inf.
+
+Tiling. A query tile is T consecutive tokens x the G heads of one KV group: BLOCK_M = 64 GEMM
+rows, row r = token r // G, head r % G, so small groups need no padding to 16 heads (T =
+min(64 // G, T_MAX) tokens; G and T are run-time ints, one kernel serves every group size
+up to 64). The tile iterates over the UNION of its tokens' selected blocks, so a K/V block
+that several tokens picked (the local window, and most of the rest for adjacent tokens) is
+loaded and multiplied once for all of them; each (row, block) is masked by whether the row's
+token picked the block. The union is built in the prologue from the sorted selection rows:
+entry (t, k) is kept if its block is in no earlier token's row (binary search), with a bit
+mask of the tokens whose rows hold it; a prefix sum compacts the kept entries.
+
+Kernels (one PrimFunc each):
+  fwd             O, LSE                                  grid (tiles, batch, Hk)
+  bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
+  bwd_dq          dQ, same tiles and union as fwd         grid (tiles, batch, Hk)
+  bwd_dkdv        dK, dV per 64-key block, visiting the   grid (key blocks, batch, Hk)
+                  query tiles whose union holds it (found by binary search in the sorted
+                  selection rows, CAND candidate tiles at a time, compacted by prefix sum)
+Every gradient is written by exactly one thread block in a fixed order: the backward is
+deterministic, with no atomics.
+
+Selection rows must be sorted ascending over their valid entries with -1 padding last (the
+format select_blocks writes; the torch layer sorts other inputs). Entries < 0 or beyond the
+token's own block are ignored.
+"""
+
+import math
+
+import tilelang.language as T
+
+OP = "sparse_attn"
+
+BLOCK_N = 64  # keys per selected block (the InfLLM-V2 block size)
+BLOCK_M = 64  # GEMM rows per query tile: T tokens x G heads
+T_MAX_BY_ARCH = {"sm_90a": 16}  # tokens per query tile at most (G < 64 // T_MAX leaves rows idle);
+T_MAX_DEFAULT = 8  # 8 elsewhere, so the union buffers fit 99 KB of shared memory with the tiles
+K_MAX = 128  # selected blocks per token at most
+LOG_K_MAX = 8  # binary-search steps over a row of K_MAX entries (ceil(log2(K_MAX + 1)))
+CAND = 128  # candidate query tiles scanned at once by bwd_dkdv
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
+VARIANTS = [
+    {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
+    for kernel in KERNELS
+    for dtype in ("bfloat16", "float16")
+    for head_dim in (64, 128)
+]
+
+
+def tile_tokens_max(arch):
+    return T_MAX_BY_ARCH.get(arch, T_MAX_DEFAULT)
+
+
+def unit_constants(kernel, dtype, head_dim, arch):
+    """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile."""
+    return {"block_m": BLOCK_M, "t_max": tile_tokens_max(arch)}
+
+
+def variant_name(kernel, dtype, head_dim):
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    return f"{OP}_{kernel}_{short}_d{head_dim}"
+
+
+def _stages(arch):
+    # TileLang 0.1.15 cannot software-pipeline a loop with a run-time trip count on sm_80/89
+    # (codegen aborts); sm_90a pipelines it with TMA and warp specialisation.
+    return 2 if arch.startswith("sm_90") else 1
+
+
+def _make_lower_bound(topk):
+    """A macro: lohi[0] = first k < topk with not (0 <= buf[base + k] < v) (rows ascend, -1 last).
+
+    topk is closed over rather than passed: a dynamic shape var passed into a macro turns
+    into a new free parameter of the kernel."""
+
+    @T.macro
+    def lower_bound(buf, base, v, lohi):
+        lohi[0] = 0
+        lohi[1] = topk
+        for _ in T.serial(LOG_K_MAX):
+            if lohi[0] < lohi[1]:
+                if buf[base + ((lohi[0] + lohi[1]) >> 1)] >= 0 and buf[base + ((lohi[0] + lohi[1]) >> 1)] < v:
+                    lohi[0] = ((lohi[0] + lohi[1]) >> 1) + 1
+                else:
+                    lohi[1] = (lohi[0] + lohi[1]) >> 1
+
+    return lower_bound
+
+
+def program(kernel, dtype, head_dim, arch):
+    return {
+        "fwd": _fwd,
+        "bwd_preprocess": _bwd_preprocess,
+        "bwd_dq": _bwd_dq,
+        "bwd_dkdv": _bwd_dkdv,
+    }[kernel](dtype, head_dim, arch)
+
+
+def _make_tile_union(topk, threads, T_MAX):
+    """A macro: the union of the selected blocks of tokens t0 .. t0+n_tok-1 of a tile.
+
+    Writes ublk_s[0 .. n) (the blocks, in first-occurrence order) and umask_s (bit t set if
+    token t picked the block) and returns nothing; n is left in n_union[0]. Entries < 0,
+    beyond the token's own block, or repeated in a row are dropped."""
+    TK = T_MAX * K_MAX
+    lower_bound = _make_lower_bound(topk)
+
+    @T.macro
+    def tile_union(topk_idx, hk, row0, n_tok, qblk0, tx, idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, lohi):
+        for e in T.serial(TK // threads):
+            i = e * threads + tx
+            idx_s[i] = T.if_then_else(
+                i // K_MAX < n_tok and i % K_MAX < topk, topk_idx[hk, row0 + i // K_MAX, i % K_MAX], -1
+            )
+        T.sync_threads()
+        for e in T.serial(TK // threads):
+            i = e * threads + tx
+            t = i // K_MAX
+            v = idx_s[i]
+            my_keep[e] = 0
+            my_mask[e] = 0
+            # rows ascend, so a repeat sits right after its first copy
+            if v >= 0 and v <= (qblk0 + t) // BLOCK_N and (i % K_MAX == 0 or idx_s[i - 1] != v):
+                my_keep[e] = 1
+                for t2 in T.serial(T_MAX):
+                    if t2 < n_tok:
+                        lower_bound(idx_s, t2 * K_MAX, v, lohi)
+                        if lohi[0] < topk and idx_s[t2 * K_MAX + lohi[0]] == v:
+                            my_mask[e] = my_mask[e] | (1 << t2)
+                            if t2 < t:
+                                my_keep[e] = 0
+        for e in T.serial(TK // threads):
+            keep_s[e * threads + tx] = my_keep[e]
+        T.sync_threads()
+        T.cumsum(src=keep_s, dst=keep_s, dim=0)
+        T.sync_threads()
+        for e in T.serial(TK // threads):
+            i = e * threads + tx
+            if keep_s[i] > T.if_then_else(i > 0, keep_s[i - 1], 0):
+                ublk_s[keep_s[i] - 1] = idx_s[i]
+                umask_s[keep_s[i] - 1] = my_mask[e]
+        if tx == 0:
+            n_union[0] = keep_s[TK - 1]
+        T.sync_threads()
+
+    return tile_union
+
+
+def _dyn():
+    return dict(
+        total_q=T.dynamic("total_q"),
+        total_k=T.dynamic("total_k"),
+        heads=T.dynamic("heads"),
+        heads_k=T.dynamic("heads_k"),
+        topk=T.dynamic("topk"),
+        batch_plus_one=T.dynamic("batch_plus_one"),
+    )
+
+
+def _fwd(dtype, D, arch):
+    accum = "float32"
+    dyn = _dyn()
+    total_q, total_k, heads, heads_k, topk, batch_plus_one = (
+        dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
+    T_MAX = tile_tokens_max(arch)
+    TK = T_MAX * K_MAX
+    threads = 128
+    tile_union = _make_tile_union(topk, threads, T_MAX)
+
+    @T.prim_func
+    def sparse_attn_fwd(
+        Q: T.Tensor([total_q, heads, D], dtype),
+        K: T.Tensor([total_k, heads_k, D], dtype),
+        V: T.Tensor([total_k, heads_k, D], dtype),
+        topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
+        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        O: T.Tensor([total_q, heads, D], dtype),
+        LSE: T.Tensor([heads, total_q], accum),
+        batch: T.int32,
+        max_tiles: T.int32,
+        groups: T.int32,
+        tile_tokens: T.int32,
+        scale_log2: T.float32,
+    ):
+        with T.Kernel(max_tiles, batch, heads_k, threads=threads) as (bx, b, hk):
+            Q_s = T.alloc_shared([BLOCK_M, D], dtype)
+            K_s = T.alloc_shared([BLOCK_N, D], dtype)
+            V_s = T.alloc_shared([BLOCK_N, D], dtype)
+            idx_s = T.alloc_shared([TK], "int32")
+            keep_s = T.alloc_shared([TK], "int32")
+            ublk_s = T.alloc_shared([TK], "int32")
+            umask_s = T.alloc_shared([TK], "int32")
+            n_union = T.alloc_shared([1], "int32")
+            my_keep = T.alloc_local([TK // threads], "int32")
+            my_mask = T.alloc_local([TK // threads], "int32")
+            lohi = T.alloc_local([2], "int32")
+            n_it = T.alloc_var("int32")
+            acc_s = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
+            acc_s_cast = T.alloc_fragment([BLOCK_M, BLOCK_N], dtype)
+            acc_o = T.alloc_fragment([BLOCK_M, D], accum)
+            m_prev = T.alloc_fragment([BLOCK_M], accum)
+            m_cur = T.alloc_fragment([BLOCK_M], accum)
+            m_safe = T.alloc_fragment([BLOCK_M], accum)
+            r_scale = T.alloc_fragment([BLOCK_M], accum)
+            r_sum = T.alloc_fragment([BLOCK_M], accum)
+            l_sum = T.alloc_fragment([BLOCK_M], accum)
+
+            tx = T.get_thread_binding()
+            q0 = cu_seqlens_q[b]
+            k0 = cu_seqlens_k[b]
+            len_q = cu_seqlens_q[b + 1] - q0
+            len_k = cu_seqlens_k[b + 1] - k0
+            t0 = bx * tile_tokens
+            n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
+            n_rows = n_tok * groups
+            p0 = len_k - len_q + t0  # position of the tile's first token
+
+            if n_tok > 0:
+                for r, d in T.Parallel(BLOCK_M, D):
+                    Q_s[r, d] = T.if_then_else(
+                        r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                    )
+                tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
+                           my_keep, my_mask, lohi)
+                n_it = n_union[0]
+                T.fill(acc_o, 0)
+                T.fill(l_sum, 0)
+                T.fill(m_cur, NEG_INF)
+                for it in T.Pipelined(n_it, num_stages=_stages(arch)):
+                    blk = ublk_s[it]
+                    T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
+                    T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
+                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                        acc_s[r, c] = T.if_then_else(
+                            r < n_rows
+                            and ((umask_s[it] >> (r // groups)) & 1) == 1
+                            and blk * BLOCK_N + c <= p0 + r // groups,
+                            0,
+                            NEG_INF,
+                        )
+                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(m_cur, m_prev)
+                    T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                    for r in T.Parallel(BLOCK_M):
+                        # rows with nothing visible yet stay at -inf; offset by 0 to avoid inf - inf
+                        m_safe[r] = T.if_then_else(m_cur[r] == NEG_INF, 0, m_cur[r])
+                        r_scale[r] = T.exp2((m_prev[r] - m_safe[r]) * scale_log2)
+                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                        acc_s[r, c] = T.exp2((acc_s[r, c] - m_safe[r]) * scale_log2)
+                    T.reduce_sum(acc_s, r_sum, dim=1)
+                    for r in T.Parallel(BLOCK_M):
+                        l_sum[r] = l_sum[r] * r_scale[r] + r_sum[r]
+                    T.copy(acc_s, acc_s_cast)
+                    for r, d in T.Parallel(BLOCK_M, D):
+                        acc_o[r, d] *= r_scale[r]
+                    T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+                for r, d in T.Parallel(BLOCK_M, D):
+                    if r < n_rows:
+                        O[q0 + t0 + r // groups, hk * groups + r % groups, d] = T.cast(
+                            T.if_then_else(l_sum[r] > 0, acc_o[r, d] / l_sum[r], 0), dtype
+                        )
+                for r in T.Parallel(BLOCK_M):
+                    if r < n_rows:
+                        LSE[hk * groups + r % groups, q0 + t0 + r // groups] = T.if_then_else(
+                            l_sum[r] > 0, (m_cur[r] * scale_log2 + T.log2(l_sum[r])) * LN2, NEG_INF
+                        )
+
+    return sparse_attn_fwd
+
+
+def _bwd_preprocess(dtype, D, arch):
+    accum = "float32"
+    total_q = T.dynamic("total_q")
+    heads = T.dynamic("heads")
+    ROWS = 32
+
+    @T.prim_func
+    def sparse_attn_bwd_preprocess(
+        O: T.Tensor([total_q, heads, D], dtype),
+        dO: T.Tensor([total_q, heads, D], dtype),
+        Delta: T.Tensor([heads, total_q], accum),
+    ):
+        with T.Kernel(T.ceildiv(total_q, ROWS), heads, threads=128) as (bx, h):
+            prod = T.alloc_fragment([ROWS, D], accum)
+            delta = T.alloc_fragment([ROWS], accum)
+            for r, d in T.Parallel(ROWS, D):
+                prod[r, d] = T.if_then_else(
+                    bx * ROWS + r < total_q,
+                    T.cast(O[bx * ROWS + r, h, d], accum) * T.cast(dO[bx * ROWS + r, h, d], accum),
+                    0,
+                )
+            T.reduce_sum(prod, delta, dim=1)
+            for r in T.Parallel(ROWS):
+                if bx * ROWS + r < total_q:
+                    Delta[h, bx * ROWS + r] = delta[r]
+
+    return sparse_attn_bwd_preprocess
+
+
+def _bwd_dq(dtype, D, arch):
+    accum = "float32"
+    dyn = _dyn()
+    total_q, total_k, heads, heads_k, topk, batch_plus_one = (
+        dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
+    T_MAX = tile_tokens_max(arch)
+    TK = T_MAX * K_MAX
+    threads = 128
+    tile_union = _make_tile_union(topk, threads, T_MAX)
+
+    @T.prim_func
+    def sparse_attn_bwd_dq(
+        Q: T.Tensor([total_q, heads, D], dtype),
+        K: T.Tensor([total_k, heads_k, D], dtype),
+        V: T.Tensor([total_k, heads_k, D], dtype),
+        dO: T.Tensor([total_q, heads, D], dtype),
+        LSE: T.Tensor([heads, total_q], accum),
+        Delta: T.Tensor([heads, total_q], accum),
+        topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
+        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        dQ: T.Tensor([total_q, heads, D], dtype),
+        batch: T.int32,
+        max_tiles: T.int32,
+        groups: T.int32,
+        tile_tokens: T.int32,
+        scale_log2: T.float32,
+    ):
+        with T.Kernel(max_tiles, batch, heads_k, threads=threads) as (bx, b, hk):
+            Q_s = T.alloc_shared([BLOCK_M, D], dtype)
+            dO_s = T.alloc_shared([BLOCK_M, D], dtype)
+            K_s = T.alloc_shared([BLOCK_N, D], dtype)
+            V_s = T.alloc_shared([BLOCK_N, D], dtype)
+            dS_s = T.alloc_shared([BLOCK_M, BLOCK_N], dtype)
+            idx_s = T.alloc_shared([TK], "int32")
+            keep_s = T.alloc_shared([TK], "int32")
+            ublk_s = T.alloc_shared([TK], "int32")
+            umask_s = T.alloc_shared([TK], "int32")
+            n_union = T.alloc_shared([1], "int32")
+            my_keep = T.alloc_local([TK // threads], "int32")
+            my_mask = T.alloc_local([TK // threads], "int32")
+            lohi = T.alloc_local([2], "int32")
+            n_it = T.alloc_var("int32")
+            acc_s = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
+            acc_dp = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
+            acc_dq = T.alloc_fragment([BLOCK_M, D], accum)
+            lse_r = T.alloc_fragment([BLOCK_M], accum)
+            delta_r = T.alloc_fragment([BLOCK_M], accum)
+
+            tx = T.get_thread_binding()
+            q0 = cu_seqlens_q[b]
+            k0 = cu_seqlens_k[b]
+            len_q = cu_seqlens_q[b + 1] - q0
+            len_k = cu_seqlens_k[b + 1] - k0
+            t0 = bx * tile_tokens
+            n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
+            n_rows = n_tok * groups
+            p0 = len_k - len_q + t0
+
+            if n_tok > 0:
+                for r, d in T.Parallel(BLOCK_M, D):
+                    Q_s[r, d] = T.if_then_else(
+                        r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                    )
+                    dO_s[r, d] = T.if_then_else(
+                        r < n_rows, dO[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                    )
+                for r in T.Parallel(BLOCK_M):
+                    # -inf LSE (an empty row) stays -inf and its probabilities are forced to 0
+                    lse_r[r] = T.if_then_else(
+                        r < n_rows, LSE[hk * groups + r % groups, q0 + t0 + r // groups] * LOG2E, NEG_INF
+                    )
+                    delta_r[r] = T.if_then_else(r < n_rows, Delta[hk * groups + r % groups, q0 + t0 + r // groups], 0)
+                tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
+                           my_keep, my_mask, lohi)
+                n_it = n_union[0]
+                T.fill(acc_dq, 0)
+                for it in T.Pipelined(n_it, num_stages=_stages(arch)):
+                    blk = ublk_s[it]
+                    T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
+                    T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
+                    T.clear(acc_s)
+                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                        acc_s[r, c] = T.if_then_else(
+                            r < n_rows
+                            and lse_r[r] != NEG_INF
+                            and ((umask_s[it] >> (r // groups)) & 1) == 1
+                            and blk * BLOCK_N + c <= p0 + r // groups,
+                            T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
+                            0,
+                        )
+                    T.clear(acc_dp)
+                    T.gemm(dO_s, V_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                        dS_s[r, c] = T.cast(acc_s[r, c] * (acc_dp[r, c] - delta_r[r]), dtype)
+                    T.gemm(dS_s, K_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                for r, d in T.Parallel(BLOCK_M, D):
+                    if r < n_rows:
+                        dQ[q0 + t0 + r // groups, hk * groups + r % groups, d] = T.cast(
+                            acc_dq[r, d] * (scale_log2 / LOG2E), dtype
+                        )
+
+    return sparse_attn_bwd_dq
+
+
+def _make_lower_bound_global(topk):
+    """lower_bound over a row of the global topk_idx (hk, row): same rule as _make_lower_bound."""
+
+    @T.macro
+    def lower_bound(topk_idx, hk, row, v, lohi):
+        lohi[0] = 0
+        lohi[1] = topk
+        for _ in T.serial(LOG_K_MAX):
+            if lohi[0] < lohi[1]:
+                if topk_idx[hk, row, (lohi[0] + lohi[1]) >> 1] >= 0 and topk_idx[hk, row, (lohi[0] + lohi[1]) >> 1] < v:
+                    lohi[0] = ((lohi[0] + lohi[1]) >> 1) + 1
+                else:
+                    lohi[1] = (lohi[0] + lohi[1]) >> 1
+
+    return lower_bound
+
+
+def _bwd_dkdv(dtype, D, arch):
+    accum = "float32"
+    dyn = _dyn()
+    total_q, total_k, heads, heads_k, topk, batch_plus_one = (
+        dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
+    threads = 256
+    T_MAX = tile_tokens_max(arch)
+    lower_bound = _make_lower_bound_global(topk)
+
+    @T.prim_func
+    def sparse_attn_bwd_dkdv(
+        Q: T.Tensor([total_q, heads, D], dtype),
+        K: T.Tensor([total_k, heads_k, D], dtype),
+        V: T.Tensor([total_k, heads_k, D], dtype),
+        dO: T.Tensor([total_q, heads, D], dtype),
+        LSE: T.Tensor([heads, total_q], accum),
+        Delta: T.Tensor([heads, total_q], accum),
+        topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
+        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        dK: T.Tensor([total_k, heads_k, D], dtype),
+        dV: T.Tensor([total_k, heads_k, D], dtype),
+        batch: T.int32,
+        max_kblocks: T.int32,
+        groups: T.int32,
+        tile_tokens: T.int32,
+        scale_log2: T.float32,
+    ):
+        with T.Kernel(max_kblocks, batch, heads_k, threads=threads) as (kb, b, hk):
+            K_s = T.alloc_shared([BLOCK_N, D], dtype)
+            V_s = T.alloc_shared([BLOCK_N, D], dtype)
+            Q_s = T.alloc_shared([BLOCK_M, D], dtype)
+            dO_s = T.alloc_shared([BLOCK_M, D], dtype)
+            lse_s = T.alloc_shared([BLOCK_M], accum)
+            delta_s = T.alloc_shared([BLOCK_M], accum)
+            flag_s = T.alloc_shared([threads], "int32")
+            tile_s = T.alloc_shared([threads], "int32")
+            tmask_s = T.alloc_shared([threads], "int32")
+            n_mem = T.alloc_shared([1], "int32")
+            my_mask = T.alloc_var("int32")
+            lohi = T.alloc_local([2], "int32")
+            n_m = T.alloc_var("int32")
+            acc_sT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
+            acc_dpT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
+            # P^T and dS^T go through shared memory: as register operands their layout would
+            # have to match both the score GEMM's output and the next GEMM's A operand.
+            pT_s = T.alloc_shared([BLOCK_N, BLOCK_M], dtype)
+            dsT_s = T.alloc_shared([BLOCK_N, BLOCK_M], dtype)
+            acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
+            acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
+
+            tx = T.get_thread_binding()
+            q0 = cu_seqlens_q[b]
+            k0 = cu_seqlens_k[b]
+            len_q = cu_seqlens_q[b + 1] - q0
+            len_k = cu_seqlens_k[b + 1] - k0
+            shift = len_k - len_q
+            n_tiles = T.ceildiv(len_q, tile_tokens)
+            # queries at positions before this block's first key cannot see it
+            first_tile = T.max(kb * BLOCK_N - shift, 0) // tile_tokens
+
+            if kb * BLOCK_N < len_k:
+                T.copy(K[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], K_s)
+                T.copy(V[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], V_s)
+                T.fill(acc_dk, 0)
+                T.fill(acc_dv, 0)
+                for chunk in T.serial(T.ceildiv(T.max(n_tiles - first_tile, 0), threads)):
+                    # which of the next `threads` query tiles picked this block, and by which tokens
+                    j = first_tile + chunk * threads + tx
+                    my_mask = 0
+                    if j < n_tiles:
+                        for t in T.serial(T_MAX):
+                            if t < tile_tokens and j * tile_tokens + t < len_q:
+                                lower_bound(topk_idx, hk, q0 + j * tile_tokens + t, kb, lohi)
+                                if lohi[0] < topk and topk_idx[hk, q0 + j * tile_tokens + t, lohi[0]] == kb:
+                                    my_mask = my_mask | (1 << t)
+                    flag_s[tx] = T.if_then_else(my_mask != 0, 1, 0)
+                    T.sync_threads()
+                    T.cumsum(src=flag_s, dst=flag_s, dim=0)
+                    T.sync_threads()
+                    if my_mask != 0:
+                        tile_s[flag_s[tx] - 1] = j
+                        tmask_s[flag_s[tx] - 1] = my_mask
+                    if tx == 0:
+                        n_mem[0] = flag_s[threads - 1]
+                    T.sync_threads()
+                    n_m = n_mem[0]
+                    for m in T.serial(n_m):
+                        t0 = tile_s[m] * tile_tokens
+                        n_rows = T.min(tile_tokens, len_q - t0) * groups
+                        for r, d in T.Parallel(BLOCK_M, D):
+                            Q_s[r, d] = T.if_then_else(
+                                r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                            )
+                            dO_s[r, d] = T.if_then_else(
+                                r < n_rows, dO[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                            )
+                        for r in T.Parallel(BLOCK_M):
+                            lse_s[r] = T.if_then_else(
+                                r < n_rows, LSE[hk * groups + r % groups, q0 + t0 + r // groups] * LOG2E, NEG_INF
+                            )
+                            delta_s[r] = T.if_then_else(
+                                r < n_rows, Delta[hk * groups + r % groups, q0 + t0 + r // groups], 0
+                            )
+                        T.clear(acc_sT)
+                        T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+                            acc_sT[c, r] = T.if_then_else(
+                                r < n_rows
+                                and lse_s[r] != NEG_INF
+                                and ((tmask_s[m] >> (r // groups)) & 1) == 1
+                                and kb * BLOCK_N + c <= shift + t0 + r // groups,
+                                T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r]),
+                                0,
+                            )
+                        T.clear(acc_dpT)
+                        T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.copy(acc_sT, pT_s)
+                        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+                            dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+                        T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
+                        T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+                    T.sync_threads()
+                for c, d in T.Parallel(BLOCK_N, D):
+                    if kb * BLOCK_N + c < len_k:
+                        dK[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dk[c, d] * (scale_log2 / LOG2E), dtype)
+                        dV[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dv[c, d], dtype)
+
+    return sparse_attn_bwd_dkdv

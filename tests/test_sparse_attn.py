@@ -1,0 +1,303 @@
+"""sparse_attn (stage 2): kernels against the reference, forward and backward, every layer."""
+
+import pytest
+import torch
+
+import infllmv2
+from infllmv2 import _lib, reference
+from infllmv2.ops import sort_topk_idx
+from infllmv2.testing import assert_close_to_reference, cu_seqlens, random_tokens, realistic_topk
+
+HQ_FOR_G = {1: 2, 2: 4, 4: 8, 8: 8, 16: 16, 32: 32}
+LENGTH_MIXES = {
+    "one": ([1], [1]),
+    "63": ([63], [63]),
+    "64": ([64], [64]),
+    "65": ([65], [65]),
+    "mix": ([1, 63, 64, 65, 200, 257, 3, 700], [1, 63, 64, 65, 200, 257, 3, 700]),
+    "chunked": ([1, 17, 64, 100, 1], [300, 64, 130, 700, 1000]),  # Lq < Lk: chunked prefill and decode
+}
+
+
+def _case(lengths_q, lengths_k, G, D, dtype, topk=8, seed=0, heads_k=2, local_blocks=2):
+    hq = G * heads_k
+    q = random_tokens(lengths_q, hq, D, dtype, "cuda", seed=seed)
+    k = random_tokens(lengths_k, heads_k, D, dtype, "cuda", seed=seed + 1)
+    v = random_tokens(lengths_k, heads_k, D, dtype, "cuda", seed=seed + 2)
+    idx = realistic_topk(lengths_q, lengths_k, heads_k, topk, local_blocks=local_blocks, correlated=False,
+                         device="cuda", seed=seed)
+    return q, k, v, cu_seqlens(lengths_q, "cuda"), cu_seqlens(lengths_k, "cuda"), idx
+
+
+def _nan_like(t, dtype=None):
+    return torch.full(t.shape, float("nan"), dtype=dtype or t.dtype, device=t.device)
+
+
+def _fwd_poisoned(q, k, v, cu_q, cu_k, idx, scale=0.0):
+    """The C ABI into NaN-poisoned outputs, so an unwritten element cannot pass."""
+    out = _nan_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device)
+    idx = sort_topk_idx(idx)
+    max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    status = _lib.lib().infllmv2_sparse_attn_fwd(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(), out.data_ptr(),
+        lse.data_ptr(), cu_q.numel() - 1, q.shape[0], k.shape[0], max_q, q.shape[1], k.shape[1], q.shape[2],
+        idx.shape[2], _lib.DTYPE_BF16 if q.dtype == torch.bfloat16 else _lib.DTYPE_FP16, scale,
+        torch.cuda.current_stream().cuda_stream)
+    _lib.check(status)
+    return out, lse
+
+
+def _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx, scale=0.0):
+    dq, dk, dv = _nan_like(q), _nan_like(k), _nan_like(v)
+    idx = sort_topk_idx(idx)
+    lib = _lib.lib()
+    ws = torch.full(((lib.infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1]) + 3) // 4 + 1,),
+                    float("nan"), device=q.device)
+    max_q = int((cu_q[1:] - cu_q[:-1]).max())
+    max_k = int((cu_k[1:] - cu_k[:-1]).max())
+    status = lib.infllmv2_sparse_attn_bwd(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(), idx.data_ptr(),
+        cu_q.data_ptr(), cu_k.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ws.data_ptr(),
+        ws.numel() * 4, cu_q.numel() - 1, q.shape[0], k.shape[0], max_q, max_k, q.shape[1], k.shape[1], q.shape[2],
+        idx.shape[2], _lib.DTYPE_BF16 if q.dtype == torch.bfloat16 else _lib.DTYPE_FP16, scale,
+        torch.cuda.current_stream().cuda_stream)
+    _lib.check(status)
+    return dq, dk, dv
+
+
+def _reference(q, k, v, cu_q, cu_k, idx, dout):
+    """(out, lse, dq, dk, dv) of the reference computed in q's dtype."""
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference.sparse_attn_varlen(qq, kk, vv, cu_q, cu_k, idx)
+    grads = torch.autograd.grad(out, (qq, kk, vv), dout)
+    return (out.detach(), lse, *grads)
+
+
+def _check_against_reference(q, k, v, cu_q, cu_k, idx, what):
+    dout = torch.randn_like(q)
+    out, lse = _fwd_poisoned(q, k, v, cu_q, cu_k, idx)
+    dq, dk, dv = _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx)
+    torch.cuda.synchronize()
+    ref32 = _reference(q.float(), k.float(), v.float(), cu_q, cu_k, idx, dout.float())
+    lowp = _reference(q, k, v, cu_q, cu_k, idx, dout)
+    for name, got, r32, lp in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref32, lowp):
+        if name == "lse":
+            fin = torch.isfinite(r32)
+            assert torch.equal(torch.isfinite(got), fin), f"{what}: lse -inf rows differ"
+            got, r32, lp = got[fin], r32[fin], lp[fin]
+        assert_close_to_reference(got, lp, r32, what=f"{what} {name}")
+
+
+# ---------------------------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("lengths", list(LENGTH_MIXES))
+def test_matches_reference(dtype, head_dim, G, lengths):
+    lq, lk = LENGTH_MIXES[lengths]
+    case = _case(lq, lk, G, head_dim, dtype, seed=G + head_dim)
+    _check_against_reference(*case, what=f"{dtype} D{head_dim} G{G} {lengths}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("topk", [1, 33, 96, 128])
+def test_topk_sizes_and_unsorted_rows_with_repeats(topk):
+    lq = lk = [300, 2000]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, 4, 128, torch.bfloat16, topk=topk, local_blocks=3)
+    # scramble the order, repeat an entry: the torch layer and the reference treat rows as sets
+    perm = torch.randperm(topk, device="cuda")
+    idx = idx[:, :, perm].contiguous()
+    if topk > 1:
+        idx[:, :, -1] = idx[:, :, 0]
+    _check_against_reference(q, k, v, cu_q, cu_k, idx, what=f"topk={topk}")
+
+
+@pytest.mark.gpu
+def test_empty_selection_rows_and_unselected_blocks():
+    lq = lk = [400]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, 16, 128, torch.bfloat16, topk=4, local_blocks=0)
+    idx[:, 100:150] = -1  # these tokens select nothing
+    idx[:, :, :] = torch.where(idx == 2, -1, idx)  # nobody selects block 2
+    dout = torch.randn_like(q)
+    out, lse = _fwd_poisoned(q, k, v, cu_q, cu_k, idx)
+    dq, dk, dv = _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx)
+    torch.cuda.synchronize()
+    assert not any(torch.isnan(t).any() for t in (out, dq, dk, dv))
+    assert torch.equal(out[100:150], torch.zeros_like(out[100:150]))
+    assert torch.isneginf(lse[:, 100:150]).all()
+    assert torch.equal(dq[100:150], torch.zeros_like(dq[100:150]))
+    assert torch.equal(dk[128:192], torch.zeros_like(dk[128:192]))
+    assert torch.equal(dv[128:192], torch.zeros_like(dv[128:192]))
+    _check_against_reference(q, k, v, cu_q, cu_k, idx, what="empty rows")
+
+
+@pytest.mark.gpu
+def test_backward_is_bitwise_deterministic():
+    lq = lk = [3000, 1000]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, 16, 128, torch.bfloat16, topk=16, local_blocks=4)
+    dout = torch.randn_like(q)
+    out, lse = _fwd_poisoned(q, k, v, cu_q, cu_k, idx)
+    first = _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx)
+    for _ in range(3):
+        again = _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_portable_arch_variants_through_ptx(arch, G, arch_override):
+    if arch not in infllmv2.build_info()["archs"]:
+        pytest.skip(f"{arch} not compiled into this build")
+    arch_override(arch)
+    for dtype, D in ((torch.bfloat16, 128), (torch.float16, 64)):
+        lq, lk = LENGTH_MIXES["mix"]
+        _check_against_reference(*_case(lq, lk, G, D, dtype, seed=G), what=f"{arch} G{G} {dtype} D{D}")
+        lq, lk = LENGTH_MIXES["chunked"]
+        _check_against_reference(*_case(lq, lk, G, D, dtype, seed=G), what=f"{arch} G{G} chunked")
+
+
+@pytest.mark.gpu
+def test_autograd_function_matches_reference():
+    lq = lk = [129, 500]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, 8, 64, torch.float16, topk=6)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = infllmv2.sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, return_lse=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref32 = _reference(q.float(), k.float(), v.float(), cu_q, cu_k, idx, dout.float())
+    lowp = _reference(q, k, v, cu_q, cu_k, idx, dout)
+    for name, got, r32, lp in zip(("out", "dq", "dk", "dv"), (out, *grads), ref32[:1] + ref32[2:], lowp[:1] + lowp[2:]):
+        assert_close_to_reference(got.detach(), lp, r32, what=name)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph():
+    lq = lk = [256, 64]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, 16, 128, torch.bfloat16, topk=4)
+
+    def f(q, k, v):
+        return infllmv2.sparse_attn_varlen(q, k, v, cu_q, cu_k, idx, max_seqlen_q=256, max_seqlen_k=256)
+
+    compiled = torch.compile(f, fullgraph=True)
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
+    out_c = compiled(q1, k1, v1)
+    out_e = f(q2, k2, v2)
+    assert torch.equal(out_c, out_e)
+    out_c.sum().backward()
+    out_e.sum().backward()
+    assert torch.equal(q1.grad, q2.grad) and torch.equal(k1.grad, k2.grad) and torch.equal(v1.grad, v2.grad)
+
+
+@pytest.mark.gpu
+def test_cuda_bad_inputs():
+    q, k, v, cu_q, cu_k, idx = _case([128], [128], 4, 128, torch.bfloat16, topk=4)
+    call = infllmv2.sparse_attn_varlen
+    with pytest.raises(ValueError, match="q must be bfloat16 or float16 on CUDA"):
+        call(q.float(), k.float(), v.float(), cu_q, cu_k, idx)
+    with pytest.raises(ValueError, match="q must be contiguous"):
+        call(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, cu_q, cu_k, idx)
+    with pytest.raises(ValueError, match="topk_idx must have shape"):
+        call(q, k, v, cu_q, cu_k, idx[:, :10])
+    with pytest.raises(ValueError, match="CUDA supports 1..128"):
+        call(q, k, v, cu_q, cu_k, torch.zeros((2, 128, 129), dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="block_size must be 64 on CUDA"):
+        call(q, k, v, cu_q, cu_k, idx, block_size=32)
+    with pytest.raises(ValueError, match="cu_seqlens_k is on cpu"):
+        call(q, k, v, cu_q, cu_k.cpu(), idx)
+    with pytest.raises(ValueError, match="multiple of k heads"):
+        call(q[:, :7], k, v, cu_q, cu_k, idx)
+
+
+@pytest.mark.gpu
+def test_c_abi_errors():
+    lib = _lib.lib()
+    q, k, v, cu_q, cu_k, idx = _case([128], [128], 4, 128, torch.bfloat16, topk=4)
+    p = [t.data_ptr() for t in (q, k, v, idx, cu_q, cu_k, q, q)]
+    st = lib.infllmv2_sparse_attn_fwd(*p, 1, 128, 128, 128, 8, 2, 128, 200, 0, 0.0, None)
+    assert st == _lib.ERR_UNSUPPORTED and "topk must be in [1, 128], got 200" in lib.infllmv2_last_error().decode()
+    st = lib.infllmv2_sparse_attn_fwd(*p, 1, 128, 128, 128, 130, 2, 128, 4, 0, 0.0, None)
+    assert st == _lib.ERR_UNSUPPORTED and "exceeds 64" in lib.infllmv2_last_error().decode()
+    st = lib.infllmv2_sparse_attn_fwd(*p, 1, 128, 128, 128, 7, 2, 128, 4, 0, 0.0, None)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "heads (7) must be a multiple of heads_k (2)" in lib.infllmv2_last_error().decode()
+    st = lib.infllmv2_sparse_attn_fwd(*p, 1, 128, 128, 128, 8, 2, 128, 4, 0, float("nan"), None)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "softmax_scale" in lib.infllmv2_last_error().decode()
+    host = torch.zeros(10)
+    p_host = [host.data_ptr()] + p[1:]
+    st = lib.infllmv2_sparse_attn_fwd(*p_host, 1, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "q must be device memory" in lib.infllmv2_last_error().decode()
+    pb = [t.data_ptr() for t in (q, k, v, q, q, cu_q, idx, cu_q, cu_k, q, k, v, q)]
+    st = lib.infllmv2_sparse_attn_bwd(*pb, 16, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
+
+
+# ---------------------------------------------------------------------------------- CPU tier
+
+
+def test_cpu_path_is_the_reference():
+    lq = lk = [70, 130]
+    q = random_tokens(lq, 4, 16, torch.float64, seed=1).requires_grad_()
+    k = random_tokens(lk, 2, 16, torch.float64, seed=2).requires_grad_()
+    v = random_tokens(lk, 2, 16, torch.float64, seed=3).requires_grad_()
+    cu = cu_seqlens(lq)
+    idx = realistic_topk(lq, lk, 2, 3, local_blocks=1)
+    out = infllmv2.sparse_attn_varlen(q, k, v, cu, cu, idx)
+    ref, _ = reference.sparse_attn_varlen(q, k, v, cu, cu, idx)
+    assert torch.equal(out, ref)
+
+
+def test_cpu_custom_ops_forward_and_backward():
+    lq = lk = [70, 130]
+    q = random_tokens(lq, 4, 16, torch.float64, seed=1).requires_grad_()
+    k = random_tokens(lk, 2, 16, torch.float64, seed=2).requires_grad_()
+    v = random_tokens(lk, 2, 16, torch.float64, seed=3).requires_grad_()
+    cu = cu_seqlens(lq)
+    idx = sort_topk_idx(realistic_topk(lq, lk, 2, 3, local_blocks=1))
+    out, lse = torch.ops.infllmv2.sparse_attn_fwd(q, k, v, idx, cu, cu, 130, 130, 0.0)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref, ref_lse = reference.sparse_attn_varlen(q, k, v, cu, cu, idx)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert torch.allclose(out, ref) and torch.equal(lse, ref_lse)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b)
+
+
+def test_fake_implementations():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(10, 8, 64, dtype=torch.bfloat16)
+        k = torch.empty(12, 2, 64, dtype=torch.bfloat16)
+        idx = torch.empty(2, 10, 5, dtype=torch.int32)
+        cu = torch.empty(3, dtype=torch.int32)
+        out, lse = torch.ops.infllmv2.sparse_attn_fwd(q, k, k, idx, cu, cu, 5, 6, 0.0)
+        dq, dk, dv = torch.ops.infllmv2.sparse_attn_bwd(q, q, k, k, q, lse, idx, cu, cu, 5, 6, 0.0)
+    assert out.shape == q.shape and lse.shape == (8, 10) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.update(q=a["q"][:, :3]), "q heads \\(3\\) must be a multiple of k heads \\(2\\)"),
+        (lambda a: a.update(v=a["v"][:-1]), "must share"),
+        (lambda a: a.update(topk_idx=a["topk_idx"].float()), "topk_idx must be an int32"),
+        (lambda a: a.update(topk_idx=a["topk_idx"][:1]), "topk_idx must have shape"),
+        (lambda a: a.update(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q must be a 1-D int32"),
+        (lambda a: a.update(cu_seqlens_k=cu_seqlens([10, 10, 5])), "describes 2 sequences but cu_seqlens_k 3"),
+        (lambda a: a.update(k=a["k"].double()), "k dtype torch.float64 differs from q dtype"),
+    ],
+)
+def test_bad_arguments_name_the_argument(mutate, message):
+    args = dict(q=random_tokens([10, 15], 4, 16, torch.float32), k=random_tokens([10, 15], 2, 16, torch.float32),
+                v=random_tokens([10, 15], 2, 16, torch.float32), cu_seqlens_q=cu_seqlens([10, 15]),
+                cu_seqlens_k=cu_seqlens([10, 15]), topk_idx=torch.zeros((2, 25, 2), dtype=torch.int32))
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        infllmv2.sparse_attn_varlen(**args)
