@@ -85,7 +85,7 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
     kernel = str(func.attrs["global_symbol"])
     symbol = unit_symbol(variant, arch)
     func = func.with_attr("global_symbol", symbol)
-    pass_configs = dict(getattr(mod, "PASS_CONFIGS", {}))
+    pass_configs = dict(mod.pass_configs(arch=arch, **config)) if hasattr(mod, "pass_configs") else {}
     target_dict = {"kind": "cuda", "arch": arch}
     target = tvm.target.Target(target_dict)
     with tvm.transform.PassContext(opt_level=3, config=pass_configs), target:

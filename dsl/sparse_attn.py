@@ -59,6 +59,15 @@ VARIANTS = [
 ]
 
 
+def pass_configs(kernel, dtype, head_dim, arch):
+    # Warp specialisation on sm_90a launches an extra producer warpgroup, but TileLang still
+    # assumes threadIdx.x < threads when it simplifies the index arithmetic of the per-thread
+    # (SIMT) union prologue, which then races (seen on an H100: wrong rows, non-determinism).
+    from tilelang import PassConfigKey
+
+    return {PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True} if kernel in ("fwd", "bwd_dq") else {}
+
+
 def tile_tokens_max(arch):
     return T_MAX_BY_ARCH.get(arch, T_MAX_DEFAULT)
 
@@ -74,9 +83,11 @@ def variant_name(kernel, dtype, head_dim):
 
 
 def _stages(arch):
-    # TileLang 0.1.15 cannot software-pipeline a loop with a run-time trip count on sm_80/89
-    # (codegen aborts); sm_90a pipelines it with TMA and warp specialisation.
-    return 2 if arch.startswith("sm_90") else 1
+    # TileLang 0.1.15 cannot software-pipeline a loop with a run-time trip count without warp
+    # specialisation (codegen aborts: "Downcast from tirx.Sub to ir.IntImm"), and the union
+    # prologue rules warp specialisation out (see pass_configs): the block loop is not
+    # pipelined on any arch yet.
+    return 1
 
 
 def _make_lower_bound(topk):
@@ -119,38 +130,43 @@ def _make_tile_union(topk, threads, T_MAX):
 
     @T.macro
     def tile_union(topk_idx, hk, row0, n_tok, qblk0, tx, idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, lohi):
-        for e in T.serial(TK // threads):
-            i = e * threads + tx
-            idx_s[i] = T.if_then_else(
-                i // K_MAX < n_tok and i % K_MAX < topk, topk_idx[hk, row0 + i // K_MAX, i % K_MAX], -1
-            )
+        # The per-entry loops index by thread: kernels using this run without warp
+        # specialisation (see pass_configs), so exactly `threads` threads execute them.
+        if tx < threads:
+            for e in T.serial(TK // threads):
+                i = e * threads + tx
+                idx_s[i] = T.if_then_else(
+                    i // K_MAX < n_tok and i % K_MAX < topk, topk_idx[hk, row0 + i // K_MAX, i % K_MAX], -1
+                )
         T.sync_threads()
-        for e in T.serial(TK // threads):
-            i = e * threads + tx
-            t = i // K_MAX
-            v = idx_s[i]
-            my_keep[e] = 0
-            my_mask[e] = 0
-            # rows ascend, so a repeat sits right after its first copy
-            if v >= 0 and v <= (qblk0 + t) // BLOCK_N and (i % K_MAX == 0 or idx_s[i - 1] != v):
-                my_keep[e] = 1
-                for t2 in T.serial(T_MAX):
-                    if t2 < n_tok:
-                        lower_bound(idx_s, t2 * K_MAX, v, lohi)
-                        if lohi[0] < topk and idx_s[t2 * K_MAX + lohi[0]] == v:
-                            my_mask[e] = my_mask[e] | (1 << t2)
-                            if t2 < t:
-                                my_keep[e] = 0
-        for e in T.serial(TK // threads):
-            keep_s[e * threads + tx] = my_keep[e]
+        if tx < threads:
+            for e in T.serial(TK // threads):
+                i = e * threads + tx
+                t = i // K_MAX
+                v = idx_s[i]
+                my_keep[e] = 0
+                my_mask[e] = 0
+                # rows ascend, so a repeat sits right after its first copy
+                if v >= 0 and v <= (qblk0 + t) // BLOCK_N and (i % K_MAX == 0 or idx_s[i - 1] != v):
+                    my_keep[e] = 1
+                    for t2 in T.serial(T_MAX):
+                        if t2 < n_tok:
+                            lower_bound(idx_s, t2 * K_MAX, v, lohi)
+                            if lohi[0] < topk and idx_s[t2 * K_MAX + lohi[0]] == v:
+                                my_mask[e] = my_mask[e] | (1 << t2)
+                                if t2 < t:
+                                    my_keep[e] = 0
+            for e in T.serial(TK // threads):
+                keep_s[e * threads + tx] = my_keep[e]
         T.sync_threads()
         T.cumsum(src=keep_s, dst=keep_s, dim=0)
         T.sync_threads()
-        for e in T.serial(TK // threads):
-            i = e * threads + tx
-            if keep_s[i] > T.if_then_else(i > 0, keep_s[i - 1], 0):
-                ublk_s[keep_s[i] - 1] = idx_s[i]
-                umask_s[keep_s[i] - 1] = my_mask[e]
+        if tx < threads:
+            for e in T.serial(TK // threads):
+                i = e * threads + tx
+                if keep_s[i] > T.if_then_else(i > 0, keep_s[i - 1], 0):
+                    ublk_s[keep_s[i] - 1] = idx_s[i]
+                    umask_s[keep_s[i] - 1] = my_mask[e]
         if tx == 0:
             n_union[0] = keep_s[TK - 1]
         T.sync_threads()

@@ -409,7 +409,7 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_bf16_d128", "sm_89", 89, 81920, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90, 139280, 256, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90, 90112, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_bf16_d64", "sm_80", 80, 49152, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error},
@@ -418,7 +418,7 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_bf16_d64", "sm_89", 89, 49152, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90, 90128, 256, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90, 57344, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_fp16_d128", "sm_80", 80, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_last_error},
@@ -427,7 +427,7 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_fp16_d128", "sm_89", 89, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90, 139280, 256, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90, 90112, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_fp16_d64", "sm_80", 80, 49152, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_last_error},
@@ -436,7 +436,7 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_fp16_d64", "sm_89", 89, 49152, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90, 90128, 256, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90, 57344, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -629,7 +629,7 @@ static const infllmv2_sparse_attn_fwd_unit infllmv2_sparse_attn_fwd_units[] = {
   {"sparse_attn_fwd_bf16_d128", "sm_89", 89, 65536, 128, 0, 128, 64, 8, infllmv2_sparse_attn_fwd_bf16_d128_sm89_init, infllmv2_sparse_attn_fwd_bf16_d128_sm89_call, infllmv2_sparse_attn_fwd_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_bf16_d128", "sm_90a", 90, 114704, 256, 0, 128, 64, 16, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_last_error},
+  {"sparse_attn_fwd_bf16_d128", "sm_90a", 90, 65536, 128, 0, 128, 64, 16, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_fwd_bf16_d64", "sm_80", 80, 32768, 128, 0, 64, 64, 8, infllmv2_sparse_attn_fwd_bf16_d64_sm80_init, infllmv2_sparse_attn_fwd_bf16_d64_sm80_call, infllmv2_sparse_attn_fwd_bf16_d64_sm80_last_error},
@@ -638,7 +638,7 @@ static const infllmv2_sparse_attn_fwd_unit infllmv2_sparse_attn_fwd_units[] = {
   {"sparse_attn_fwd_bf16_d64", "sm_89", 89, 32768, 128, 0, 64, 64, 8, infllmv2_sparse_attn_fwd_bf16_d64_sm89_init, infllmv2_sparse_attn_fwd_bf16_d64_sm89_call, infllmv2_sparse_attn_fwd_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_bf16_d64", "sm_90a", 90, 73744, 256, 0, 64, 64, 16, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_last_error},
+  {"sparse_attn_fwd_bf16_d64", "sm_90a", 90, 40960, 128, 0, 64, 64, 16, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_fwd_fp16_d128", "sm_80", 80, 65536, 128, 1, 128, 64, 8, infllmv2_sparse_attn_fwd_fp16_d128_sm80_init, infllmv2_sparse_attn_fwd_fp16_d128_sm80_call, infllmv2_sparse_attn_fwd_fp16_d128_sm80_last_error},
@@ -647,7 +647,7 @@ static const infllmv2_sparse_attn_fwd_unit infllmv2_sparse_attn_fwd_units[] = {
   {"sparse_attn_fwd_fp16_d128", "sm_89", 89, 65536, 128, 1, 128, 64, 8, infllmv2_sparse_attn_fwd_fp16_d128_sm89_init, infllmv2_sparse_attn_fwd_fp16_d128_sm89_call, infllmv2_sparse_attn_fwd_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_fp16_d128", "sm_90a", 90, 114704, 256, 1, 128, 64, 16, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_last_error},
+  {"sparse_attn_fwd_fp16_d128", "sm_90a", 90, 65536, 128, 1, 128, 64, 16, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_fwd_fp16_d64", "sm_80", 80, 32768, 128, 1, 64, 64, 8, infllmv2_sparse_attn_fwd_fp16_d64_sm80_init, infllmv2_sparse_attn_fwd_fp16_d64_sm80_call, infllmv2_sparse_attn_fwd_fp16_d64_sm80_last_error},
@@ -656,7 +656,7 @@ static const infllmv2_sparse_attn_fwd_unit infllmv2_sparse_attn_fwd_units[] = {
   {"sparse_attn_fwd_fp16_d64", "sm_89", 89, 32768, 128, 1, 64, 64, 8, infllmv2_sparse_attn_fwd_fp16_d64_sm89_init, infllmv2_sparse_attn_fwd_fp16_d64_sm89_call, infllmv2_sparse_attn_fwd_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_fp16_d64", "sm_90a", 90, 73744, 256, 1, 64, 64, 16, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_last_error},
+  {"sparse_attn_fwd_fp16_d64", "sm_90a", 90, 40960, 128, 1, 64, 64, 16, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -778,7 +778,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_90a", 139280, 256},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90112, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_80", 49152, 128},
@@ -787,7 +787,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_89", 49152, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90128, 256},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_90a", 57344, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_80", 81920, 128},
@@ -796,7 +796,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_90a", 139280, 256},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90112, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_80", 49152, 128},
@@ -805,7 +805,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_89", 49152, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90128, 256},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_90a", 57344, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 0, 128},
@@ -850,7 +850,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_89", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_90a", 114704, 256},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_90a", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_80", 32768, 128},
@@ -859,7 +859,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_89", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_90a", 73744, 256},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_90a", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_80", 65536, 128},
@@ -868,7 +868,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_89", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_90a", 114704, 256},
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_90a", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_80", 32768, 128},
@@ -877,7 +877,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_89", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_90a", 73744, 256},
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_90a", 40960, 128},
 #endif
   {nullptr, nullptr, nullptr, 0, 0},
 };

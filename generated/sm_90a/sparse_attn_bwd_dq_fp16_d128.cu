@@ -10,7 +10,7 @@
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy_sm90.h>
+#include <tl_templates/cuda/copy.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -20,46 +20,28 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, __grid_constant__ const CUtensorMap K_desc, const float* __restrict__ LSE, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, __grid_constant__ const CUtensorMap K_desc, const float* __restrict__ LSE, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 65536));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 81920));
-  void* dS_s = ((void*)((char*)buf_dyn_shmem + 98304));
-  void* idx_s = ((void*)((char*)buf_dyn_shmem + 106496));
-  void* keep_s = ((void*)((char*)buf_dyn_shmem + 114688));
-  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 122880));
-  void* umask_s = ((void*)((char*)buf_dyn_shmem + 131072));
-  void* n_union = ((void*)((char*)buf_dyn_shmem + 139264));
-  __shared__ __align__(16) uint64_t mbarrier_mem[8];
-  auto mbarrier = reinterpret_cast<Barrier*>(mbarrier_mem);
-  int my_keep[16];
-  int my_mask[16];
-  int n_it = 0;
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* idx_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* n_union = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* keep_s = ((void*)((char*)buf_dyn_shmem + 40960));
+  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 49152));
+  void* umask_s = ((void*)((char*)buf_dyn_shmem + 57344));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 65536));
+  void* dS_s = ((void*)((char*)buf_dyn_shmem + 81920));
   float lse_r[2];
   float delta_r[2];
-  float acc_dq[64];
+  int my_keep[16];
+  int my_mask[16];
   int lohi[2];
+  int n_it = 0;
+  float acc_dq[64];
   float acc_s[32];
   float acc_dp[32];
-  if (tl::tl_shuffle_elect<0>()) {
-    tl::prefetch_tma_descriptor(K_desc);
-    tl::prefetch_tma_descriptor(V_desc);
-  }
-  if (tl::tl_shuffle_elect<0>()) {
-    mbarrier[0].init(1);
-    mbarrier[1].init(1);
-    mbarrier[2].init(1);
-    mbarrier[3].init(1);
-    mbarrier[4].init(128);
-    mbarrier[5].init(128);
-    mbarrier[6].init(128);
-    mbarrier[7].init(128);
-  }
-  tl::fence_barrier_init();
-  __syncthreads();
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -90,62 +72,109 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dq
   int len_k = (condval_3 - k0);
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 8; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_1 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_2 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv = (((i * 16) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_3 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_1 = (((i * 16) + (((int)threadIdx.x) >> 4)) / groups);
+      int rmod = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rmod_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rmod_2 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rdiv = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
+      int rmod_3 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rdiv_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
       uint4 condval_4;
-      if ((((((((i * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
+        int64_t rmod_4 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rmod_5 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+        int64_t rmod_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rmod_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
         condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
         condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
       half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
-      int rmod_8 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_9 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_10 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_4 = (((i * 16) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_11 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_5 = (((i * 16) + (((int)threadIdx.x) >> 4)) / groups);
+      int rmod_8 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rmod_9 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rmod_10 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rdiv_4 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
+      int rmod_11 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rdiv_5 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
       uint4 condval_5;
-      if ((((((((i * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_4 : (rdiv_4 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) < total_q))) {
-        int64_t rmod_12 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_13 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_6 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_14 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_15 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_7 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_4 : (rdiv_4 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) < total_q))) {
+        int64_t rmod_12 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rmod_13 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rdiv_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+        int64_t rmod_14 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rmod_15 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rdiv_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
         condval_5 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)groups) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rmod_14 : (rmod_14 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rdiv_7 : (rdiv_7 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
         condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((half_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((half_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+    }
+    #pragma unroll
+    for (int i_1 = 0; i_1 < 2; ++i_1) {
+      float condval_6;
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
+        int rmod_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        float condval_7;
+        if (((((0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_16)) || ((groups < 0) && (rmod_16 <= 0))) ? rdiv_8 : (rdiv_8 - 1)))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads))) {
+          int64_t rmod_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+          int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+          condval_7 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rmod_22 : (rmod_22 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)))];
+        } else {
+          condval_7 = 0x0p+0f/*0.000000e+00*/;
+        }
+        condval_6 = (condval_7 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+      } else {
+        condval_6 = -CUDART_INF_F;
+      }
+      lse_r[i_1] = condval_6;
+      int rmod_24 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      float condval_8;
+      if ((((((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_24)) || ((groups < 0) && (rmod_24 <= 0))) ? rdiv_12 : (rdiv_12 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads))) {
+        int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+        int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+        condval_8 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rmod_30 : (rmod_30 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))];
+      } else {
+        condval_8 = 0x0p+0f/*0.000000e+00*/;
+      }
+      delta_r[i_1] = condval_8;
     }
     for (int e = 0; e < 16; ++e) {
-      int condval_6;
+      int condval_9;
       if ((((e < tile_tokens) && (e < (len_q - (((int)blockIdx.x) * tile_tokens)))) && (((int)threadIdx.x) < topk))) {
-        int condval_7;
+        int condval_10;
         if (((((e + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) && (0 <= ((e + q0) + (((int)blockIdx.x) * tile_tokens))))) {
-          condval_7 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+          condval_10 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
         } else {
-          condval_7 = 0;
+          condval_10 = 0;
         }
-        condval_6 = condval_7;
+        condval_9 = condval_10;
       } else {
-        condval_6 = -1;
+        condval_9 = -1;
       }
-      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_6;
+      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_9;
     }
     __syncthreads();
     for (int e_1 = 0; e_1 < 16; ++e_1) {
@@ -181,248 +210,323 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dq
         }
       }
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     for (int e_2 = 0; e_2 < 16; ++e_2) {
       ((int*)keep_s)[((e_2 * 128) + ((int)threadIdx.x))] = my_keep[e_2];
     }
     __syncthreads();
-    tl::CumSum1D<256, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 2048);
+    tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 2048);
     __syncthreads();
     for (int e_3 = 0; e_3 < 16; ++e_3) {
       __syncthreads();
-      int condval_8;
+      int condval_11;
       if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
-        condval_8 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_11 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_8 = 0;
+        condval_11 = 0;
       }
-      if (condval_8 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
+      if (condval_11 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
         ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))];
       }
       __syncthreads();
-      int condval_9;
+      int condval_12;
       if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
-        condval_9 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_12 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_9 = 0;
+        condval_12 = 0;
       }
-      if (condval_9 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
+      if (condval_12 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_3];
       }
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     if (((int)threadIdx.x) == 0) {
       ((int*)n_union)[0] = ((int*)keep_s)[2047];
     }
     __syncthreads();
-    if (((int)threadIdx.x) < 128) {
-      n_it = ((int*)n_union)[0];
-      tl::fence_proxy_async();
-      for (int it = 0; it < n_it; ++it) {
-        tl::__sync_thread_partial(3, 128);
-        int blk = ((int*)ublk_s)[it];
-        mbarrier[((it & 1) + 4)].wait((((it & 3) >> 1) ^ 1));
-        tl::__sync_thread_partial(3, 128);
-        if (tl::tl_shuffle_elect<128>()) {
-          mbarrier[(it & 1)].arrive_and_expect_tx(16384);
-          #pragma unroll
-          for (int i_1 = 0; i_1 < 2; ++i_1) {
-            tl::tma_load(K_desc, mbarrier[(it & 1)], (&(((half_t*)K_s)[(((it & 1) * 8192) + (i_1 * 4096))])), (i_1 * 64), ((blk * 64) + k0), ((int)blockIdx.z));
-          }
-        }
-        mbarrier[((it & 1) + 6)].wait((((it & 3) >> 1) ^ 1));
-        if (tl::tl_shuffle_elect<128>()) {
-          mbarrier[((it & 1) + 2)].arrive_and_expect_tx(16384);
-          #pragma unroll
-          for (int i_2 = 0; i_2 < 2; ++i_2) {
-            tl::tma_load(V_desc, mbarrier[((it & 1) + 2)], (&(((half_t*)V_s)[(((it & 1) * 8192) + (i_2 * 4096))])), (i_2 * 64), ((blk * 64) + k0), ((int)blockIdx.z));
-          }
+    n_it = ((int*)n_union)[0];
+    #pragma unroll
+    for (int i_2 = 0; i_2 < 16; ++i_2) {
+      float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
+      *(float4*)(acc_dq + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+    }
+    if (0 < n_it) {
+      if (0 < n_it) {
+        int blk = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_3 = 0; i_3 < 8; ++i_3) {
+          tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
       }
-    } else {
+      tl::cp_async_commit();
+    }
+    __syncthreads();
+    if (0 < n_it) {
+      if (0 < n_it) {
+        int blk_1 = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_4 = 0; i_4 < 8; ++i_4) {
+          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        }
+      }
+      tl::cp_async_commit();
+    }
+    for (int it = 0; it < (n_it - 1); ++it) {
       #pragma unroll
-      for (int i_3 = 0; i_3 < 2; ++i_3) {
-        float condval_10;
-        if ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups) + 64))) {
-          int rmod_16 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          int rdiv_8 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-          int rmod_17 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          int rdiv_9 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-          int rmod_18 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          int rmod_19 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          float condval_11;
-          if (((((0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_16)) || ((groups < 0) && (rmod_16 <= 0))) ? rdiv_8 : (rdiv_8 - 1)))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads))) {
-            int64_t rmod_20 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-            int64_t rmod_21 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-            int64_t rdiv_10 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-            int64_t rmod_22 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-            int64_t rmod_23 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-            int64_t rdiv_11 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-            condval_11 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rmod_22 : (rmod_22 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)))];
-          } else {
-            condval_11 = 0x0p+0f/*0.000000e+00*/;
-          }
-          condval_10 = (condval_11 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+      for (int i_5 = 0; i_5 < 8; ++i_5) {
+        float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+      }
+      tl::cp_async_wait<0>();
+      __syncthreads();
+      {
+        tl::GmmaDescriptor desc_a;
+        tl::GmmaDescriptor desc_b;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)Q_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki = 0; ki < 8; ++ki) {
+          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+      }
+      int blk_2 = ((int*)ublk_s)[it];
+      #pragma unroll
+      for (int i_6 = 0; i_6 < 32; ++i_6) {
+        int rmod_32 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_16 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        float condval_13;
+        if (((((((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (lse_r[((i_6 & 3) >> 1)] != -CUDART_INF_F)) && (((((int*)umask_s)[it] >> ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1))) & 1) == 1)) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) - len_q)))) {
+          condval_13 = exp2f(((acc_s[i_6] * scale_log2) - lse_r[((i_6 & 3) >> 1)]));
         } else {
-          condval_10 = -CUDART_INF_F;
+          condval_13 = 0x0p+0f/*0.000000e+00*/;
         }
-        lse_r[i_3] = condval_10;
-        int rmod_24 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-        int rdiv_12 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-        int rmod_25 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-        int rdiv_13 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-        int rmod_26 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-        int rmod_27 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-        float condval_12;
-        if ((((((((((((int)threadIdx.x) >> 5) * 16) + (i_3 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups) + 64)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_24)) || ((groups < 0) && (rmod_24 <= 0))) ? rdiv_12 : (rdiv_12 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads))) {
-          int64_t rmod_28 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-          int64_t rmod_29 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-          int64_t rdiv_14 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-          int64_t rmod_30 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-          int64_t rmod_31 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-          int64_t rdiv_15 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_3) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-          condval_12 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rmod_30 : (rmod_30 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))];
+        acc_s[i_6] = condval_13;
+      }
+      #pragma unroll
+      for (int i_7 = 0; i_7 < 8; ++i_7) {
+        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dp + (i_7 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+      }
+      tl::cp_async_wait<1>();
+      __syncthreads();
+      {
+        tl::GmmaDescriptor desc_a_1;
+        tl::GmmaDescriptor desc_b_1;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)dO_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)V_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+        tl::warpgroup_arrive();
+        #pragma unroll
+        for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+      }
+      int blk_3 = ((int*)ublk_s)[(it + 1)];
+      __syncthreads();
+      #pragma unroll
+      for (int i_8 = 0; i_8 < 8; ++i_8) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_8) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      }
+      tl::cp_async_commit();
+      __syncthreads();
+      #pragma unroll
+      for (int i_9 = 0; i_9 < 16; ++i_9) {
+        half_t dS_s_local_cast[2];
+        uint1 __2;
+        float2 __3;
+          float2 v_ = *(float2*)(acc_s + (i_9 * 2));
+          float2 __4;
+            float2 v__1 = *(float2*)(acc_dp + (i_9 * 2));
+            float2 v__2 = make_float2(delta_r[(i_9 & 1)], delta_r[(i_9 & 1)]);
+            __4.x = (v__1.x-v__2.x);
+            __4.y = (v__1.y-v__2.y);
+          __3.x = (v_.x*__4.x);
+          __3.y = (v_.y*__4.y);
+        ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
+        *(uint1*)(dS_s_local_cast + 0) = __2;
+        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_9 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_9 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_9 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_9 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
+      }
+      {
+        tl::GmmaDescriptor desc_a_2;
+        tl::GmmaDescriptor desc_b_2;
+        __syncthreads();
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((half_t*)dS_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((half_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), ((uint32_t*)(acc_dq + 0)), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+      }
+      int blk_4 = ((int*)ublk_s)[(it + 1)];
+      __syncthreads();
+      #pragma unroll
+      for (int i_10 = 0; i_10 < 8; ++i_10) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_10 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_10) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      }
+      tl::cp_async_commit();
+    }
+    if (1 <= n_it) {
+      #pragma unroll
+      for (int i_11 = 0; i_11 < 8; ++i_11) {
+        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_s + (i_11 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+      }
+    }
+    tl::cp_async_wait<0>();
+    __syncthreads();
+    if (1 <= n_it) {
+      {
+        tl::GmmaDescriptor desc_a_3;
+        tl::GmmaDescriptor desc_b_3;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((half_t*)Q_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_3, (&(((half_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
+          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), uint64_t(desc_b_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+      }
+    }
+    if (1 <= n_it) {
+      int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
+      #pragma unroll
+      for (int i_12 = 0; i_12 < 32; ++i_12) {
+        int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_19 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        float condval_14;
+        if (((((((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (lse_r[((i_12 & 3) >> 1)] != -CUDART_INF_F)) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) & 1) == 1)) && (((((blk_5 * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) - len_q)))) {
+          condval_14 = exp2f(((acc_s[i_12] * scale_log2) - lse_r[((i_12 & 3) >> 1)]));
         } else {
-          condval_12 = 0x0p+0f/*0.000000e+00*/;
+          condval_14 = 0x0p+0f/*0.000000e+00*/;
         }
-        delta_r[i_3] = condval_12;
+        acc_s[i_12] = condval_14;
       }
-      n_it = ((int*)n_union)[0];
+    }
+    if (1 <= n_it) {
       #pragma unroll
-      for (int i_4 = 0; i_4 < 16; ++i_4) {
-        float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dq + (i_4 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+      for (int i_13 = 0; i_13 < 8; ++i_13) {
+        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dp + (i_13 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
       }
-      for (int it_1 = 0; it_1 < n_it; ++it_1) {
-        int blk_1 = ((int*)ublk_s)[it_1];
+    }
+    tl::cp_async_wait<1>();
+    __syncthreads();
+    if (1 <= n_it) {
+      {
+        tl::GmmaDescriptor desc_a_4;
+        tl::GmmaDescriptor desc_b_4;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_4, (&(((half_t*)dO_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((half_t*)V_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
         #pragma unroll
-        for (int i_5 = 0; i_5 < 8; ++i_5) {
-          float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+        for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
+          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
         }
-        mbarrier[(it_1 & 1)].wait(((it_1 & 3) >> 1));
-        {
-          tl::GmmaDescriptor desc_a;
-          tl::GmmaDescriptor desc_b;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)Q_s)[0])));
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b, ((it_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki = 0; ki < 8; ++ki) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        }
-        #pragma unroll
-        for (int i_6 = 0; i_6 < 32; ++i_6) {
-          int rmod_32 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          int rdiv_16 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-          int rmod_33 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          int rdiv_17 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-          float condval_13;
-          if (((((((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups) + 64)) && (lse_r[((i_6 & 3) >> 1)] != -CUDART_INF_F)) && (((((int*)umask_s)[it_1] >> ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1))) & 1) == 1)) && (((((blk_1 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) - len_q)))) {
-            condval_13 = exp2f(((acc_s[i_6] * scale_log2) - lse_r[((i_6 & 3) >> 1)]));
-          } else {
-            condval_13 = 0x0p+0f/*0.000000e+00*/;
-          }
-          acc_s[i_6] = condval_13;
-        }
-        #pragma unroll
-        for (int i_7 = 0; i_7 < 8; ++i_7) {
-          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dp + (i_7 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
-        }
-        mbarrier[((it_1 & 1) + 2)].wait(((it_1 & 3) >> 1));
-        {
-          tl::GmmaDescriptor desc_a_1;
-          tl::GmmaDescriptor desc_b_1;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)dO_s)[0])));
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)V_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b_1, ((it_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-          tl::warpgroup_arrive();
-          #pragma unroll
-          for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-        }
-        mbarrier[((it_1 & 1) + 6)].arrive();
-        tl::__sync_thread_partial(4, 128);
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 16; ++i_8) {
-          half_t dS_s_local_cast[2];
-          uint1 __2;
-          float2 __3;
-            float2 v_ = *(float2*)(acc_s + (i_8 * 2));
-            float2 __4;
-              float2 v__1 = *(float2*)(acc_dp + (i_8 * 2));
-              float2 v__2 = make_float2(delta_r[(i_8 & 1)], delta_r[(i_8 & 1)]);
-              __4.x = (v__1.x-v__2.x);
-              __4.y = (v__1.y-v__2.y);
-            __3.x = (v_.x*__4.x);
-            __3.y = (v_.y*__4.y);
-          ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
-          *(uint1*)(dS_s_local_cast + 0) = __2;
-          *(uint1*)(((half_t*)dS_s) + (((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_8 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_8 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_8 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_8 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)) - 4096)) = *(uint1*)(dS_s_local_cast + 0);
-        }
-        {
-          tl::GmmaDescriptor desc_a_2;
-          tl::GmmaDescriptor desc_b_2;
-          tl::__sync_thread_partial(4, 128);
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((half_t*)dS_s)[0])));
-          tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((half_t*)K_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b_2, ((it_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), ((uint32_t*)(acc_dq + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-        }
-        mbarrier[((it_1 & 1) + 4)].arrive();
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
       }
+    }
+    __syncthreads();
+    if (1 <= n_it) {
       #pragma unroll
-      for (int i_9 = 0; i_9 < 32; ++i_9) {
-        half_t dQ_local_cast_1[2];
-        if (((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups) + 64)) {
-          uint1 __5;
-          float2 __6;
-            float2 v__3 = *(float2*)(acc_dq + (i_9 * 2));
-            float2 v__4 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-            __6.x = (v__3.x*v__4.x);
-            __6.y = (v__3.y*v__4.y);
-          ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
-          *(uint1*)(dQ_local_cast_1 + 0) = __5;
-          int rmod_34 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups)))) {
-            int rmod_35 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-            if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rmod_35 : (rmod_35 + groups))) < heads) {
-              int rmod_36 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-              int rdiv_18 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-              if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1)))) {
-                int rmod_37 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-                int rdiv_19 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-                if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_37)) || ((groups < 0) && (rmod_37 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) < total_q) {
-                  int64_t rmod_38 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rmod_39 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rdiv_20 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-                  int64_t rmod_40 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rmod_41 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rdiv_21 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-                  *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rmod_40 : (rmod_40 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_41)) || ((((int64_t)groups) < (int64_t)0) && (rmod_41 <= (int64_t)0))) ? rdiv_21 : (rdiv_21 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_9) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
-                }
+      for (int i_14 = 0; i_14 < 16; ++i_14) {
+        half_t dS_s_local_cast_1[2];
+        uint1 __5;
+        float2 __6;
+          float2 v__3 = *(float2*)(acc_s + (i_14 * 2));
+          float2 __7;
+            float2 v__4 = *(float2*)(acc_dp + (i_14 * 2));
+            float2 v__5 = make_float2(delta_r[(i_14 & 1)], delta_r[(i_14 & 1)]);
+            __7.x = (v__4.x-v__5.x);
+            __7.y = (v__4.y-v__5.y);
+          __6.x = (v__3.x*__7.x);
+          __6.y = (v__3.y*__7.y);
+        ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
+        *(uint1*)(dS_s_local_cast_1 + 0) = __5;
+        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_14 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_14 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_14 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_14 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
+      }
+    }
+    __syncthreads();
+    if (1 <= n_it) {
+      {
+        tl::GmmaDescriptor desc_a_5;
+        tl::GmmaDescriptor desc_b_5;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_5, (&(((half_t*)dS_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_5, (&(((half_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
+          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(uint64_t(desc_a_5 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), ((uint32_t*)(acc_dq + 0)), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+      }
+    }
+    #pragma unroll
+    for (int i_15 = 0; i_15 < 32; ++i_15) {
+      half_t dQ_local_cast_2[2];
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+        uint1 __8;
+        float2 __9;
+          float2 v__6 = *(float2*)(acc_dq + (i_15 * 2));
+          float2 v__7 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+          __9.x = (v__6.x*v__7.x);
+          __9.y = (v__6.y*v__7.y);
+        ((half2*)(&__8))[0] = __float22half2_rn(((float2*)(&__9))[0]);
+        *(uint1*)(dQ_local_cast_2 + 0) = __8;
+        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rmod_36 : (rmod_36 + groups)))) {
+          int rmod_37 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_37)) || ((groups < 0) && (rmod_37 <= 0))) ? rmod_37 : (rmod_37 + groups))) < heads) {
+            int rmod_38 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_20 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_38)) || ((groups < 0) && (rmod_38 <= 0))) ? rdiv_20 : (rdiv_20 - 1)))) {
+              int rmod_39 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_21 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_39)) || ((groups < 0) && (rmod_39 <= 0))) ? rdiv_21 : (rdiv_21 - 1))) < total_q) {
+                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_41 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_42 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_43 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_42)) || ((((int64_t)groups) < (int64_t)0) && (rmod_42 <= (int64_t)0))) ? rmod_42 : (rmod_42 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_43)) || ((((int64_t)groups) < (int64_t)0) && (rmod_43 <= (int64_t)0))) ? rdiv_23 : (rdiv_23 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
               }
             }
           }
@@ -450,9 +554,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error() 
 extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 139280);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 90112);
     if (result_infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 139280, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 90112, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel));
         return -1;
     }
 
@@ -460,48 +564,6 @@ extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init() {
 }
 
 extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream) {
-
-	CUtensorMap K_desc;
-	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)6;
-	cuuint32_t K_desc_tensorRank= 3;
-	void *K_desc_globalAddress= K;
-	cuuint64_t K_desc_globalDim[3]= {128,total_k,heads_k};
-	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
-	cuuint32_t K_desc_boxDim[3]= {64,64,1};
-	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
-	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
-	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
-	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
-	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
-
-	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
-
-	if (K_desc_result != CUDA_SUCCESS) {
-		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
-		return -1;
-	}
-
-	CUtensorMap V_desc;
-	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)6;
-	cuuint32_t V_desc_tensorRank= 3;
-	void *V_desc_globalAddress= V;
-	cuuint64_t V_desc_globalDim[3]= {128,total_k,heads_k};
-	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
-	cuuint32_t V_desc_boxDim[3]= {64,64,1};
-	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
-	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
-	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
-	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
-	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
-
-	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
-
-	if (V_desc_result != CUDA_SUCCESS) {
-		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
-		return -1;
-	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -512,9 +574,9 @@ extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call(half_t* __restri
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
-		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 139280;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel, Delta, K_desc, LSE, Q, V_desc, cu_seqlens_k, cu_seqlens_q, dO, dQ, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_q);
+		config.blockDim = dim3(128, 1, 1);
+		config.dynamicSmemBytes = 90112;
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dO, dQ, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_kernel");
 

@@ -10,7 +10,7 @@
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy_sm90.h>
+#include <tl_templates/cuda/copy.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -20,49 +20,32 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ K, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ K, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 65536));
-  void* idx_s = ((void*)((char*)buf_dyn_shmem + 81920));
-  void* keep_s = ((void*)((char*)buf_dyn_shmem + 90112));
-  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 98304));
-  void* umask_s = ((void*)((char*)buf_dyn_shmem + 106496));
-  void* n_union = ((void*)((char*)buf_dyn_shmem + 114688));
-  __shared__ __align__(16) uint64_t mbarrier_mem[8];
-  auto mbarrier = reinterpret_cast<Barrier*>(mbarrier_mem);
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* idx_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* n_union = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* keep_s = ((void*)((char*)buf_dyn_shmem + 24576));
+  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* umask_s = ((void*)((char*)buf_dyn_shmem + 40960));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 49152));
   int my_keep[16];
   int my_mask[16];
+  int lohi[2];
   int n_it = 0;
   float acc_o[64];
   float l_sum[2];
   float m_cur[2];
-  int lohi[2];
   float acc_s[32];
   float m_prev[2];
-  float m_cur_clear[2];
   float m_safe[2];
   float r_scale[2];
   float r_sum[2];
   bfloat16_t acc_s_cast[32];
-  if (tl::tl_shuffle_elect<0>()) {
-    tl::prefetch_tma_descriptor(K_desc);
-    tl::prefetch_tma_descriptor(V_desc);
-  }
-  if (tl::tl_shuffle_elect<0>()) {
-    mbarrier[0].init(1);
-    mbarrier[1].init(1);
-    mbarrier[2].init(1);
-    mbarrier[3].init(1);
-    mbarrier[4].init(128);
-    mbarrier[5].init(128);
-    mbarrier[6].init(128);
-    mbarrier[7].init(128);
-  }
-  tl::fence_barrier_init();
-  __syncthreads();
+  float m_cur_clear[2];
+  float m_cur_clear_1[2];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -93,27 +76,27 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_fwd_bf
   int len_k = (condval_3 - k0);
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 8; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_1 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_2 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv = (((i * 16) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_3 = (((i * 16) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_1 = (((i * 16) + (((int)threadIdx.x) >> 4)) / groups);
+      int rmod = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rmod_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rmod_2 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rdiv = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
+      int rmod_3 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
+      int rdiv_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
       uint4 condval_4;
-      if ((((((((i * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
+        int64_t rmod_4 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rmod_5 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+        int64_t rmod_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rmod_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
         condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
         condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
     }
     for (int e = 0; e < 16; ++e) {
       int condval_5;
@@ -164,12 +147,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_fwd_bf
         }
       }
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     for (int e_2 = 0; e_2 < 16; ++e_2) {
       ((int*)keep_s)[((e_2 * 128) + ((int)threadIdx.x))] = my_keep[e_2];
     }
     __syncthreads();
-    tl::CumSum1D<256, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 2048);
+    tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 2048);
     __syncthreads();
     for (int e_3 = 0; e_3 < 16; ++e_3) {
       __syncthreads();
@@ -193,243 +178,405 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_fwd_bf
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_3];
       }
     }
-    __syncthreads();
+  }
+  __syncthreads();
+  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     if (((int)threadIdx.x) == 0) {
       ((int*)n_union)[0] = ((int*)keep_s)[2047];
     }
     __syncthreads();
-    tl::fence_proxy_async();
-    if (((int)threadIdx.x) < 128) {
-      n_it = ((int*)n_union)[0];
-      for (int it = 0; it < n_it; ++it) {
-        tl::__sync_thread_partial(3, 128);
-        int blk = ((int*)ublk_s)[it];
-        mbarrier[((it & 1) + 4)].wait((((it & 3) >> 1) ^ 1));
-        tl::__sync_thread_partial(3, 128);
-        if (tl::tl_shuffle_elect<128>()) {
-          mbarrier[(it & 1)].arrive_and_expect_tx(16384);
-          #pragma unroll
-          for (int i_1 = 0; i_1 < 2; ++i_1) {
-            tl::tma_load(K_desc, mbarrier[(it & 1)], (&(((bfloat16_t*)K_s)[(((it & 1) * 8192) + (i_1 * 4096))])), (i_1 * 64), ((blk * 64) + k0), ((int)blockIdx.z));
-          }
-        }
-        mbarrier[((it & 1) + 6)].wait((((it & 3) >> 1) ^ 1));
-        if (tl::tl_shuffle_elect<128>()) {
-          mbarrier[((it & 1) + 2)].arrive_and_expect_tx(16384);
-          #pragma unroll
-          for (int i_2 = 0; i_2 < 2; ++i_2) {
-            tl::tma_load(V_desc, mbarrier[((it & 1) + 2)], (&(((bfloat16_t*)V_s)[(((it & 1) * 8192) + (i_2 * 4096))])), (i_2 * 64), ((blk * 64) + k0), ((int)blockIdx.z));
-          }
+    n_it = ((int*)n_union)[0];
+    #pragma unroll
+    for (int i_1 = 0; i_1 < 16; ++i_1) {
+      float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
+      *(float4*)(acc_o + (i_1 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+    }
+    float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
+    *(float2*)(l_sum + 0) = make_float2(broadcast_var_2, broadcast_var_2);
+    float broadcast_var_3 = -CUDART_INF_F;
+    *(float2*)(m_cur + 0) = make_float2(broadcast_var_3, broadcast_var_3);
+    if (0 < n_it) {
+      if (0 < n_it) {
+        int blk = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_2 = 0; i_2 < 8; ++i_2) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_2 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_2) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_2 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_2 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_2 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_2 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
       }
-    } else {
-      n_it = ((int*)n_union)[0];
+      tl::cp_async_commit();
+    }
+    __syncthreads();
+    if (0 < n_it) {
+      if (0 < n_it) {
+        int blk_1 = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_3 = 0; i_3 < 8; ++i_3) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        }
+      }
+      tl::cp_async_commit();
+    }
+    for (int it = 0; it < (n_it - 1); ++it) {
+      __syncthreads();
+      int blk_2 = ((int*)ublk_s)[it];
       #pragma unroll
-      for (int i_3 = 0; i_3 < 16; ++i_3) {
-        float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_o + (i_3 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+      for (int i_4 = 0; i_4 < 32; ++i_4) {
+        int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        float condval_9;
+        if ((((((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (((((int*)umask_s)[it] >> ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) & 1) == 1)) && (((((blk_2 * 64) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_4 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) - len_q)))) {
+          condval_9 = 0x0p+0f/*0.000000e+00*/;
+        } else {
+          condval_9 = -CUDART_INF_F;
+        }
+        acc_s[i_4] = condval_9;
       }
-      float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-      *(float2*)(l_sum + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-      float broadcast_var_3 = -CUDART_INF_F;
-      *(float2*)(m_cur + 0) = make_float2(broadcast_var_3, broadcast_var_3);
-      for (int it_1 = 0; it_1 < n_it; ++it_1) {
-        int blk_1 = ((int*)ublk_s)[it_1];
+      tl::cp_async_wait<1>();
+      __syncthreads();
+      {
+        tl::GmmaDescriptor desc_a;
+        tl::GmmaDescriptor desc_b;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
         #pragma unroll
-        for (int i_4 = 0; i_4 < 32; ++i_4) {
-          int rmod_8 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          int rdiv_4 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-          int rmod_9 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          int rdiv_5 = ((((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-          float condval_9;
-          if ((((((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups) + 64)) && (((((int*)umask_s)[it_1] >> ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) & 1) == 1)) && (((((blk_1 * 64) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_4 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) - len_q)))) {
-            condval_9 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_9 = -CUDART_INF_F;
-          }
-          acc_s[i_4] = condval_9;
+        for (int ki = 0; ki < 8; ++ki) {
+          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
         }
-        mbarrier[(it_1 & 1)].wait(((it_1 & 3) >> 1));
-        {
-          tl::GmmaDescriptor desc_a;
-          tl::GmmaDescriptor desc_b;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b, ((it_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-          tl::warpgroup_arrive();
-          #pragma unroll
-          for (int ki = 0; ki < 8; ++ki) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        }
-        mbarrier[((it_1 & 1) + 4)].arrive();
-        *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+      }
+      int blk_3 = ((int*)ublk_s)[(it + 1)];
+      __syncthreads();
+      #pragma unroll
+      for (int i_5 = 0; i_5 < 8; ++i_5) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_5) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      }
+      tl::cp_async_commit();
+      *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
+      #pragma unroll
+      for (int i_6 = 0; i_6 < 2; ++i_6) {
+        m_cur_clear[i_6] = -CUDART_INF_F;
         #pragma unroll
-        for (int i_5 = 0; i_5 < 2; ++i_5) {
-          m_cur_clear[i_5] = -CUDART_INF_F;
-          #pragma unroll
-          for (int rv = 0; rv < 16; ++rv) {
-            m_cur_clear[i_5] = max(m_cur_clear[i_5], acc_s[((((rv & 7) * 4) + (i_5 * 2)) + (rv >> 3))]);
-          }
-          m_cur_clear[i_5] = tl::AllReduce<tl::MaxOp, 4, 1, 128, tl::NamedBarrier<128>>::run(m_cur_clear[i_5]);
-          m_cur[i_5] = max(m_cur[i_5], m_cur_clear[i_5]);
+        for (int rv = 0; rv < 16; ++rv) {
+          m_cur_clear[i_6] = max(m_cur_clear[i_6], acc_s[((((rv & 7) * 4) + (i_6 * 2)) + (rv >> 3))]);
         }
+        m_cur_clear[i_6] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_6]);
+        m_cur[i_6] = max(m_cur[i_6], m_cur_clear[i_6]);
+      }
+      #pragma unroll
+      for (int i_7 = 0; i_7 < 2; ++i_7) {
+        float condval_10;
+        if ((m_cur[i_7] == -CUDART_INF_F)) {
+          condval_10 = 0x0p+0f/*0.000000e+00*/;
+        } else {
+          condval_10 = m_cur[i_7];
+        }
+        m_safe[i_7] = condval_10;
+        r_scale[i_7] = exp2f(((m_prev[i_7] - m_safe[i_7]) * scale_log2));
+      }
+      #pragma unroll
+      for (int i_8 = 0; i_8 < 16; ++i_8) {
+        float2 __2;
+        float2 __3;
+          float2 __4;
+            float2 v_ = *(float2*)(acc_s + (i_8 * 2));
+            float2 v__1 = make_float2(m_safe[(i_8 & 1)], m_safe[(i_8 & 1)]);
+            __4.x = (v_.x-v__1.x);
+            __4.y = (v_.y-v__1.y);
+          float2 v__2 = make_float2(scale_log2, scale_log2);
+          __3.x = (__4.x*v__2.x);
+          __3.y = (__4.y*v__2.y);
+        __2.x = exp2f(__3.x);
+        __2.y = exp2f(__3.y);
+        *(float2*)(acc_s + (i_8 * 2)) = __2;
+      }
+      #pragma unroll
+      for (int i_9 = 0; i_9 < 2; ++i_9) {
+        r_sum[i_9] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
-        for (int i_6 = 0; i_6 < 2; ++i_6) {
-          float condval_10;
-          if ((m_cur[i_6] == -CUDART_INF_F)) {
-            condval_10 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_10 = m_cur[i_6];
-          }
-          m_safe[i_6] = condval_10;
-          r_scale[i_6] = exp2f(((m_prev[i_6] - m_safe[i_6]) * scale_log2));
+        for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
+          r_sum[i_9] = (r_sum[i_9] + acc_s[((((rv_1 & 7) * 4) + (i_9 * 2)) + (rv_1 >> 3))]);
         }
-        #pragma unroll
-        for (int i_7 = 0; i_7 < 16; ++i_7) {
-          float2 __2;
-          float2 __3;
-            float2 __4;
-              float2 v_ = *(float2*)(acc_s + (i_7 * 2));
-              float2 v__1 = make_float2(m_safe[(i_7 & 1)], m_safe[(i_7 & 1)]);
-              __4.x = (v_.x-v__1.x);
-              __4.y = (v_.y-v__1.y);
-            float2 v__2 = make_float2(scale_log2, scale_log2);
-            __3.x = (__4.x*v__2.x);
-            __3.y = (__4.y*v__2.y);
-          __2.x = exp2f(__3.x);
-          __2.y = exp2f(__3.y);
-          *(float2*)(acc_s + (i_7 * 2)) = __2;
-        }
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 2; ++i_8) {
-          r_sum[i_8] = 0x0p+0f/*0.000000e+00*/;
-          #pragma unroll
-          for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-            r_sum[i_8] = (r_sum[i_8] + acc_s[((((rv_1 & 7) * 4) + (i_8 * 2)) + (rv_1 >> 3))]);
-          }
-          r_sum[i_8] = tl::AllReduce<tl::SumOp, 4, 1, 128, tl::NamedBarrier<128>>::run(r_sum[i_8]);
-        }
-        float2 __5;
-          float2 __6;
-            float2 v__3 = *(float2*)(l_sum + 0);
-            float2 v__4 = *(float2*)(r_scale + 0);
-            __6.x = (v__3.x*v__4.x);
-            __6.y = (v__3.y*v__4.y);
-          float2 v__5 = *(float2*)(r_sum + 0);
-          __5.x = (__6.x+v__5.x);
-          __5.y = (__6.y+v__5.y);
-        *(float2*)(l_sum + 0) = __5;
-        #pragma unroll
-        for (int i_9 = 0; i_9 < 8; ++i_9) {
-          uint2 __7;
-          float4 v__6 = *(float4*)(acc_s + (i_9 * 4));
-          (reinterpret_cast<__nv_bfloat162*>(&__7))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
-          (reinterpret_cast<__nv_bfloat162*>(&__7))[1] = __float22bfloat162_rn(((float2*)(&v__6))[1]);
-          *(uint2*)(acc_s_cast + (i_9 * 4)) = __7;
-        }
-        #pragma unroll
-        for (int i_10 = 0; i_10 < 32; ++i_10) {
-          float2 __8;
-            float2 v__7 = *(float2*)(acc_o + (i_10 * 2));
-            float2 v__8 = make_float2(r_scale[(i_10 & 1)], r_scale[(i_10 & 1)]);
-            __8.x = (v__7.x*v__8.x);
-            __8.y = (v__7.y*v__8.y);
-          *(float2*)(acc_o + (i_10 * 2)) = __8;
-        }
-        mbarrier[((it_1 & 1) + 2)].wait(((it_1 & 3) >> 1));
-        {
-          tl::GmmaDescriptor desc_b_1;
-          tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
-          tl::increase_descriptor_offset<int>(desc_b_1, ((it_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-          tl::warpgroup_arrive();
-          #pragma unroll
-          for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_1 * 8)), uint64_t(desc_b_1 + ((ki_1 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-        }
-        mbarrier[((it_1 & 1) + 6)].arrive();
+        r_sum[i_9] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_9]);
+      }
+      float2 __5;
+        float2 __6;
+          float2 v__3 = *(float2*)(l_sum + 0);
+          float2 v__4 = *(float2*)(r_scale + 0);
+          __6.x = (v__3.x*v__4.x);
+          __6.y = (v__3.y*v__4.y);
+        float2 v__5 = *(float2*)(r_sum + 0);
+        __5.x = (__6.x+v__5.x);
+        __5.y = (__6.y+v__5.y);
+      *(float2*)(l_sum + 0) = __5;
+      #pragma unroll
+      for (int i_10 = 0; i_10 < 8; ++i_10) {
+        uint2 __7;
+        float4 v__6 = *(float4*)(acc_s + (i_10 * 4));
+        (reinterpret_cast<__nv_bfloat162*>(&__7))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__7))[1] = __float22bfloat162_rn(((float2*)(&v__6))[1]);
+        *(uint2*)(acc_s_cast + (i_10 * 4)) = __7;
       }
       #pragma unroll
       for (int i_11 = 0; i_11 < 32; ++i_11) {
-        bfloat16_t O_local_cast[2];
-        if (((((((int)threadIdx.x) >> 5) * 16) + ((i_11 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups) + 64)) {
-          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-          uint1 __9;
-          float2 condval_11;
-          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_11 & 1)])) {
-            float2 __10;
-              float2 v__9 = *(float2*)(acc_o + (i_11 * 2));
-              float2 v__10 = make_float2(l_sum[(i_11 & 1)], l_sum[(i_11 & 1)]);
-              __10.x = (v__9.x/v__10.x);
-              __10.y = (v__9.y/v__10.y);
-            condval_11 = __10;
-          } else {
-            condval_11 = make_float2(broadcast_var_4, broadcast_var_4);
-          }
-          (reinterpret_cast<__nv_bfloat162*>(&__9))[0] = __float22bfloat162_rn(((float2*)(&condval_11))[0]);
-          *(uint1*)(O_local_cast + 0) = __9;
-          int rmod_10 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_11 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-          if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups)))) {
-            int rmod_11 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_11 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-            if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + groups))) < heads) {
-              int rmod_12 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_11 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-              int rdiv_6 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_11 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-              if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1)))) {
-                int rmod_13 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_11 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-                int rdiv_7 = ((((((((int)threadIdx.x) >> 5) * 16) + ((i_11 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-                if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_13)) || ((groups < 0) && (rmod_13 <= 0))) ? rdiv_7 : (rdiv_7 - 1))) < total_q) {
-                  int64_t rmod_14 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_11) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rmod_15 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_11) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rdiv_8 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_11) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-                  int64_t rmod_16 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_11) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rmod_17 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_11) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                  int64_t rdiv_9 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_11) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-                  *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rmod_16 : (rmod_16 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)groups) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_11) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
-                }
+        float2 __8;
+          float2 v__7 = *(float2*)(acc_o + (i_11 * 2));
+          float2 v__8 = make_float2(r_scale[(i_11 & 1)], r_scale[(i_11 & 1)]);
+          __8.x = (v__7.x*v__8.x);
+          __8.y = (v__7.y*v__8.y);
+        *(float2*)(acc_o + (i_11 * 2)) = __8;
+      }
+      tl::cp_async_wait<1>();
+      __syncthreads();
+      {
+        tl::GmmaDescriptor desc_b_1;
+        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
+          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_1 * 8)), uint64_t(desc_b_1 + ((ki_1 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
+      }
+      int blk_4 = ((int*)ublk_s)[(it + 1)];
+      __syncthreads();
+      #pragma unroll
+      for (int i_12 = 0; i_12 < 8; ++i_12) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_12 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_12) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      }
+      tl::cp_async_commit();
+    }
+    __syncthreads();
+    if (1 <= n_it) {
+      int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
+      #pragma unroll
+      for (int i_13 = 0; i_13 < 32; ++i_13) {
+        int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_13 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_13 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_13 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_7 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_13 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        float condval_11;
+        if ((((((((((int)threadIdx.x) >> 5) * 16) + (((i_13 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) & 1) == 1)) && (((((blk_5 * 64) + ((i_13 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_13 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1))) - len_q)))) {
+          condval_11 = 0x0p+0f/*0.000000e+00*/;
+        } else {
+          condval_11 = -CUDART_INF_F;
+        }
+        acc_s[i_13] = condval_11;
+      }
+    }
+    tl::cp_async_wait<1>();
+    __syncthreads();
+    if (1 <= n_it) {
+      {
+        tl::GmmaDescriptor desc_a_1;
+        tl::GmmaDescriptor desc_b_2;
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)Q_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
+          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), uint64_t(desc_b_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+      }
+    }
+    if (1 <= n_it) {
+      *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
+    }
+    if (1 <= n_it) {
+      #pragma unroll
+      for (int i_14 = 0; i_14 < 2; ++i_14) {
+        m_cur_clear_1[i_14] = -CUDART_INF_F;
+        #pragma unroll
+        for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
+          m_cur_clear_1[i_14] = max(m_cur_clear_1[i_14], acc_s[((((rv_2 & 7) * 4) + (i_14 * 2)) + (rv_2 >> 3))]);
+        }
+        m_cur_clear_1[i_14] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_14]);
+        m_cur[i_14] = max(m_cur[i_14], m_cur_clear_1[i_14]);
+      }
+    }
+    if (1 <= n_it) {
+      #pragma unroll
+      for (int i_15 = 0; i_15 < 2; ++i_15) {
+        float condval_12;
+        if ((m_cur[i_15] == -CUDART_INF_F)) {
+          condval_12 = 0x0p+0f/*0.000000e+00*/;
+        } else {
+          condval_12 = m_cur[i_15];
+        }
+        m_safe[i_15] = condval_12;
+        r_scale[i_15] = exp2f(((m_prev[i_15] - m_safe[i_15]) * scale_log2));
+      }
+    }
+    if (1 <= n_it) {
+      #pragma unroll
+      for (int i_16 = 0; i_16 < 16; ++i_16) {
+        float2 __9;
+        float2 __10;
+          float2 __11;
+            float2 v__9 = *(float2*)(acc_s + (i_16 * 2));
+            float2 v__10 = make_float2(m_safe[(i_16 & 1)], m_safe[(i_16 & 1)]);
+            __11.x = (v__9.x-v__10.x);
+            __11.y = (v__9.y-v__10.y);
+          float2 v__11 = make_float2(scale_log2, scale_log2);
+          __10.x = (__11.x*v__11.x);
+          __10.y = (__11.y*v__11.y);
+        __9.x = exp2f(__10.x);
+        __9.y = exp2f(__10.y);
+        *(float2*)(acc_s + (i_16 * 2)) = __9;
+      }
+    }
+    if (1 <= n_it) {
+      #pragma unroll
+      for (int i_17 = 0; i_17 < 2; ++i_17) {
+        r_sum[i_17] = 0x0p+0f/*0.000000e+00*/;
+        #pragma unroll
+        for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
+          r_sum[i_17] = (r_sum[i_17] + acc_s[((((rv_3 & 7) * 4) + (i_17 * 2)) + (rv_3 >> 3))]);
+        }
+        r_sum[i_17] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_17]);
+      }
+    }
+    if (1 <= n_it) {
+      float2 __12;
+        float2 __13;
+          float2 v__12 = *(float2*)(l_sum + 0);
+          float2 v__13 = *(float2*)(r_scale + 0);
+          __13.x = (v__12.x*v__13.x);
+          __13.y = (v__12.y*v__13.y);
+        float2 v__14 = *(float2*)(r_sum + 0);
+        __12.x = (__13.x+v__14.x);
+        __12.y = (__13.y+v__14.y);
+      *(float2*)(l_sum + 0) = __12;
+    }
+    if (1 <= n_it) {
+      #pragma unroll
+      for (int i_18 = 0; i_18 < 8; ++i_18) {
+        uint2 __14;
+        float4 v__15 = *(float4*)(acc_s + (i_18 * 4));
+        (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&v__15))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__14))[1] = __float22bfloat162_rn(((float2*)(&v__15))[1]);
+        *(uint2*)(acc_s_cast + (i_18 * 4)) = __14;
+      }
+    }
+    if (1 <= n_it) {
+      #pragma unroll
+      for (int i_19 = 0; i_19 < 32; ++i_19) {
+        float2 __15;
+          float2 v__16 = *(float2*)(acc_o + (i_19 * 2));
+          float2 v__17 = make_float2(r_scale[(i_19 & 1)], r_scale[(i_19 & 1)]);
+          __15.x = (v__16.x*v__17.x);
+          __15.y = (v__16.y*v__17.y);
+        *(float2*)(acc_o + (i_19 * 2)) = __15;
+      }
+    }
+    tl::cp_async_wait<0>();
+    __syncthreads();
+    if (1 <= n_it) {
+      {
+        tl::GmmaDescriptor desc_b_3;
+        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)V_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
+        tl::warpgroup_arrive();
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
+        }
+        tl::warpgroup_commit_batch();
+        tl::warpgroup_wait<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
+      }
+    }
+    #pragma unroll
+    for (int i_20 = 0; i_20 < 32; ++i_20) {
+      bfloat16_t O_local_cast[2];
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+        uint1 __16;
+        float2 condval_13;
+        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_20 & 1)])) {
+          float2 __17;
+            float2 v__18 = *(float2*)(acc_o + (i_20 * 2));
+            float2 v__19 = make_float2(l_sum[(i_20 & 1)], l_sum[(i_20 & 1)]);
+            __17.x = (v__18.x/v__19.x);
+            __17.y = (v__18.y/v__19.y);
+          condval_13 = __17;
+        } else {
+          condval_13 = make_float2(broadcast_var_4, broadcast_var_4);
+        }
+        (reinterpret_cast<__nv_bfloat162*>(&__16))[0] = __float22bfloat162_rn(((float2*)(&condval_13))[0]);
+        *(uint1*)(O_local_cast + 0) = __16;
+        int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rmod_12 : (rmod_12 + groups)))) {
+          int rmod_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_13)) || ((groups < 0) && (rmod_13 <= 0))) ? rmod_13 : (rmod_13 + groups))) < heads) {
+            int rmod_14 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_14)) || ((groups < 0) && (rmod_14 <= 0))) ? rdiv_8 : (rdiv_8 - 1)))) {
+              int rmod_15 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_15)) || ((groups < 0) && (rmod_15 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < total_q) {
+                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_17 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_18 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_18)) || ((((int64_t)groups) < (int64_t)0) && (rmod_18 <= (int64_t)0))) ? rmod_18 : (rmod_18 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_19)) || ((((int64_t)groups) < (int64_t)0) && (rmod_19 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_20) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
               }
             }
           }
         }
       }
-      if ((((int)threadIdx.x) % 4) == 0) {
-        #pragma unroll
-        for (int i_12 = 0; i_12 < 2; ++i_12) {
-          if (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups) + 64)) {
-            int rmod_18 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-            int rdiv_10 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1)))) {
-              int rmod_19 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-              int rdiv_11 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_11 : (rdiv_11 - 1))) < total_q) {
-                int rmod_20 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-                if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups)))) {
-                  int rmod_21 = ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) - 64) % groups);
-                  if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rmod_21 : (rmod_21 + groups))) < heads) {
-                    float condval_12;
-                    if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_12])) {
-                      condval_12 = (((m_cur[i_12] * scale_log2) + log2f(l_sum[i_12])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
-                    } else {
-                      condval_12 = -CUDART_INF_F;
-                    }
-                    int64_t rmod_22 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                    int64_t rmod_23 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                    int64_t rdiv_12 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-                    int64_t rmod_24 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                    int64_t rmod_25 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) % ((int64_t)groups));
-                    int64_t rdiv_13 = ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) - (int64_t)64) / ((int64_t)groups));
-                    LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rmod_24 : (rmod_24 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_25)) || ((((int64_t)groups) < (int64_t)0) && (rmod_25 <= (int64_t)0))) ? rdiv_13 : (rdiv_13 - (int64_t)1)))] = condval_12;
+    }
+    if ((((int)threadIdx.x) % 4) == 0) {
+      #pragma unroll
+      for (int i_21 = 0; i_21 < 2; ++i_21) {
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_21 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+          int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_21 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_21 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+          if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rdiv_12 : (rdiv_12 - 1)))) {
+            int rmod_21 = (((((((int)threadIdx.x) >> 5) * 16) + (i_21 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_21 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < total_q) {
+              int rmod_22 = (((((((int)threadIdx.x) >> 5) * 16) + (i_21 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_22)) || ((groups < 0) && (rmod_22 <= 0))) ? rmod_22 : (rmod_22 + groups)))) {
+                int rmod_23 = (((((((int)threadIdx.x) >> 5) * 16) + (i_21 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_23)) || ((groups < 0) && (rmod_23 <= 0))) ? rmod_23 : (rmod_23 + groups))) < heads) {
+                  float condval_14;
+                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_21])) {
+                    condval_14 = (((m_cur[i_21] * scale_log2) + log2f(l_sum[i_21])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  } else {
+                    condval_14 = -CUDART_INF_F;
                   }
+                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_21) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_25 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_21) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_21) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_26 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_21) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_27 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_21) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_21) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_26)) || ((((int64_t)groups) < (int64_t)0) && (rmod_26 <= (int64_t)0))) ? rmod_26 : (rmod_26 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)groups) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))] = condval_14;
                 }
               }
             }
@@ -458,9 +605,9 @@ extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_sm90a_last_error() {
 extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 114704);
+    cudaError_t result_infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536);
     if (result_infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 114704, cudaGetErrorString(result_infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 65536, cudaGetErrorString(result_infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel));
         return -1;
     }
 
@@ -468,48 +615,6 @@ extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init() {
 }
 
 extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, int* __restrict__ topk_idx, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ O, float* __restrict__ LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream) {
-
-	CUtensorMap K_desc;
-	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)9;
-	cuuint32_t K_desc_tensorRank= 3;
-	void *K_desc_globalAddress= K;
-	cuuint64_t K_desc_globalDim[3]= {128,total_k,heads_k};
-	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
-	cuuint32_t K_desc_boxDim[3]= {64,64,1};
-	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
-	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
-	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
-	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
-	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
-
-	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
-
-	if (K_desc_result != CUDA_SUCCESS) {
-		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
-		return -1;
-	}
-
-	CUtensorMap V_desc;
-	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)9;
-	cuuint32_t V_desc_tensorRank= 3;
-	void *V_desc_globalAddress= V;
-	cuuint64_t V_desc_globalDim[3]= {128,total_k,heads_k};
-	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
-	cuuint32_t V_desc_boxDim[3]= {64,64,1};
-	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
-	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
-	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
-	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
-	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
-
-	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
-    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
-
-	if (V_desc_result != CUDA_SUCCESS) {
-		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
-		return -1;
-	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -520,9 +625,9 @@ extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call(bfloat16_t* __restr
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
-		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 114704;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel, K_desc, LSE, O, Q, V_desc, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_q);
+		config.blockDim = dim3(128, 1, 1);
+		config.dynamicSmemBytes = 65536;
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel, K, LSE, O, Q, V, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_fwd_bf16_d128_sm90a_kernel");
 

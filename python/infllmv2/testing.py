@@ -36,25 +36,33 @@ def error_ratio(out: torch.Tensor, lowp: torch.Tensor, ref32: torch.Tensor) -> t
     return (out.float() - ref).abs().max().item(), (lowp.float() - ref).abs().max().item()
 
 
-def within_error_rule(out, lowp, ref32, factor=2.0) -> tuple[bool, float, float]:
+def within_error_rule(out, lowp, ref32, factor=2.0, floor=None) -> tuple[bool, float, float]:
     """The library's error rule: ``err(out) <= factor * err(lowp)`` against the fp32 oracle.
 
-    ``lowp`` is the same computation in PyTorch in the input dtype. A floor of a few fp32
-    ulps of the output's magnitude covers the case where the PyTorch result is exact.
+    ``lowp`` is the same computation in PyTorch in the input dtype. ``floor`` (default: a few
+    fp32 ulps of the output's magnitude) covers results where PyTorch happens to be exact;
+    gradients pass one sized to the terms that cancel in them (see GRAD_FLOOR).
     Returns ``(ok, err, lowp_err)``; NaN anywhere in ``out`` fails.
     """
     if out.numel() == 0:
         return True, 0.0, 0.0
     err, base = error_ratio(out, lowp, ref32)
-    floor = 4 * torch.finfo(torch.float32).eps * max(ref32.float().abs().max().item(), 1.0)
+    if floor is None:
+        floor = 4 * torch.finfo(torch.float32).eps * max(ref32.float().abs().max().item(), 1.0)
     ok = not torch.isnan(out).any().item() and err <= factor * base + floor
     return ok, err, base
 
 
-def assert_close_to_reference(out, lowp, ref32, factor=2.0, what="output"):
+# Attention gradients are differences of O(1) terms (dS = P * (dP - Delta)): where they cancel
+# exactly in PyTorch (one visible key: P = 1, dP = Delta), fp32 accumulation order alone
+# leaves ~1e-6 in a kernel. 1e-5 is far below any bf16/fp16 error of these tests (~1e-3).
+GRAD_FLOOR = 1e-5
+
+
+def assert_close_to_reference(out, lowp, ref32, factor=2.0, what="output", floor=None):
     assert out.shape == ref32.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref32.shape)}"
     assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten or poisoned rows?)"
-    ok, err, base = within_error_rule(out, lowp, ref32, factor)
+    ok, err, base = within_error_rule(out, lowp, ref32, factor, floor)
     assert ok, f"{what}: error {err:.3g} > {factor} x PyTorch {out.dtype} error {base:.3g}"
 
 
