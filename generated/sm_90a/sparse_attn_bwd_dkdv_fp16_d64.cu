@@ -20,7 +20,7 @@
 #endif
 
 extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
+extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 8192));
@@ -29,18 +29,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   void* dsT_s = ((void*)((char*)buf_dyn_shmem + 32768));
   void* pT_s = ((void*)((char*)buf_dyn_shmem + 40960));
   void* flag_s = ((void*)((char*)buf_dyn_shmem + 49152));
-  void* tile_s = ((void*)((char*)buf_dyn_shmem + 50176));
-  void* tmask_s = ((void*)((char*)buf_dyn_shmem + 51200));
-  void* delta_s = ((void*)((char*)buf_dyn_shmem + 52224));
-  void* lse_s = ((void*)((char*)buf_dyn_shmem + 52480));
-  void* n_mem = ((void*)((char*)buf_dyn_shmem + 52736));
-  float acc_dk[16];
-  float acc_dv[16];
+  void* tile_s = ((void*)((char*)buf_dyn_shmem + 51200));
+  void* tmask_s = ((void*)((char*)buf_dyn_shmem + 53248));
+  void* delta_s = ((void*)((char*)buf_dyn_shmem + 55296));
+  void* lse_s = ((void*)((char*)buf_dyn_shmem + 55552));
+  void* n_mem = ((void*)((char*)buf_dyn_shmem + 55808));
+  float acc_dk[8];
+  float acc_dv[8];
   int my_mask = 0;
   int lohi[2];
   int n_m = 0;
-  float acc_sT[16];
-  float acc_dpT[16];
+  float acc_sT[8];
+  float acc_dpT[8];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -70,53 +70,47 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   }
   int len_k = (condval_3 - k0);
   if ((((int)blockIdx.x) * 64) < len_k) {
+    half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
+    uint4 condval_4;
+    if ((((((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0)))) {
+      condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+    } else {
+      condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+    }
+    *(uint4*)(((half_t*)K_s) + (((((((int)threadIdx.x) >> 3) * 64) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+    half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
+    uint4 condval_5;
+    if ((((((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0)))) {
+      condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+    } else {
+      condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
+    }
+    *(uint4*)(((half_t*)V_s) + (((((((int)threadIdx.x) >> 3) * 64) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
     #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_4;
-      if (((((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-      } else {
-        condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
-      }
-      *(uint4*)(((half_t*)K_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
+      *(float4*)(acc_dk + (i * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
     }
     #pragma unroll
     for (int i_1 = 0; i_1 < 2; ++i_1) {
-      half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
-      if (((((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-      } else {
-        condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
-      }
-      *(uint4*)(((half_t*)V_s) + (((((i_1 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
-    }
-    #pragma unroll
-    for (int i_2 = 0; i_2 < 4; ++i_2) {
-      float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_dk + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
-    }
-    #pragma unroll
-    for (int i_3 = 0; i_3 < 4; ++i_3) {
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+      *(float4*)(acc_dv + (i_1 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
     int rmod = (((len_q + tile_tokens) - 1) % tile_tokens);
     int rdiv = (((len_q + tile_tokens) - 1) / tile_tokens);
     int rmod_1 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
     int rdiv_1 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-    for (int chunk = 0; chunk < ((max((((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) - ((((0 <= tile_tokens) && (0 <= rmod_1)) || ((tile_tokens < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1))), 0) + 255) >> 8); ++chunk) {
+    for (int chunk = 0; chunk < ((max((((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) - ((((0 <= tile_tokens) && (0 <= rmod_1)) || ((tile_tokens < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1))), 0) + 511) >> 9); ++chunk) {
       my_mask = 0;
       int rmod_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
       int rdiv_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
       int rmod_3 = (((len_q + tile_tokens) - 1) % tile_tokens);
       int rdiv_3 = (((len_q + tile_tokens) - 1) / tile_tokens);
-      if ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1))) + ((int)threadIdx.x)) < ((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) {
+      if ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1))) + ((int)threadIdx.x)) < ((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) {
         for (int t = 0; t < 16; ++t) {
           int rmod_4 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
           int rdiv_4 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          if ((t < tile_tokens) && ((((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t) < len_q)) {
+          if ((t < tile_tokens) && ((((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t) < len_q)) {
             lohi[0] = 0;
             lohi[1] = topk;
             for (int __1 = 0; __1 < 8; ++__1) {
@@ -126,12 +120,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                 int rmod_6 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
                 int rdiv_6 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
                 int condval_6;
-                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_6)) || ((tile_tokens < 0) && (rmod_6 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
+                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_6)) || ((tile_tokens < 0) && (rmod_6 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
                   int64_t rmod_7 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
                   int64_t rdiv_7 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
                   int64_t rmod_8 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
                   int64_t rdiv_8 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_6 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_8)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_8 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
+                  condval_6 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_8)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_8 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
                 } else {
                   condval_6 = 0;
                 }
@@ -140,12 +134,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                 int rmod_10 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
                 int rdiv_10 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
                 int condval_7;
-                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_9)) || ((tile_tokens < 0) && (rmod_9 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_10)) || ((tile_tokens < 0) && (rmod_10 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
+                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_9)) || ((tile_tokens < 0) && (rmod_9 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_10)) || ((tile_tokens < 0) && (rmod_10 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
                   int64_t rmod_11 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
                   int64_t rdiv_11 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
                   int64_t rmod_12 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
                   int64_t rdiv_12 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_7 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_12)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_12 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
+                  condval_7 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_12)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_12 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
                 } else {
                   condval_7 = 0;
                 }
@@ -161,12 +155,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             int rmod_14 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
             int rdiv_14 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
             int condval_8;
-            if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_13)) || ((tile_tokens < 0) && (rmod_13 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_14)) || ((tile_tokens < 0) && (rmod_14 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
+            if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_13)) || ((tile_tokens < 0) && (rmod_13 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_14)) || ((tile_tokens < 0) && (rmod_14 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
               int64_t rmod_15 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
               int64_t rdiv_15 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
               int64_t rmod_16 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
               int64_t rdiv_16 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
+              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
             } else {
               condval_8 = 0;
             }
@@ -184,12 +178,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       }
       ((int*)flag_s)[((int)threadIdx.x)] = condval_9;
       __syncthreads();
-      tl::CumSum1D<256, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 256);
+      tl::CumSum1D<512, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 512);
       __syncthreads();
       if (my_mask != 0) {
         int rmod_17 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
         int rdiv_17 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-        ((int*)tile_s)[(((int64_t)((int*)flag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_17)) || ((tile_tokens < 0) && (rmod_17 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) + ((int)threadIdx.x));
+        ((int*)tile_s)[(((int64_t)((int*)flag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_17)) || ((tile_tokens < 0) && (rmod_17 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) + ((int)threadIdx.x));
       }
       __syncthreads();
       if (my_mask != 0) {
@@ -197,56 +191,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       }
       __syncthreads();
       if (((int)threadIdx.x) == 0) {
-        ((int*)n_mem)[0] = ((int*)flag_s)[255];
+        ((int*)n_mem)[0] = ((int*)flag_s)[511];
       }
       __syncthreads();
       n_m = ((int*)n_mem)[0];
       for (int m = 0; m < n_m; ++m) {
         int t0 = (((int*)tile_s)[m] * tile_tokens);
         __syncthreads();
-        #pragma unroll
-        for (int i_4 = 0; i_4 < 2; ++i_4) {
-          half_t broadcast_var_4 = half_t(0x0p+0f/*0.000000e+00*/);
-          int rmod_18 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_19 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_20 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_18 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-          int rmod_21 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_19 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-          uint4 condval_10;
-          if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rdiv_18 : (rdiv_18 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) < total_q))) {
-            int64_t rmod_22 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_23 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_20 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            int64_t rmod_24 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_25 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_21 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            condval_10 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rmod_24 : (rmod_24 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_25)) || ((((int64_t)groups) < (int64_t)0) && (rmod_25 <= (int64_t)0))) ? rdiv_21 : (rdiv_21 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-          } else {
-            condval_10 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
-          }
-          *(uint4*)(((half_t*)Q_s) + (((((((((int)threadIdx.x) & 7) >> 2) * 2048) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_10;
-          half_t broadcast_var_5 = half_t(0x0p+0f/*0.000000e+00*/);
-          int rmod_26 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_27 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_28 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_22 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-          int rmod_29 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_23 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-          uint4 condval_11;
-          if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_22 : (rdiv_22 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_29)) || ((groups < 0) && (rmod_29 <= 0))) ? rdiv_23 : (rdiv_23 - 1))) < total_q))) {
-            int64_t rmod_30 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_31 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_24 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            int64_t rmod_32 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_33 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_25 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            condval_11 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rmod_32 : (rmod_32 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_33)) || ((((int64_t)groups) < (int64_t)0) && (rmod_33 <= (int64_t)0))) ? rdiv_25 : (rdiv_25 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-          } else {
-            condval_11 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
-          }
-          *(uint4*)(((half_t*)dO_s) + (((((((((int)threadIdx.x) & 7) >> 2) * 2048) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_11;
+        half_t broadcast_var_4 = half_t(0x0p+0f/*0.000000e+00*/);
+        int rmod_18 = ((((int)threadIdx.x) >> 3) % groups);
+        int rmod_19 = ((((int)threadIdx.x) >> 3) % groups);
+        int rmod_20 = ((((int)threadIdx.x) >> 3) % groups);
+        int rdiv_18 = ((((int)threadIdx.x) >> 3) / groups);
+        int rmod_21 = ((((int)threadIdx.x) >> 3) % groups);
+        int rdiv_19 = ((((int)threadIdx.x) >> 3) / groups);
+        uint4 condval_10;
+        if (((((((((int)threadIdx.x) >> 3) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rdiv_18 : (rdiv_18 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) < total_q))) {
+          int64_t rmod_22 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rmod_23 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rdiv_20 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) / ((int64_t)groups));
+          int64_t rmod_24 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rmod_25 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rdiv_21 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) / ((int64_t)groups));
+          condval_10 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rmod_24 : (rmod_24 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_25)) || ((((int64_t)groups) < (int64_t)0) && (rmod_25 <= (int64_t)0))) ? rdiv_21 : (rdiv_21 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        } else {
+          condval_10 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
         }
+        *(uint4*)(((half_t*)Q_s) + (((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_10;
+        half_t broadcast_var_5 = half_t(0x0p+0f/*0.000000e+00*/);
+        int rmod_26 = ((((int)threadIdx.x) >> 3) % groups);
+        int rmod_27 = ((((int)threadIdx.x) >> 3) % groups);
+        int rmod_28 = ((((int)threadIdx.x) >> 3) % groups);
+        int rdiv_22 = ((((int)threadIdx.x) >> 3) / groups);
+        int rmod_29 = ((((int)threadIdx.x) >> 3) % groups);
+        int rdiv_23 = ((((int)threadIdx.x) >> 3) / groups);
+        uint4 condval_11;
+        if (((((((((int)threadIdx.x) >> 3) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_22 : (rdiv_22 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_29)) || ((groups < 0) && (rmod_29 <= 0))) ? rdiv_23 : (rdiv_23 - 1))) < total_q))) {
+          int64_t rmod_30 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rmod_31 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rdiv_24 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) / ((int64_t)groups));
+          int64_t rmod_32 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rmod_33 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) % ((int64_t)groups));
+          int64_t rdiv_25 = ((((int64_t)((int)threadIdx.x)) >> (int64_t)3) / ((int64_t)groups));
+          condval_11 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rmod_32 : (rmod_32 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_33)) || ((((int64_t)groups) < (int64_t)0) && (rmod_33 <= (int64_t)0))) ? rdiv_25 : (rdiv_25 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        } else {
+          condval_11 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
+        }
+        *(uint4*)(((half_t*)dO_s) + (((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_11;
         __syncthreads();
         if (((int)threadIdx.x) < 64) {
           float condval_12;
@@ -295,77 +286,74 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           ((float*)delta_s)[((int)threadIdx.x)] = condval_14;
         }
         #pragma unroll
-        for (int i_5 = 0; i_5 < 4; ++i_5) {
+        for (int i_2 = 0; i_2 < 2; ++i_2) {
           float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_sT + (i_5 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+          *(float4*)(acc_sT + (i_2 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
         }
         {
           tl::GmmaDescriptor desc_a;
           tl::GmmaDescriptor desc_b;
           __syncthreads();
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)K_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b, (&(((half_t*)Q_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 16);
+          tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b, (&(((half_t*)Q_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
           tl::warpgroup_arrive();
           tl::fence_proxy_async();
           #pragma unroll
           for (int ki = 0; ki < 4; ++ki) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 32, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + (((((ki >> 1) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + ((ki & 1) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + (((ki * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
         }
         #pragma unroll
-        for (int i_6 = 0; i_6 < 16; ++i_6) {
-          int rmod_50 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) % groups);
-          int rdiv_34 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) / groups);
-          int rmod_51 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) % groups);
-          int rdiv_35 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) / groups);
+        for (int i_3 = 0; i_3 < 8; ++i_3) {
+          int rmod_50 = ((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) % groups);
+          int rdiv_34 = ((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) / groups);
+          int rmod_51 = ((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) % groups);
+          int rdiv_35 = ((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) / groups);
           float condval_15;
-          if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] != -CUDART_INF_F)) && (((((int*)tmask_s)[m] >> ((((0 <= groups) && (0 <= rmod_50)) || ((groups < 0) && (rmod_50 <= 0))) ? rdiv_34 : (rdiv_34 - 1))) & 1) == 1)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((((0 <= groups) && (0 <= rmod_51)) || ((groups < 0) && (rmod_51 <= 0))) ? rdiv_35 : (rdiv_35 - 1))) - len_q)))) {
-            condval_15 = exp2f(((acc_sT[i_6] * scale_log2) - ((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))]));
+          if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))] != -CUDART_INF_F)) && (((((int*)tmask_s)[m] >> ((((0 <= groups) && (0 <= rmod_50)) || ((groups < 0) && (rmod_50 <= 0))) ? rdiv_34 : (rdiv_34 - 1))) & 1) == 1)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_3 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((((0 <= groups) && (0 <= rmod_51)) || ((groups < 0) && (rmod_51 <= 0))) ? rdiv_35 : (rdiv_35 - 1))) - len_q)))) {
+            condval_15 = exp2f(((acc_sT[i_3] * scale_log2) - ((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))]));
           } else {
             condval_15 = 0x0p+0f/*0.000000e+00*/;
           }
-          acc_sT[i_6] = condval_15;
+          acc_sT[i_3] = condval_15;
         }
         #pragma unroll
-        for (int i_7 = 0; i_7 < 4; ++i_7) {
+        for (int i_4 = 0; i_4 < 2; ++i_4) {
           float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_7 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+          *(float4*)(acc_dpT + (i_4 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
         }
         {
           tl::GmmaDescriptor desc_a_1;
           tl::GmmaDescriptor desc_b_1;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)V_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_1, (&(((half_t*)dO_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 16);
+          tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b_1, (&(((half_t*)dO_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 32, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + (((((ki_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + ((ki_1 & 1) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + (((ki_1 * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
         }
         __syncthreads();
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 2; ++i_8) {
-          tl::ptx_stmatrix_m8n8_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_8) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((half_t)acc_sT[(i_8 * 8)]), ((half_t)acc_sT[((i_8 * 8) + 1)])), __pack_half2(((half_t)acc_sT[((i_8 * 8) + 2)]), ((half_t)acc_sT[((i_8 * 8) + 3)])), __pack_half2(((half_t)acc_sT[((i_8 * 8) + 4)]), ((half_t)acc_sT[((i_8 * 8) + 5)])), __pack_half2(((half_t)acc_sT[((i_8 * 8) + 6)]), ((half_t)acc_sT[((i_8 * 8) + 7)])));
-        }
+        tl::ptx_stmatrix_m8n8_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((half_t)acc_sT[0]), ((half_t)acc_sT[1])), __pack_half2(((half_t)acc_sT[2]), ((half_t)acc_sT[3])), __pack_half2(((half_t)acc_sT[4]), ((half_t)acc_sT[5])), __pack_half2(((half_t)acc_sT[6]), ((half_t)acc_sT[7])));
         __syncthreads();
         #pragma unroll
-        for (int i_9 = 0; i_9 < 8; ++i_9) {
+        for (int i_5 = 0; i_5 < 4; ++i_5) {
           float delta_s_local_cast_1[2];
           half_t dsT_s_local_cast[2];
-          *(float2*)(delta_s_local_cast_1 + 0) = *(float2*)(((float*)delta_s) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+          *(float2*)(delta_s_local_cast_1 + 0) = *(float2*)(((float*)delta_s) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
           uint1 __2;
           float2 __3;
-            float2 v_ = *(float2*)(acc_sT + (i_9 * 2));
+            float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
             float2 __4;
-              float2 v__1 = *(float2*)(acc_dpT + (i_9 * 2));
+              float2 v__1 = *(float2*)(acc_dpT + (i_5 * 2));
               float2 v__2 = *(float2*)(delta_s_local_cast_1 + 0);
               __4.x = (v__1.x-v__2.x);
               __4.y = (v__1.y-v__2.y);
@@ -373,61 +361,60 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             __3.y = (v_.y*__4.y);
           ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
           *(uint1*)(dsT_s_local_cast + 0) = __2;
-          __syncthreads();
-          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_9 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_9 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_9 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
+          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_5 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_5 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
         }
         {
           tl::GmmaDescriptor desc_a_2;
           tl::GmmaDescriptor desc_b_2;
           __syncthreads();
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((half_t*)pT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 256, 32>(desc_b_2, (&(((half_t*)dO_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_2, (&(((half_t*)dO_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
           tl::warpgroup_arrive();
           tl::fence_proxy_async();
           #pragma unroll
           for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_2 * 512)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
         }
         {
           tl::GmmaDescriptor desc_a_3;
           tl::GmmaDescriptor desc_b_3;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((half_t*)dsT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 256, 32>(desc_b_3, (&(((half_t*)Q_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+          tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_3, (&(((half_t*)Q_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((ki_3 * 32) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((ki_3 * 32) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_3 * 512)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
         }
       }
       __syncthreads();
     }
     #pragma unroll
-    for (int i_10 = 0; i_10 < 8; ++i_10) {
-      if (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+    for (int i_6 = 0; i_6 < 4; ++i_6) {
+      if (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_6 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_6 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_6 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
             uint1 __5;
             float2 __6;
-              float2 v__3 = *(float2*)(acc_dk + (i_10 * 2));
+              float2 v__3 = *(float2*)(acc_dk + (i_6 * 2));
               float2 v__4 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
               __6.x = (v__3.x*v__4.x);
               __6.y = (v__3.y*v__4.y);
             ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_6) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_6) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
             uint1 __7;
-            float2 v__5 = *(float2*)(acc_dv + (i_10 * 2));
+            float2 v__5 = *(float2*)(acc_dv + (i_6 * 2));
             ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&v__5))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __7;
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_6) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_6) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __7;
           }
         }
       }
@@ -453,9 +440,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error()
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 52752);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 55824);
     if (result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 52752, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 55824, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel));
         return -1;
     }
 
@@ -473,8 +460,8 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(half_t* __restr
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(max_kblocks, batch, heads_k);
-		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 52752;
+		config.blockDim = dim3(512, 1, 1);
+		config.dynamicSmemBytes = 55824;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel");

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _lib, reference
-from .reference import _check_int, _check_tensor3, _num_windows, _offsets
+from .reference import _check_int, _check_punct_mask, _check_tensor3, _num_windows, _offsets
 
 _KERNEL_DTYPES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
 _KERNEL_HEAD_DIMS = (64, 128)
@@ -96,12 +96,7 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
     if len(offs) < 2:
         raise ValueError("cu_seqlens_k must describe at least one sequence (B+1 >= 2 entries)")
     if punct_mask is not None:
-        if not isinstance(punct_mask, torch.Tensor) or punct_mask.dtype != torch.bool:
-            raise ValueError("punct_mask must be a bool tensor of shape (total_k,)")
-        if punct_mask.shape != (k.shape[0],):
-            raise ValueError(f"punct_mask must have shape ({k.shape[0]},), got {tuple(punct_mask.shape)}")
-        if punct_mask.device != k.device:
-            raise ValueError(f"punct_mask is on {punct_mask.device} but k is on {k.device}")
+        _check_punct_mask(punct_mask, k)
         if not punct_mask.is_contiguous():
             raise ValueError("punct_mask must be contiguous")
     phsa_lambda = float(phsa_lambda)

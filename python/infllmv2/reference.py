@@ -124,6 +124,15 @@ def _check_compressed_offsets(offs_c, name_c, offs_k, kernel_size, kernel_stride
             )
 
 
+def _check_punct_mask(punct_mask, k):
+    if not isinstance(punct_mask, torch.Tensor) or punct_mask.dtype != torch.bool:
+        raise ValueError("punct_mask must be a bool tensor of shape (total_k,)")
+    if punct_mask.shape != (k.shape[0],):
+        raise ValueError(f"punct_mask must have shape ({k.shape[0]},), got {tuple(punct_mask.shape)}")
+    if punct_mask.device != k.device:
+        raise ValueError(f"punct_mask is on {punct_mask.device} but k is on {k.device}")
+
+
 def _check_chunk(chunk):
     return _check_int(chunk, "chunk", 1)
 
@@ -182,12 +191,7 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
     _check_int(kernel_stride, "kernel_stride", 1)
     offs = _offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
     if punct_mask is not None:
-        if not isinstance(punct_mask, torch.Tensor) or punct_mask.dtype != torch.bool:
-            raise ValueError("punct_mask must be a bool tensor of shape (total_k,)")
-        if punct_mask.shape != (k.shape[0],):
-            raise ValueError(f"punct_mask must have shape ({k.shape[0]},), got {tuple(punct_mask.shape)}")
-        if punct_mask.device != k.device:
-            raise ValueError(f"punct_mask is on {punct_mask.device} but k is on {k.device}")
+        _check_punct_mask(punct_mask, k)
         lam = float(phsa_lambda)
         if not math.isfinite(lam):
             raise ValueError(f"phsa_lambda must be finite, got {phsa_lambda}")
