@@ -5,7 +5,7 @@ import torch
 
 import infllmv2
 from infllmv2 import _lib, reference
-from infllmv2.ops import sort_topk_idx
+from infllmv2.ops import sort_topk_idx, sparse_attn_bwd_launch, sparse_attn_bwd_workspace_floats, sparse_attn_fwd_launch
 from infllmv2.testing import GRAD_FLOOR, assert_close_to_reference, cu_seqlens, random_tokens, realistic_topk
 
 HQ_FOR_G = {1: 2, 2: 4, 4: 8, 8: 8, 16: 16, 32: 32}
@@ -33,36 +33,23 @@ def _nan_like(t, dtype=None):
     return torch.full(t.shape, float("nan"), dtype=dtype or t.dtype, device=t.device)
 
 
+def _max_len(cu):
+    return int((cu[1:] - cu[:-1]).max())
+
+
 def _fwd_poisoned(q, k, v, cu_q, cu_k, idx, scale=0.0):
-    """The C ABI into NaN-poisoned outputs, so an unwritten element cannot pass."""
+    """The kernels into NaN-poisoned outputs, so an unwritten element cannot pass."""
     out = _nan_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device)
-    idx = sort_topk_idx(idx)
-    max_q = int((cu_q[1:] - cu_q[:-1]).max())
-    status = _lib.lib().infllmv2_sparse_attn_fwd(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(), out.data_ptr(),
-        lse.data_ptr(), cu_q.numel() - 1, q.shape[0], k.shape[0], max_q, q.shape[1], k.shape[1], q.shape[2],
-        idx.shape[2], _lib.DTYPE_BF16 if q.dtype == torch.bfloat16 else _lib.DTYPE_FP16, scale,
-        torch.cuda.current_stream().cuda_stream)
-    _lib.check(status)
+    sparse_attn_fwd_launch(q, k, v, sort_topk_idx(idx), cu_q, cu_k, _max_len(cu_q), scale, out, lse)
     return out, lse
 
 
 def _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx, scale=0.0):
     dq, dk, dv = _nan_like(q), _nan_like(k), _nan_like(v)
-    idx = sort_topk_idx(idx)
-    lib = _lib.lib()
-    ws = torch.full(((lib.infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1]) + 3) // 4 + 1,),
-                    float("nan"), device=q.device)
-    max_q = int((cu_q[1:] - cu_q[:-1]).max())
-    max_k = int((cu_k[1:] - cu_k[:-1]).max())
-    status = lib.infllmv2_sparse_attn_bwd(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(), idx.data_ptr(),
-        cu_q.data_ptr(), cu_k.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ws.data_ptr(),
-        ws.numel() * 4, cu_q.numel() - 1, q.shape[0], k.shape[0], max_q, max_k, q.shape[1], k.shape[1], q.shape[2],
-        idx.shape[2], _lib.DTYPE_BF16 if q.dtype == torch.bfloat16 else _lib.DTYPE_FP16, scale,
-        torch.cuda.current_stream().cuda_stream)
-    _lib.check(status)
+    ws = torch.full((sparse_attn_bwd_workspace_floats(q),), float("nan"), device=q.device)
+    sparse_attn_bwd_launch(dout, q, k, v, out, lse, sort_topk_idx(idx), cu_q, cu_k, _max_len(cu_q), _max_len(cu_k),
+                           scale, dq, dk, dv, ws)
     return dq, dk, dv
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import _lib, reference
-from .reference import _check_int, _check_punct_mask, _check_tensor3, _num_windows, _offsets
+from .reference import _check_int, _check_punct_mask, _check_tensor3, _compressed_offsets, _offsets
 
 _KERNEL_DTYPES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
 _KERNEL_HEAD_DIMS = (64, 128)
@@ -104,10 +104,7 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
         raise ValueError(f"phsa_lambda must be in [0, 1], got {phsa_lambda}")
     if k.is_cuda:
         _check_kernel_tensor(k, "k")
-    counts = [_num_windows(b - a, kernel_size, kernel_stride) for a, b in zip(offs, offs[1:])]
-    offs_c = [0]
-    for n in counts:
-        offs_c.append(offs_c[-1] + n)
+    counts, offs_c = _compressed_offsets(offs, kernel_size, kernel_stride)
     cu_seqlens_c = torch.tensor(offs_c, dtype=torch.int32).to(k.device, non_blocking=True)
     ck = _compress_keys_op(
         k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, offs_c[-1], max(counts), kernel_size, kernel_stride
@@ -135,6 +132,35 @@ def _scale_or_zero(softmax_scale):
     return 0.0 if softmax_scale is None else float(softmax_scale)
 
 
+def sparse_attn_fwd_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, out, lse):
+    """Runs the forward kernel into ``out`` and ``lse`` (already allocated); topk_idx rows sorted."""
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_sparse_attn_fwd(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(topk_idx), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(out), _ptr(lse),
+            cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, q.shape[1], k.shape[1], q.shape[2],
+            topk_idx.shape[2], _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
+        )
+    _lib.check(status)
+
+
+def sparse_attn_bwd_workspace_floats(q) -> int:
+    """fp32 elements of workspace the backward of a call with this q needs (at least one)."""
+    return (max(_lib.lib().infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1]), 4) + 3) // 4
+
+
+def sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, dq, dk, dv, workspace):
+    """Runs the backward kernels into ``dq``, ``dk``, ``dv`` (already allocated) with an fp32 workspace."""
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_sparse_attn_bwd(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(topk_idx), _ptr(cu_seqlens_q),
+            _ptr(cu_seqlens_k), _ptr(dq), _ptr(dk), _ptr(dv), _ptr(workspace), workspace.numel() * 4,
+            cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1],
+            q.shape[2], topk_idx.shape[2], _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
+        )
+    _lib.check(status)
+
+
 @torch.library.custom_op("infllmv2::sparse_attn_fwd", mutates_args=())
 def _sparse_attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -145,13 +171,7 @@ def _sparse_attn_fwd_op(
         return out.clone(), lse.clone()
     out = torch.empty_like(q)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
-        status = _lib.lib().infllmv2_sparse_attn_fwd(
-            _ptr(q), _ptr(k), _ptr(v), _ptr(topk_idx), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(out), _ptr(lse),
-            cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, q.shape[1], k.shape[1], q.shape[2],
-            topk_idx.shape[2], _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
-        )
-    _lib.check(status)
+    sparse_attn_fwd_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, out, lse)
     return out, lse
 
 
@@ -174,17 +194,9 @@ def _sparse_attn_bwd_op(
         _, vjp = torch.func.vjp(fwd, q, k, v)
         return tuple(g.contiguous() for g in vjp(dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    lib = _lib.lib()
-    ws_bytes = lib.infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1])
-    workspace = torch.empty((max(ws_bytes, 4) + 3) // 4, dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
-        status = lib.infllmv2_sparse_attn_bwd(
-            _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(topk_idx), _ptr(cu_seqlens_q),
-            _ptr(cu_seqlens_k), _ptr(dq), _ptr(dk), _ptr(dv), _ptr(workspace), workspace.numel() * 4,
-            cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1],
-            q.shape[2], topk_idx.shape[2], _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
-        )
-    _lib.check(status)
+    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q), dtype=torch.float32, device=q.device)
+    sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, dq, dk, dv, workspace)
     return dq, dk, dv
 
 

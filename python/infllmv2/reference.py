@@ -112,6 +112,15 @@ def _num_windows(length, kernel_size, kernel_stride):
     return (length - kernel_size) // kernel_stride + 1 if length >= kernel_size else 0
 
 
+def _compressed_offsets(offs_k, kernel_size, kernel_stride):
+    """(windows per sequence, their offsets) for key offsets offs_k."""
+    counts = [_num_windows(b - a, kernel_size, kernel_stride) for a, b in zip(offs_k, offs_k[1:])]
+    offs_c = [0]
+    for n in counts:
+        offs_c.append(offs_c[-1] + n)
+    return counts, offs_c
+
+
 def _check_compressed_offsets(offs_c, name_c, offs_k, kernel_size, kernel_stride, names):
     for b in range(len(offs_k) - 1):
         lk = offs_k[b + 1] - offs_k[b]
@@ -197,10 +206,7 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
             raise ValueError(f"phsa_lambda must be finite, got {phsa_lambda}")
 
     acc = torch.promote_types(k.dtype, torch.float32)
-    counts = [_num_windows(offs[b + 1] - offs[b], kernel_size, kernel_stride) for b in range(len(offs) - 1)]
-    offs_c = [0]
-    for n in counts:
-        offs_c.append(offs_c[-1] + n)
+    counts, offs_c = _compressed_offsets(offs, kernel_size, kernel_stride)
     cu_c = torch.tensor(offs_c, dtype=torch.int32, device=k.device)
     ck = k.new_empty((offs_c[-1], k.shape[1], k.shape[2]))
 
