@@ -59,6 +59,7 @@ const char* dtype_name(int dtype) {
   switch (dtype) {
     case INFLLMV2_DTYPE_BF16: return "bf16";
     case INFLLMV2_DTYPE_FP16: return "fp16";
+    case INFLLMV2_DTYPE_FP32: return "fp32";
     default: return "unknown";
   }
 }
@@ -132,6 +133,35 @@ infllmv2_status init_unit_once(const char* op, const void* unit_key, int device,
 infllmv2_status launch_result(const char* op, const char* unit_name, int rc, const char* (*last_error)()) {
   if (rc == 0) return INFLLMV2_OK;
   return fail(INFLLMV2_ERR_CUDA, "%s: launch of %s failed: %s", op, unit_name, last_error());
+}
+
+infllmv2_status check_device_pointers(const char* op, const Device& dev,
+                                      std::initializer_list<std::pair<const char*, const void*>> ptrs) {
+  for (const auto& p : ptrs) {
+    infllmv2_status st = check_device_pointer(op, p.first, p.second, dev);
+    if (st != INFLLMV2_OK) return st;
+  }
+  return INFLLMV2_OK;
+}
+
+infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int batch, int heads, int heads_k) {
+  constexpr int kMaxGridYZ = 65535;
+  if (dtype != INFLLMV2_DTYPE_BF16 && dtype != INFLLMV2_DTYPE_FP16)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: dtype must be INFLLMV2_DTYPE_BF16 or INFLLMV2_DTYPE_FP16, got %d",
+                op, dtype);
+  if (head_dim != 64 && head_dim != 128)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: head_dim must be 64 or 128, got %d", op, head_dim);
+  if (batch < 1 || batch > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, batch);
+  if (heads_k < 1 || heads_k > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads_k must be in [1, %d], got %d", op, kMaxGridYZ, heads_k);
+  if (heads < heads_k || heads % heads_k != 0)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads (%d) must be a multiple of heads_k (%d)", op, heads,
+                heads_k);
+  if (heads / heads_k > 64)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: group size heads/heads_k = %d exceeds 64, the query rows of one tile",
+                op, heads / heads_k);
+  return INFLLMV2_OK;
 }
 
 }  // namespace infllmv2

@@ -6,7 +6,9 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "infllmv2.h"
 
@@ -34,6 +36,12 @@ infllmv2_status current_device(const char* op, Device* dev);
 // Checks that ptr is device memory of dev (not host, not another GPU). `name` is the
 // argument's name in the C ABI.
 infllmv2_status check_device_pointer(const char* op, const char* name, const void* ptr, const Device& dev);
+infllmv2_status check_device_pointers(const char* op, const Device& dev,
+                                      std::initializer_list<std::pair<const char*, const void*>> ptrs);
+
+// The checks every attention-shaped op shares: bf16/fp16, head_dim 64/128, batch and heads_k
+// within a grid dimension, heads a multiple of heads_k with a group of at most 64 rows.
+infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int batch, int heads, int heads_k);
 
 // The arch forced by infllmv2_set_arch_override / INFLLMV2_FORCE_ARCH, or "" for automatic.
 std::string arch_override();

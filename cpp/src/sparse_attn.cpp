@@ -10,7 +10,6 @@ using namespace infllmv2;
 
 namespace {
 
-constexpr int kMaxGridYZ = 65535;
 constexpr int kBlock = 64;   // keys per selected block
 constexpr int kMaxTopk = 128;  // entries per selection row the kernels hold in shared memory
 
@@ -23,21 +22,8 @@ struct Shape {
 };
 
 infllmv2_status check_shape(const char* op, const Shape& s) {
-  if (s.dtype != INFLLMV2_DTYPE_BF16 && s.dtype != INFLLMV2_DTYPE_FP16)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: dtype must be INFLLMV2_DTYPE_BF16 or INFLLMV2_DTYPE_FP16, got %d",
-                op, (int)s.dtype);
-  if (s.head_dim != 64 && s.head_dim != 128)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: head_dim must be 64 or 128, got %d", op, s.head_dim);
-  if (s.batch < 1 || s.batch > kMaxGridYZ)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, s.batch);
-  if (s.heads_k < 1 || s.heads_k > kMaxGridYZ)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads_k must be in [1, %d], got %d", op, kMaxGridYZ, s.heads_k);
-  if (s.heads < s.heads_k || s.heads % s.heads_k != 0)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads (%d) must be a multiple of heads_k (%d)", op, s.heads,
-                s.heads_k);
-  if (s.heads / s.heads_k > 64)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: group size heads/heads_k = %d exceeds 64, the query rows of one tile",
-                op, s.heads / s.heads_k);
+  infllmv2_status st = check_group_layout(op, s.dtype, s.head_dim, s.batch, s.heads, s.heads_k);
+  if (st != INFLLMV2_OK) return st;
   if (s.topk < 1 || s.topk > kMaxTopk)
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: topk must be in [1, %d], got %d", op, kMaxTopk, s.topk);
   if (s.total_q < 0 || s.total_q > INT_MAX || s.total_k < 0 || s.total_k > INT_MAX)
@@ -74,14 +60,6 @@ auto matcher(const Shape& s) {
   return [&s](const Unit& u) { return u.dtype == s.dtype && u.head_dim == s.head_dim; };
 }
 
-infllmv2_status check_pointers(const char* op, const Device& dev, std::initializer_list<std::pair<const char*, const void*>> ptrs) {
-  for (const auto& p : ptrs) {
-    infllmv2_status st = check_device_pointer(op, p.first, p.second, dev);
-    if (st != INFLLMV2_OK) return st;
-  }
-  return INFLLMV2_OK;
-}
-
 }  // namespace
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
@@ -96,12 +74,12 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
   if (st != INFLLMV2_OK) return st;
   Device dev;
   if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
-  if ((st = check_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+  if ((st = check_device_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
     return st;
   if (total_q > 0 &&
-      (st = check_pointers(op, dev, {{"q", q}, {"topk_idx", topk_idx}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
+      (st = check_device_pointers(op, dev, {{"q", q}, {"topk_idx", topk_idx}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
     return st;
-  if (total_k > 0 && (st = check_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
+  if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
 
   const infllmv2_sparse_attn_fwd_unit* unit = nullptr;
   st = pick_unit(op, infllmv2_sparse_attn_fwd_units, dev, matcher<infllmv2_sparse_attn_fwd_unit>(s), desc(s), &unit);
@@ -137,13 +115,13 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                 workspace_size, need);
   Device dev;
   if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
-  if ((st = check_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+  if ((st = check_device_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
     return st;
-  if (total_q > 0 && (st = check_pointers(op, dev, {{"q", q}, {"out", out}, {"dout", dout}, {"lse", lse},
+  if (total_q > 0 && (st = check_device_pointers(op, dev, {{"q", q}, {"out", out}, {"dout", dout}, {"lse", lse},
                                                     {"topk_idx", topk_idx}, {"dq", dq}, {"workspace", workspace}})) !=
                          INFLLMV2_OK)
     return st;
-  if (total_k > 0 && (st = check_pointers(op, dev, {{"k", k}, {"v", v}, {"dk", dk}, {"dv", dv}})) != INFLLMV2_OK)
+  if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}, {"dk", dk}, {"dv", dv}})) != INFLLMV2_OK)
     return st;
 
   const infllmv2_sparse_attn_bwd_preprocess_unit* pre = nullptr;
