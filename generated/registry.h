@@ -221,6 +221,276 @@ static const infllmv2_compress_keys_phsa_unit infllmv2_compress_keys_phsa_units[
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
+// ---- group_scores: call(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, S, batch, max_tiles, groups, tile_tokens, norm_window, norm_stride, approx, scale_log2, total_q, heads, total_c, heads_k, total_n, batch_plus_one, width, stream)
+typedef int (*infllmv2_group_scores_call_fn)(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+struct infllmv2_group_scores_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block;
+  int block_m;
+  int fine_s;
+  int fine_w;
+  int score_cap;
+  int t_max;
+  int (*init)(); infllmv2_group_scores_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_group_scores_bf16_d128_sm80_init();
+extern "C" int infllmv2_group_scores_bf16_d128_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_group_scores_bf16_d128_sm89_init();
+extern "C" int infllmv2_group_scores_bf16_d128_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_group_scores_bf16_d128_sm90a_init();
+extern "C" int infllmv2_group_scores_bf16_d128_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_group_scores_bf16_d64_sm80_init();
+extern "C" int infllmv2_group_scores_bf16_d64_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_group_scores_bf16_d64_sm89_init();
+extern "C" int infllmv2_group_scores_bf16_d64_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_group_scores_bf16_d64_sm90a_init();
+extern "C" int infllmv2_group_scores_bf16_d64_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_group_scores_fp16_d128_sm80_init();
+extern "C" int infllmv2_group_scores_fp16_d128_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_group_scores_fp16_d128_sm89_init();
+extern "C" int infllmv2_group_scores_fp16_d128_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_group_scores_fp16_d128_sm90a_init();
+extern "C" int infllmv2_group_scores_fp16_d128_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_group_scores_fp16_d64_sm80_init();
+extern "C" int infllmv2_group_scores_fp16_d64_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_group_scores_fp16_d64_sm89_init();
+extern "C" int infllmv2_group_scores_fp16_d64_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_group_scores_fp16_d64_sm90a_init();
+extern "C" int infllmv2_group_scores_fp16_d64_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
+extern "C" const char* infllmv2_group_scores_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_group_scores_unit infllmv2_group_scores_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"group_scores_bf16_d128", "sm_80", 80, 69696, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d128_sm80_init, infllmv2_group_scores_bf16_d128_sm80_call, infllmv2_group_scores_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores_bf16_d128", "sm_89", 89, 69696, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d128_sm89_init, infllmv2_group_scores_bf16_d128_sm89_call, infllmv2_group_scores_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores_bf16_d128", "sm_90a", 90, 69696, 128, 0, 128, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_bf16_d128_sm90a_init, infllmv2_group_scores_bf16_d128_sm90a_call, infllmv2_group_scores_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"group_scores_bf16_d64", "sm_80", 80, 45120, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d64_sm80_init, infllmv2_group_scores_bf16_d64_sm80_call, infllmv2_group_scores_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores_bf16_d64", "sm_89", 89, 45120, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d64_sm89_init, infllmv2_group_scores_bf16_d64_sm89_call, infllmv2_group_scores_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores_bf16_d64", "sm_90a", 90, 45120, 128, 0, 64, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_bf16_d64_sm90a_init, infllmv2_group_scores_bf16_d64_sm90a_call, infllmv2_group_scores_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"group_scores_fp16_d128", "sm_80", 80, 69696, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d128_sm80_init, infllmv2_group_scores_fp16_d128_sm80_call, infllmv2_group_scores_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores_fp16_d128", "sm_89", 89, 69696, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d128_sm89_init, infllmv2_group_scores_fp16_d128_sm89_call, infllmv2_group_scores_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores_fp16_d128", "sm_90a", 90, 69696, 128, 1, 128, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_fp16_d128_sm90a_init, infllmv2_group_scores_fp16_d128_sm90a_call, infllmv2_group_scores_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"group_scores_fp16_d64", "sm_80", 80, 45120, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d64_sm80_init, infllmv2_group_scores_fp16_d64_sm80_call, infllmv2_group_scores_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores_fp16_d64", "sm_89", 89, 45120, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d64_sm89_init, infllmv2_group_scores_fp16_d64_sm89_call, infllmv2_group_scores_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores_fp16_d64", "sm_90a", 90, 45120, 128, 1, 64, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_fp16_d64_sm90a_init, infllmv2_group_scores_fp16_d64_sm90a_call, infllmv2_group_scores_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- max_pool_blocks: call(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, B, batch, max_seqlen_q, init_blocks, local_blocks, heads_k, total_q, width, batch_plus_one, n_blocks, stream)
+typedef int (*infllmv2_max_pool_blocks_call_fn)(void* S, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* B, int batch, int max_seqlen_q, int init_blocks, int local_blocks, int heads_k, int total_q, int width, int batch_plus_one, int n_blocks, cudaStream_t stream);
+struct infllmv2_max_pool_blocks_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block;
+  int block_m;
+  int fine_s;
+  int fine_w;
+  int score_cap;
+  int t_max;
+  int (*init)(); infllmv2_max_pool_blocks_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_max_pool_blocks_sm80_init();
+extern "C" int infllmv2_max_pool_blocks_sm80_call(void* S, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* B, int batch, int max_seqlen_q, int init_blocks, int local_blocks, int heads_k, int total_q, int width, int batch_plus_one, int n_blocks, cudaStream_t stream);
+extern "C" const char* infllmv2_max_pool_blocks_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_max_pool_blocks_sm89_init();
+extern "C" int infllmv2_max_pool_blocks_sm89_call(void* S, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* B, int batch, int max_seqlen_q, int init_blocks, int local_blocks, int heads_k, int total_q, int width, int batch_plus_one, int n_blocks, cudaStream_t stream);
+extern "C" const char* infllmv2_max_pool_blocks_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_max_pool_blocks_sm90a_init();
+extern "C" int infllmv2_max_pool_blocks_sm90a_call(void* S, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* B, int batch, int max_seqlen_q, int init_blocks, int local_blocks, int heads_k, int total_q, int width, int batch_plus_one, int n_blocks, cudaStream_t stream);
+extern "C" const char* infllmv2_max_pool_blocks_sm90a_last_error();
+#endif
+static const infllmv2_max_pool_blocks_unit infllmv2_max_pool_blocks_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"max_pool_blocks", "sm_80", 80, 0, 128, 2, 0, 64, 64, 16, 32, 6144, 16, infllmv2_max_pool_blocks_sm80_init, infllmv2_max_pool_blocks_sm80_call, infllmv2_max_pool_blocks_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"max_pool_blocks", "sm_89", 89, 0, 128, 2, 0, 64, 64, 16, 32, 6144, 16, infllmv2_max_pool_blocks_sm89_init, infllmv2_max_pool_blocks_sm89_call, infllmv2_max_pool_blocks_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"max_pool_blocks", "sm_90a", 90, 0, 128, 2, 0, 64, 64, 16, 32, 8192, 16, infllmv2_max_pool_blocks_sm90a_init, infllmv2_max_pool_blocks_sm90a_call, infllmv2_max_pool_blocks_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- select_blocks: call(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, topk_idx, batch, max_tiles, groups, tile_tokens, score_stride, init_blocks, local_blocks, norm_window, norm_stride, approx, scale_log2, total_q, heads, total_c, heads_k, total_n, batch_plus_one, topk, stream)
+typedef int (*infllmv2_select_blocks_call_fn)(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+struct infllmv2_select_blocks_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block;
+  int block_m;
+  int fine_s;
+  int fine_w;
+  int score_cap;
+  int t_max;
+  int (*init)(); infllmv2_select_blocks_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_blocks_bf16_d128_sm80_init();
+extern "C" int infllmv2_select_blocks_bf16_d128_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_blocks_bf16_d128_sm89_init();
+extern "C" int infllmv2_select_blocks_bf16_d128_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_blocks_bf16_d128_sm90a_init();
+extern "C" int infllmv2_select_blocks_bf16_d128_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_blocks_bf16_d64_sm80_init();
+extern "C" int infllmv2_select_blocks_bf16_d64_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_blocks_bf16_d64_sm89_init();
+extern "C" int infllmv2_select_blocks_bf16_d64_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_blocks_bf16_d64_sm90a_init();
+extern "C" int infllmv2_select_blocks_bf16_d64_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_blocks_fp16_d128_sm80_init();
+extern "C" int infllmv2_select_blocks_fp16_d128_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_blocks_fp16_d128_sm89_init();
+extern "C" int infllmv2_select_blocks_fp16_d128_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_blocks_fp16_d128_sm90a_init();
+extern "C" int infllmv2_select_blocks_fp16_d128_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_blocks_fp16_d64_sm80_init();
+extern "C" int infllmv2_select_blocks_fp16_d64_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_blocks_fp16_d64_sm89_init();
+extern "C" int infllmv2_select_blocks_fp16_d64_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_blocks_fp16_d64_sm90a_init();
+extern "C" int infllmv2_select_blocks_fp16_d64_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* topk_idx, int batch, int max_tiles, int groups, int tile_tokens, int score_stride, int init_blocks, int local_blocks, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_blocks_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_select_blocks_unit infllmv2_select_blocks_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks_bf16_d128", "sm_80", 80, 94272, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d128_sm80_init, infllmv2_select_blocks_bf16_d128_sm80_call, infllmv2_select_blocks_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks_bf16_d128", "sm_89", 89, 94272, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d128_sm89_init, infllmv2_select_blocks_bf16_d128_sm89_call, infllmv2_select_blocks_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks_bf16_d128", "sm_90a", 90, 102464, 128, 0, 128, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_bf16_d128_sm90a_init, infllmv2_select_blocks_bf16_d128_sm90a_call, infllmv2_select_blocks_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks_bf16_d64", "sm_80", 80, 69696, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d64_sm80_init, infllmv2_select_blocks_bf16_d64_sm80_call, infllmv2_select_blocks_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks_bf16_d64", "sm_89", 89, 69696, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d64_sm89_init, infllmv2_select_blocks_bf16_d64_sm89_call, infllmv2_select_blocks_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks_bf16_d64", "sm_90a", 90, 77888, 128, 0, 64, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_bf16_d64_sm90a_init, infllmv2_select_blocks_bf16_d64_sm90a_call, infllmv2_select_blocks_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks_fp16_d128", "sm_80", 80, 94272, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d128_sm80_init, infllmv2_select_blocks_fp16_d128_sm80_call, infllmv2_select_blocks_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks_fp16_d128", "sm_89", 89, 94272, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d128_sm89_init, infllmv2_select_blocks_fp16_d128_sm89_call, infllmv2_select_blocks_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks_fp16_d128", "sm_90a", 90, 102464, 128, 1, 128, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_fp16_d128_sm90a_init, infllmv2_select_blocks_fp16_d128_sm90a_call, infllmv2_select_blocks_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks_fp16_d64", "sm_80", 80, 69696, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d64_sm80_init, infllmv2_select_blocks_fp16_d64_sm80_call, infllmv2_select_blocks_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks_fp16_d64", "sm_89", 89, 69696, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d64_sm89_init, infllmv2_select_blocks_fp16_d64_sm89_call, infllmv2_select_blocks_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks_fp16_d64", "sm_90a", 90, 77888, 128, 1, 64, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_fp16_d64_sm90a_init, infllmv2_select_blocks_fp16_d64_sm90a_call, infllmv2_select_blocks_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 // ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, topk_idx, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, batch_plus_one, stream)
 typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_unit {
@@ -734,6 +1004,87 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"compress_keys_phsa", "compress_keys_phsa_fp16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"group_scores", "group_scores_bf16_d128", "sm_80", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores", "group_scores_bf16_d128", "sm_89", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores", "group_scores_bf16_d128", "sm_90a", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"group_scores", "group_scores_bf16_d64", "sm_80", 45120, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores", "group_scores_bf16_d64", "sm_89", 45120, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores", "group_scores_bf16_d64", "sm_90a", 45120, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"group_scores", "group_scores_fp16_d128", "sm_80", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores", "group_scores_fp16_d128", "sm_89", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores", "group_scores_fp16_d128", "sm_90a", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"group_scores", "group_scores_fp16_d64", "sm_80", 45120, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"group_scores", "group_scores_fp16_d64", "sm_89", 45120, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"group_scores", "group_scores_fp16_d64", "sm_90a", 45120, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"max_pool_blocks", "max_pool_blocks", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"max_pool_blocks", "max_pool_blocks", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"max_pool_blocks", "max_pool_blocks", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks", "select_blocks_bf16_d128", "sm_80", 94272, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks", "select_blocks_bf16_d128", "sm_89", 94272, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks", "select_blocks_bf16_d128", "sm_90a", 102464, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks", "select_blocks_bf16_d64", "sm_80", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks", "select_blocks_bf16_d64", "sm_89", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks", "select_blocks_bf16_d64", "sm_90a", 77888, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks", "select_blocks_fp16_d128", "sm_80", 94272, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks", "select_blocks_fp16_d128", "sm_89", 94272, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks", "select_blocks_fp16_d128", "sm_90a", 102464, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_blocks", "select_blocks_fp16_d64", "sm_80", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_blocks", "select_blocks_fp16_d64", "sm_89", 69696, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 77888, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 85520, 256},

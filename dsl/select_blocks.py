@@ -1,0 +1,597 @@
+"""select_blocks: stage 1 of InfLLM-V2, block scoring and top-K selection, fused.
+
+For the query at position p of a sequence (bottom-right aligned, p = Lk - Lq + i), KV group g
+with query heads h = g*G .. g*G + G - 1, fine compressed keys C1 (window W = 32, stride S = 16)
+and normaliser keys N (the coarse keys C2, window 128 stride 64, or C1 itself for the exact
+normaliser; window and stride of N are run-time ints):
+
+    visible(j)   = j*S + W - 1 <= p                              (likewise for N)
+    LSE_h        = log sum_{visible n} exp(scale * q_h . N[n])   (C1 if no N key is visible)
+    S(p, j)      = sum_h exp(scale * q_h . C1[j] - LSE_h)        visible j only
+    score(p, b)  = max S(p, j), j in 4b-1 .. 4b+3, visible       (-inf if none)
+    forced       = b < init_blocks or p//64 - local_blocks <= b <= p//64   (score +inf)
+    topk_idx[g, p, :] = the K best blocks b <= p//64 with score > -inf, ascending, -1 padded
+
+Kernels:
+  select_blocks   everything above, in one pass: grid (tiles, batch, Hk). Neither the
+                  per-head scores, nor S, nor the block scores reach device memory.
+  group_scores    S itself, (Hk, total_q, width) fp32, 0 where invisible: the scores path for
+                  callers who want them (the original stage-1 kernel's output).
+  max_pool_blocks pooling + forcing of given S into (Hk, total_q, n_blocks) fp32.
+
+Tiling (select_blocks, group_scores). A tile is T consecutive tokens x the G heads of one KV
+group = 64 GEMM rows (row r = token r // G, head r % G), as in sparse_attn. Pass 1 runs an
+online log-sum-exp over the normaliser keys visible to the tile in chunks of 64 keys. Pass 2
+multiplies the same rows with chunks of 64 fine keys (16 blocks), writes the probabilities to
+shared memory, sums each token's G rows (straight-line code for G in 1, 2, 4, 8, 16, a loop
+otherwise) and max-pools the sums into a per-token block-score row in shared memory (the key
+4b-1 of a chunk's first block comes from the previous chunk). Key chunks are double-buffered
+with cp.async by hand (see fetch_next). Top-K then runs per token, one warp per token: the
+scores are turned in place into their order-preserving uint32 images, an 8-bit radix select
+(four histogram passes in shared memory, warp-aggregated atomics) finds the K-th best, and a
+ballot/popcount pass writes the picks in ascending block order (ties at the K-th score go to
+the lower block index). The host picks T = min(64 // G, T_MAX) and lowers it until T * n_blocks
+block scores fit the arch's score cap (8192 floats on sm_90a, 6144 on sm_80/sm_89, whose
+99 KB of shared memory per block hold less).
+"""
+
+import math
+
+import tilelang.language as T
+
+OP = "select_blocks"
+
+FINE_W = 32  # fine compression window (DSL parameter; C1 must be compressed with it)
+FINE_S = 16  # fine compression stride
+BLOCK = 64  # selection block size, tokens
+POOL = BLOCK // FINE_S  # fine keys per block; the pool window is POOL + 1 (padding 1)
+BLOCK_M = 64  # GEMM rows per tile: T tokens x G heads
+BN = 64  # compressed keys per GEMM chunk
+BPC = BN // POOL  # blocks per chunk
+# Block scores a tile keeps in shared memory (T * n_blocks <= score cap): 128K keys = 2048
+# blocks at T = 4 (G = 16) on sm_90a; 8.6/8.9's 99 KB per block leave room for 6144.
+SCORE_CAP_BY_ARCH = {"sm_90a": 8192}
+SCORE_CAP_DEFAULT = 6144
+T_MAX = 16  # tokens per tile at most (bounds the group-sum buffer; G < 4 leaves rows idle)
+THREADS = 128
+WARPS = THREADS // 32
+UNROLL = 4  # block scores per lane per step of the top-K passes
+LOG2E = math.log2(math.e)
+NEG_INF = float("-inf")
+# order-preserving uint32 image of -inf: bits 0xFF800000 flipped
+KEY_NEG_INF = 0x007FFFFF
+
+KERNELS = ("select_blocks", "group_scores")
+VARIANTS = [
+    {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
+    for kernel in KERNELS
+    for dtype in ("bfloat16", "float16")
+    for head_dim in (64, 128)
+] + [{"kernel": "max_pool_blocks", "dtype": "float32", "head_dim": 0}]
+
+
+def variant_name(kernel, dtype, head_dim):
+    if kernel == "max_pool_blocks":
+        return kernel
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    return f"{kernel}_{short}_d{head_dim}"
+
+
+def pass_configs(kernel, dtype, head_dim, arch):
+    # The block-score and top-K code indexes by thread and by warp; warp specialisation would
+    # add a producer warpgroup that TileLang's index simplification does not account for
+    # (see sparse_attn.pass_configs).
+    from tilelang import PassConfigKey
+
+    return {PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+
+
+def unit_constants(kernel, dtype, head_dim, arch):
+    return {"block_m": BLOCK_M, "score_cap": _score_cap(arch), "t_max": T_MAX, "fine_w": FINE_W, "fine_s": FINE_S,
+            "block": BLOCK}
+
+
+def _score_cap(arch):
+    return SCORE_CAP_BY_ARCH.get(arch, SCORE_CAP_DEFAULT)
+
+
+def program(kernel, dtype, head_dim, arch):
+    if kernel == "max_pool_blocks":
+        return _max_pool_blocks()
+    return _scoring(kernel, dtype, head_dim, arch)
+
+
+def _n_visible(p_last, n, window, stride):
+    """How many of n compressed keys (window, stride) the position p_last sees."""
+    return T.if_then_else(p_last >= window - 1, T.min(n, (p_last - window + 1) // stride + 1), 0)
+
+
+def _make_lse_pass(D, dtype):
+    """A macro: online log-sum-exp, per tile row, over `n_vis` compressed keys starting at row
+    `key0` of `keys`, masking per row by the window rule. Leaves the row max (in logits) in
+    m_run and the sum of exp2((logit - max) * scale_log2) in l_run (0: nothing visible)."""
+
+    @T.macro
+    def lse_pass(keys, key0, n_vis, norm_window, norm_stride, hk, rowpos, scale_log2, Q_s, K_s, acc_s,
+                 m_run, l_run, m_prev, m_safe, r_scale, r_sum):
+        T.fill(m_run, NEG_INF)
+        T.fill(l_run, 0)
+        first_fetch(keys, key0, hk, T.ceildiv(n_vis, BN), K_s)
+        for ch in T.serial(T.ceildiv(n_vis, BN)):
+            fetch_next(keys, key0, hk, ch, T.ceildiv(n_vis, BN), K_s)
+            T.clear(acc_s)
+            T.gemm(Q_s, K_s[ch % 2, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            for r, c in T.Parallel(BLOCK_M, BN):
+                acc_s[r, c] = T.if_then_else(
+                    ch * BN + c < n_vis and (ch * BN + c) * norm_stride + norm_window - 1 <= rowpos[r],
+                    acc_s[r, c],
+                    NEG_INF,
+                )
+            T.copy(m_run, m_prev)
+            T.reduce_max(acc_s, m_run, dim=1, clear=False)
+            for r in T.Parallel(BLOCK_M):
+                m_safe[r] = T.if_then_else(m_run[r] == NEG_INF, 0, m_run[r])
+                r_scale[r] = T.exp2((m_prev[r] - m_safe[r]) * scale_log2)
+            for r, c in T.Parallel(BLOCK_M, BN):
+                acc_s[r, c] = T.exp2((acc_s[r, c] - m_safe[r]) * scale_log2)
+            T.reduce_sum(acc_s, r_sum, dim=1)
+            for r in T.Parallel(BLOCK_M):
+                l_run[r] = l_run[r] * r_scale[r] + r_sum[r]
+            T.sync_threads()  # every thread is done with this buffer before the next request refills it
+
+    return lse_pass
+
+
+# TileLang 0.1.15 cannot software-pipeline a loop with a run-time trip count (the cp.async wait
+# of the epilogue must be a constant: codegen aborts "Downcast from tirx.Sub to ir.IntImm"), so
+# the key chunks are double-buffered by hand: chunk ch + 1 is requested with cp.async before
+# chunk ch is used, and `ptx_wait_group(1)` waits for all but the newest request.
+
+
+@T.macro
+def first_fetch(keys, key0, hk, n_load, K_s):
+    if n_load > 0:
+        T.async_copy(keys[key0 : key0 + BN, hk, :], K_s[0, :, :])
+
+
+@T.macro
+def fetch_next(keys, key0, hk, ch, n_load, K_s):
+    """Requests chunk ch + 1 (if any) into the other buffer, then waits for chunk ch."""
+    if ch + 1 < n_load:
+        T.async_copy(keys[key0 + (ch + 1) * BN : key0 + (ch + 2) * BN, hk, :], K_s[(ch + 1) % 2, :, :])
+        T.ptx_wait_group(1)
+    else:
+        T.ptx_wait_group(0)
+    T.sync_threads()
+
+
+def _rows_sum(P_s, r0, c, n):
+    """P_s[r0, c] + ... + P_s[r0 + n - 1, c] as one balanced expression (n a Python int)."""
+    if n == 1:
+        return P_s[r0, c]
+    return _rows_sum(P_s, r0, c, n // 2) + _rows_sum(P_s, r0 + n // 2, c, n - n // 2)
+
+
+def _make_group_sum(g):
+    """A macro: GS_s[t, 1 + c] = sum of the g rows of token t in P_s, for a compile-time group size g."""
+
+    @T.macro
+    def group_sum(P_s, GS_s, n_tok, tx):
+        for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
+            if e * THREADS + tx < n_tok * BN:
+                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN + 1] = _rows_sum(
+                    P_s, ((e * THREADS + tx) // BN) * g, (e * THREADS + tx) % BN, g)
+
+    return group_sum
+
+
+group_sum_1, group_sum_2, group_sum_4, group_sum_8, group_sum_16 = (_make_group_sum(g) for g in (1, 2, 4, 8, 16))
+
+
+def _scoring(kernel, dtype, D, arch):
+    SCORE_CAP = _score_cap(arch)
+    accum = "float32"
+    total_q = T.dynamic("total_q")
+    total_c = T.dynamic("total_c")
+    total_n = T.dynamic("total_n")
+    heads = T.dynamic("heads")
+    heads_k = T.dynamic("heads_k")
+    batch_plus_one = T.dynamic("batch_plus_one")
+    lse_pass = _make_lse_pass(D, dtype)
+    select = kernel == "select_blocks"
+    # output: topk_idx (Hk, total_q, topk) int32, or S (Hk, total_q, width) fp32
+    out_cols = T.dynamic("topk") if select else T.dynamic("width")
+    out_dtype = "int32" if select else accum
+    if select:
+        top_k = _make_top_k(out_cols)
+
+    @T.macro
+    def tile_scores(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, Out, groups,
+                    tile_tokens, score_stride, init_blocks, local_blocks, norm_window, norm_stride, approx,
+                    scale_log2, bx, b, hk):
+        Q_s = T.alloc_shared([BLOCK_M, D], dtype)
+        K_s = T.alloc_shared([2, BN, D], dtype)
+        P_s = T.alloc_shared([BLOCK_M, BN], accum)
+        # group sums of the current chunk, column 0 = last column of the previous chunk
+        GS_s = T.alloc_shared([T_MAX, BN + 1], accum)
+        acc_s = T.alloc_fragment([BLOCK_M, BN], accum)
+        m_run = T.alloc_fragment([BLOCK_M], accum)
+        l_run = T.alloc_fragment([BLOCK_M], accum)
+        m_fine = T.alloc_fragment([BLOCK_M], accum)
+        l_fine = T.alloc_fragment([BLOCK_M], accum)
+        m_prev = T.alloc_fragment([BLOCK_M], accum)
+        m_safe = T.alloc_fragment([BLOCK_M], accum)
+        r_scale = T.alloc_fragment([BLOCK_M], accum)
+        r_sum = T.alloc_fragment([BLOCK_M], accum)
+        lse2 = T.alloc_fragment([BLOCK_M], accum)
+        rowpos = T.alloc_fragment([BLOCK_M], "int32")
+        gsum = T.alloc_var(accum)
+        if select:
+            SC_s = T.alloc_shared([SCORE_CAP], accum)
+            hist_s = T.alloc_shared([WARPS, 256], "int32")
+            st_s = T.alloc_shared([WARPS, 2], "int32")
+            rs = T.alloc_local([8], "int32")  # radix-select registers, see below
+            ru = T.alloc_local([4], "uint32")
+            kk = T.alloc_local([UNROLL], "uint32")
+            bins = T.alloc_local([UNROLL], "int32")
+
+        tx = T.get_thread_binding()
+        q0 = cu_seqlens_q[b]
+        len_q = cu_seqlens_q[b + 1] - q0
+        len_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+        c0 = cu_seqlens_c[b]
+        n_c = cu_seqlens_c[b + 1] - c0
+        nk0 = cu_seqlens_n[b]
+        n_n = cu_seqlens_n[b + 1] - nk0
+        t0 = bx * tile_tokens
+        n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
+        n_rows = n_tok * groups
+        p0 = len_k - len_q + t0
+        p_last = p0 + n_tok - 1
+
+        if n_tok > 0:
+            for r, d in T.Parallel(BLOCK_M, D):
+                Q_s[r, d] = T.if_then_else(
+                    r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                )
+            # each row's query position, -1 for unused rows (sees nothing): computed once, as
+            # the masks would otherwise divide by the run-time group size per element
+            for r in T.Parallel(BLOCK_M):
+                rowpos[r] = T.if_then_else(r < n_rows, p0 + r // groups, -1)
+            # pass 1: the normaliser
+            lse_pass(NK, nk0, _n_visible(p_last, n_n, norm_window, norm_stride), norm_window, norm_stride, hk,
+                     rowpos, scale_log2, Q_s, K_s, acc_s, m_run, l_run, m_prev, m_safe, r_scale, r_sum)
+            for r in T.Parallel(BLOCK_M):
+                lse2[r] = m_run[r] * scale_log2 + T.log2(l_run[r])
+            if approx != 0 and p0 < norm_window - 1:
+                # rows too early to see a coarse key use the exact normaliser (as the reference)
+                lse_pass(CK, c0, _n_visible(T.min(p_last, norm_window - 2), n_c, FINE_W, FINE_S), FINE_W, FINE_S,
+                         hk, rowpos, scale_log2, Q_s, K_s, acc_s, m_fine, l_fine, m_prev, m_safe, r_scale, r_sum)
+                for r in T.Parallel(BLOCK_M):
+                    if l_run[r] == 0:
+                        lse2[r] = m_fine[r] * scale_log2 + T.log2(l_fine[r])
+
+            n_fine = _n_visible(p_last, n_c, FINE_W, FINE_S)
+            if select:
+                for e in T.serial(T.ceildiv(n_tok * score_stride, THREADS)):
+                    if e * THREADS + tx < n_tok * score_stride:
+                        SC_s[e * THREADS + tx] = NEG_INF
+            for e in T.serial(T.ceildiv(T_MAX * (BN + 1), THREADS)):
+                if e * THREADS + tx < T_MAX * (BN + 1):
+                    GS_s[(e * THREADS + tx) // (BN + 1), (e * THREADS + tx) % (BN + 1)] = NEG_INF
+            n_load = T.ceildiv(n_fine, BN)
+            n_chunks = n_load if select else T.ceildiv(out_cols, BN)
+
+            # pass 2: probabilities, group sums, block pooling (or the sums themselves)
+            first_fetch(CK, c0, hk, n_load, K_s)
+            for ch in T.serial(n_chunks):
+                if ch < n_load:
+                    fetch_next(CK, c0, hk, ch, n_load, K_s)
+                    T.clear(acc_s)
+                    T.gemm(Q_s, K_s[ch % 2, :, :], acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    for r, c in T.Parallel(BLOCK_M, BN):
+                        # invisible columns get -inf so that a token's group sum is -inf there
+                        P_s[r, c] = T.if_then_else(
+                            ch * BN + c < n_fine and (ch * BN + c) * FINE_S + FINE_W - 1 <= rowpos[r],
+                            T.exp2(acc_s[r, c] * scale_log2 - lse2[r]),
+                            NEG_INF,
+                        )
+                    T.sync_threads()
+                    # the common group sizes get a straight-line sum (no loop, no accumulator)
+                    if groups == 16:
+                        group_sum_16(P_s, GS_s, n_tok, tx)
+                    elif groups == 8:
+                        group_sum_8(P_s, GS_s, n_tok, tx)
+                    elif groups == 4:
+                        group_sum_4(P_s, GS_s, n_tok, tx)
+                    elif groups == 2:
+                        group_sum_2(P_s, GS_s, n_tok, tx)
+                    elif groups == 1:
+                        group_sum_1(P_s, GS_s, n_tok, tx)
+                    else:
+                        for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
+                            if e * THREADS + tx < n_tok * BN:
+                                gsum = 0
+                                # four independent loads per step; G is a run-time int
+                                for h4 in T.serial(groups // 4):
+                                    gsum += (
+                                        P_s[((e * THREADS + tx) // BN) * groups + h4 * 4, (e * THREADS + tx) % BN]
+                                        + P_s[((e * THREADS + tx) // BN) * groups + h4 * 4 + 1, (e * THREADS + tx) % BN]
+                                    ) + (
+                                        P_s[((e * THREADS + tx) // BN) * groups + h4 * 4 + 2, (e * THREADS + tx) % BN]
+                                        + P_s[((e * THREADS + tx) // BN) * groups + h4 * 4 + 3, (e * THREADS + tx) % BN]
+                                    )
+                                for h in T.serial(groups % 4):
+                                    gsum += P_s[((e * THREADS + tx) // BN) * groups + (groups // 4) * 4 + h,
+                                                   (e * THREADS + tx) % BN]
+                                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN + 1] = gsum
+                    T.sync_threads()
+                if select:
+                    for e in T.serial(T.ceildiv(n_tok * BPC, THREADS)):
+                        if e * THREADS + tx < n_tok * BPC:
+                            t = (e * THREADS + tx) // BPC
+                            bb = (e * THREADS + tx) % BPC
+                            # score_stride bounds the row even if the host's max_seqlen_k was too small
+                            if ch * BPC + bb <= (p0 + t) // BLOCK and ch * BPC + bb < score_stride:
+                                SC_s[t * score_stride + ch * BPC + bb] = T.max(
+                                    T.max(T.max(GS_s[t, bb * POOL], GS_s[t, bb * POOL + 1]),
+                                          T.max(GS_s[t, bb * POOL + 2], GS_s[t, bb * POOL + 3])),
+                                    GS_s[t, bb * POOL + 4],
+                                )
+                else:
+                    for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
+                        if e * THREADS + tx < n_tok * BN and ch * BN + (e * THREADS + tx) % BN < out_cols:
+                            Out[hk, q0 + t0 + (e * THREADS + tx) // BN, ch * BN + (e * THREADS + tx) % BN] = T.if_then_else(
+                                ch * BN < n_fine,
+                                T.max(GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN + 1], 0),
+                                0,
+                            )
+                T.sync_threads()
+                if tx < n_tok:
+                    GS_s[tx, 0] = GS_s[tx, BN]
+                T.sync_threads()
+
+            if select:
+                # the block after the last chunk sees only that chunk's last key
+                if tx < n_tok:
+                    if n_chunks * BPC <= (p0 + tx) // BLOCK and n_chunks * BPC < score_stride:
+                        SC_s[tx * score_stride + n_chunks * BPC] = GS_s[tx, 0]
+                T.sync_threads()
+                top_k(Out, SC_s, hist_s, st_s, rs, ru, kk, bins, tx, hk, q0 + t0, n_tok, p0, score_stride,
+                      init_blocks, local_blocks)
+
+    if select:
+
+        @T.prim_func
+        def select_blocks(
+            Q: T.Tensor([total_q, heads, D], dtype),
+            CK: T.Tensor([total_c, heads_k, D], dtype),
+            NK: T.Tensor([total_n, heads_k, D], dtype),
+            cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+            cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+            cu_seqlens_c: T.Tensor([batch_plus_one], "int32"),
+            cu_seqlens_n: T.Tensor([batch_plus_one], "int32"),
+            topk_idx: T.Tensor([heads_k, total_q, out_cols], out_dtype),
+            batch: T.int32,
+            max_tiles: T.int32,
+            groups: T.int32,
+            tile_tokens: T.int32,
+            score_stride: T.int32,
+            init_blocks: T.int32,
+            local_blocks: T.int32,
+            norm_window: T.int32,
+            norm_stride: T.int32,
+            approx: T.int32,
+            scale_log2: T.float32,
+        ):
+            with T.Kernel(max_tiles, batch, heads_k, threads=THREADS) as (bx, b, hk):
+                tile_scores(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, topk_idx, groups,
+                            tile_tokens, score_stride, init_blocks, local_blocks, norm_window, norm_stride, approx,
+                            scale_log2, bx, b, hk)
+
+        return select_blocks
+
+    @T.prim_func
+    def group_scores(
+        Q: T.Tensor([total_q, heads, D], dtype),
+        CK: T.Tensor([total_c, heads_k, D], dtype),
+        NK: T.Tensor([total_n, heads_k, D], dtype),
+        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_c: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_n: T.Tensor([batch_plus_one], "int32"),
+        S: T.Tensor([heads_k, total_q, out_cols], out_dtype),
+        batch: T.int32,
+        max_tiles: T.int32,
+        groups: T.int32,
+        tile_tokens: T.int32,
+        norm_window: T.int32,
+        norm_stride: T.int32,
+        approx: T.int32,
+        scale_log2: T.float32,
+    ):
+        with T.Kernel(max_tiles, batch, heads_k, threads=THREADS) as (bx, b, hk):
+            tile_scores(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, S, groups,
+                        tile_tokens, 0, 0, 0, norm_window, norm_stride, approx, scale_log2, bx, b, hk)
+
+    return group_scores
+
+
+def _make_top_k(topk):
+    """A macro: per token (one warp each), the topk best of its block scores, ascending, -1 padded.
+
+    topk is closed over (a dynamic shape var passed into a macro becomes a new kernel parameter).
+    rs/ru are per-thread registers: rs = [count, k_left, pos, eq_seen, bin, lane count, suffix,
+    scratch], ru = [prefix, mask, key, threshold]."""
+
+    @T.macro
+    def key_into(ru, SC_s, base, blk, qb, init_blocks, local_blocks):
+        # forced blocks score +inf; the key is the order-preserving uint32 image of the score
+        ru[2] = T.reinterpret(
+            T.if_then_else(
+                blk < init_blocks or (blk >= qb - local_blocks and blk <= qb),
+                T.float32(float("inf")),
+                # NaN (from non-finite inputs) ranks as -inf, as in the reference
+                T.if_then_else(SC_s[base + blk] != SC_s[base + blk], T.float32(NEG_INF), SC_s[base + blk]),
+            ),
+            "uint32",
+        )
+        ru[2] = T.if_then_else((ru[2] >> T.uint32(31)) != T.uint32(0), ~ru[2], ru[2] | T.uint32(0x80000000))
+
+    @T.macro
+    def top_k(topk_idx, SC_s, hist_s, st_s, rs, ru, kk, bins, tx, hk, row0, n_tok, p0, score_stride, init_blocks,
+              local_blocks):
+        warp = tx // 32
+        lane = tx % 32
+        below = (T.uint32(1) << T.cast(lane, "uint32")) - T.uint32(1)
+        for rnd in T.serial(T.ceildiv(n_tok, WARPS)):
+            if rnd * WARPS + warp < n_tok:
+                t = rnd * WARPS + warp
+                qb = (p0 + t) // BLOCK
+                nbt = T.min(qb + 1, score_stride)
+                # the scores become their keys in place, once, and the candidates are counted
+                rs[0] = 0
+                for i in T.serial(T.ceildiv(nbt, 32)):
+                    if i * 32 + lane < nbt:
+                        key_into(ru, SC_s, t * score_stride, i * 32 + lane, qb, init_blocks, local_blocks)
+                        SC_s[t * score_stride + i * 32 + lane] = T.reinterpret(ru[2], "float32")
+                        if ru[2] > T.uint32(KEY_NEG_INF):
+                            rs[0] += 1
+                rs[0] = T.warp_reduce_sum(rs[0])
+                T.sync_warp()
+                # selection rule: key > threshold, or key == threshold among the first k_left such
+                ru[3] = T.uint32(KEY_NEG_INF)
+                rs[1] = 0
+                if rs[0] > topk:
+                    ru[0] = T.uint32(0)
+                    ru[1] = T.uint32(0)
+                    rs[1] = topk
+                    for dgt in T.serial(4):
+                        for q in T.serial(8):
+                            hist_s[warp, lane * 8 + q] = 0
+                        T.sync_warp()
+                        # UNROLL elements per lane at once: independent loads in flight
+                        for i in T.serial(T.ceildiv(nbt, 32 * UNROLL)):
+                            for u in T.unroll(UNROLL):
+                                kk[u] = T.reinterpret(
+                                    SC_s[t * score_stride + T.min((i * UNROLL + u) * 32 + lane, nbt - 1)], "uint32")
+                                # lanes without an element use bin 256 (match_any needs every lane)
+                                bins[u] = T.if_then_else(
+                                    (i * UNROLL + u) * 32 + lane < nbt and kk[u] > T.uint32(KEY_NEG_INF)
+                                    and (kk[u] & ru[1]) == ru[0],
+                                    T.cast((kk[u] >> T.cast(24 - 8 * dgt, "uint32")) & T.uint32(255), "int32"),
+                                    256,
+                                )
+                            for u in T.unroll(UNROLL):
+                                # most scores share their top bits: lanes with equal bins add once
+                                rs[4] = T.cast(T.match_any_sync(bins[u]), "int32")
+                                if bins[u] < 256 and T.popcount(T.cast(rs[4], "uint32") & below) == 0:
+                                    T.atomic_add(hist_s[warp, bins[u]], T.popcount(T.cast(rs[4], "uint32")))
+                        T.sync_warp()
+                        rs[5] = 0
+                        for q in T.serial(8):
+                            rs[5] += hist_s[warp, lane * 8 + q]
+                        # inclusive suffix sum over lanes: the bins above a lane's bins are higher lanes'
+                        rs[6] = rs[5]
+                        for s in T.serial(5):
+                            rs[7] = T.shfl_down(rs[6], 1 << s)
+                            if lane + (1 << s) < 32:
+                                rs[6] += rs[7]
+                        if rs[6] - rs[5] < rs[1] and rs[1] <= rs[6]:
+                            rs[7] = rs[6] - rs[5]
+                            rs[4] = -1
+                            for q in T.serial(8):
+                                if rs[4] < 0:
+                                    if rs[7] + hist_s[warp, lane * 8 + 7 - q] >= rs[1]:
+                                        rs[4] = lane * 8 + 7 - q
+                                        st_s[warp, 0] = rs[4]
+                                        st_s[warp, 1] = rs[1] - rs[7]
+                                    else:
+                                        rs[7] += hist_s[warp, lane * 8 + 7 - q]
+                        T.sync_warp()
+                        rs[1] = st_s[warp, 1]
+                        ru[0] = ru[0] | (T.cast(st_s[warp, 0], "uint32") << T.cast(24 - 8 * dgt, "uint32"))
+                        ru[1] = ru[1] | (T.uint32(255) << T.cast(24 - 8 * dgt, "uint32"))
+                        T.sync_warp()
+                    ru[3] = ru[0]
+                # ordered output: ballots give each pick its slot
+                rs[2] = 0
+                rs[3] = 0
+                for i in T.serial(T.ceildiv(nbt, 32 * UNROLL)):
+                    for u in T.unroll(UNROLL):
+                        kk[u] = T.if_then_else(
+                            (i * UNROLL + u) * 32 + lane < nbt,
+                            T.reinterpret(SC_s[t * score_stride + T.min((i * UNROLL + u) * 32 + lane, nbt - 1)],
+                                          "uint32"),
+                            T.uint32(0),
+                        )
+                    for u in T.unroll(UNROLL):
+                        rs[4] = T.cast(
+                            T.ballot_sync(kk[u] == ru[3] and kk[u] > T.uint32(KEY_NEG_INF)), "int32")
+                        rs[5] = T.if_then_else(
+                            kk[u] > ru[3]
+                            or (kk[u] == ru[3] and kk[u] > T.uint32(KEY_NEG_INF)
+                                and rs[3] + T.popcount(T.cast(rs[4], "uint32") & below) < rs[1]),
+                            1, 0)
+                        rs[6] = T.cast(T.ballot_sync(rs[5] != 0), "int32")
+                        if rs[5] != 0:
+                            topk_idx[hk, row0 + t, rs[2] + T.popcount(T.cast(rs[6], "uint32") & below)] = (
+                                (i * UNROLL + u) * 32 + lane)
+                        rs[2] += T.popcount(T.cast(rs[6], "uint32"))
+                        rs[3] += T.popcount(T.cast(rs[4], "uint32"))
+                for i in T.serial(T.ceildiv(topk, 32)):
+                    if i * 32 + lane >= rs[2] and i * 32 + lane < topk:
+                        topk_idx[hk, row0 + t, i * 32 + lane] = -1
+
+    return top_k
+
+
+def _max_pool_blocks():
+    accum = "float32"
+    total_q = T.dynamic("total_q")
+    heads_k = T.dynamic("heads_k")
+    width = T.dynamic("width")
+    n_blocks = T.dynamic("n_blocks")
+    batch_plus_one = T.dynamic("batch_plus_one")
+    ROWS = 4
+
+    @T.prim_func
+    def max_pool_blocks(
+        S: T.Tensor([heads_k, total_q, width], accum),
+        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_c: T.Tensor([batch_plus_one], "int32"),
+        B: T.Tensor([heads_k, total_q, n_blocks], accum),
+        batch: T.int32,
+        max_seqlen_q: T.int32,
+        init_blocks: T.int32,
+        local_blocks: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(max_seqlen_q, ROWS), batch, heads_k, threads=THREADS) as (bx, b, hk):
+            tx = T.get_thread_binding()
+            m = T.alloc_local([1], accum)
+            q0 = cu_seqlens_q[b]
+            len_q = cu_seqlens_q[b + 1] - q0
+            len_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+            n_c = T.min(cu_seqlens_c[b + 1] - cu_seqlens_c[b], width)
+            nb = T.ceildiv(len_k, BLOCK)
+            for e in T.serial(T.ceildiv(ROWS * n_blocks, THREADS)):
+                i = bx * ROWS + (e * THREADS + tx) // n_blocks
+                blk = (e * THREADS + tx) % n_blocks
+                if e * THREADS + tx < ROWS * n_blocks and i < len_q:
+                    p = len_k - len_q + i
+                    qb = p // BLOCK
+                    m[0] = NEG_INF
+                    for w in T.serial(POOL + 1):
+                        j = blk * POOL - 1 + w
+                        if j >= 0 and j < n_c and j * FINE_S + FINE_W - 1 <= p:
+                            m[0] = T.max(m[0], S[hk, q0 + i, j])
+                    B[hk, q0 + i, blk] = T.if_then_else(
+                        blk > qb or blk >= nb,
+                        NEG_INF,
+                        T.if_then_else(
+                            blk < init_blocks or (blk >= qb - local_blocks and blk <= qb), float("inf"), m[0]
+                        ),
+                    )
+
+    return max_pool_blocks
