@@ -28,6 +28,9 @@
  *   compress_keys    bf16,fp16  64,128    any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
  *   sparse_attn_fwd  bf16,fp16  64,128    G = heads/heads_k <= 64  sm_80, sm_89, sm_90a (+PTX)
  *   sparse_attn_bwd  bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
+ *   select_blocks    bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
+ *   group_scores     bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
+ *   max_pool_blocks  fp32       -         any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
  */
 #ifndef INFLLMV2_H_
 #define INFLLMV2_H_
@@ -59,7 +62,8 @@ typedef enum {
 
 typedef enum {
   INFLLMV2_DTYPE_BF16 = 0,
-  INFLLMV2_DTYPE_FP16 = 1
+  INFLLMV2_DTYPE_FP16 = 1,
+  INFLLMV2_DTYPE_FP32 = 2  /* scores and block scores only */
 } infllmv2_dtype;
 
 /* INFLLMV2_ABI_VERSION of the library actually loaded; compare with the header's. */
@@ -166,6 +170,81 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
     void* dv, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k,
     int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
     int32_t topk, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/*
+ * Stage 1 (block selection). Built for fine compressed keys of window 32 and stride 16
+ * (infllmv2_compress_keys with kernel_size 32, kernel_stride 16) and 64-token blocks; these
+ * are DSL build parameters (dsl/select_blocks.py), reported by infllmv2_build_info().
+ *
+ * For query i of sequence b (position p = Lk - Lq + i, bottom-right aligned, Lk the ORIGINAL
+ * key length) and KV head g with query heads h = g*G .. g*G+G-1:
+ *   fine key j is visible iff 16 j + 31 <= p; normaliser key n (window W, stride S) iff
+ *   S n + W - 1 <= p;
+ *   LSE_h  = log sum_{visible n} exp(scale * q_h . norm_keys[n])   (the fine keys when
+ *            norm_keys is NULL, or for a row that sees no normaliser key)
+ *   S(p,j) = sum_h exp(scale * q_h . ck[j] - LSE_h)                 (visible j; else 0 / -inf)
+ *   score(p,b) = max of S(p,j) over visible j in 4b-1 .. 4b+3 (-inf if none);
+ *                +inf if b < init_blocks or p/64 - local_blocks <= b <= p/64;
+ *                -inf if b > p/64.
+ */
+
+/*
+ * infllmv2_select_blocks: the topk best blocks per (KV head, query), fused: neither the
+ * per-head scores, nor S, nor the block scores are written to device memory.
+ *
+ *   [in]  q              (total_q, heads, head_dim), dtype
+ *   [in]  ck             fine compressed keys (total_c, heads_k, head_dim), dtype
+ *   [in]  norm_keys      normaliser keys (total_norm, heads_k, head_dim), dtype, e.g. the coarse
+ *                        keys (window 128, stride 64); NULL for the exact normaliser
+ *   [in]  cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm  int32 (batch + 1); k holds
+ *                        the original key lengths; cu_seqlens_norm is ignored without norm_keys
+ *   [out] topk_idx       int32 (heads_k, total_q, topk): per-sequence block indices of the
+ *                        min(topk, candidates) best blocks, ascending, then -1. Candidates are
+ *                        the blocks b <= p/64 with score > -inf. Ties at the topk-th score go to
+ *                        the lower block index.
+ *   [in]  max_seqlen_q   the longest query sequence (sizes the grid)
+ *   [in]  max_seqlen_k   the longest ORIGINAL key sequence; it sizes the per-tile block-score
+ *                        buffer (a smaller value than the truth gives wrong picks, never a fault)
+ *   [in]  topk           1 .. 8192; init_blocks, local_blocks >= 0
+ *   [in]  norm_kernel_size, norm_kernel_stride  window and stride of norm_keys (ignored if NULL)
+ *   [in]  softmax_scale  > 0, or 0 for 1/sqrt(head_dim)
+ *   Sequences up to 8192 blocks (524288 keys). No workspace, no host synchronisation.
+ */
+INFLLMV2_API infllmv2_status infllmv2_select_blocks(
+    const void* q, const void* ck, const void* norm_keys, const int32_t* cu_seqlens_q,
+    const int32_t* cu_seqlens_k, const int32_t* cu_seqlens_c, const int32_t* cu_seqlens_norm,
+    int32_t* topk_idx, int32_t batch, int64_t total_q, int64_t total_c, int64_t total_norm,
+    int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
+    int32_t topk, int32_t init_blocks, int32_t local_blocks, int32_t norm_kernel_size,
+    int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/*
+ * infllmv2_group_scores: S itself, fp32 (heads_k, total_q, width), column j = the sequence's
+ * fine compressed key j; 0 where j is invisible or past the sequence's compressed length.
+ * Arguments as for infllmv2_select_blocks; width >= 1 columns are written per row.
+ */
+INFLLMV2_API infllmv2_status infllmv2_group_scores(
+    const void* q, const void* ck, const void* norm_keys, const int32_t* cu_seqlens_q,
+    const int32_t* cu_seqlens_k, const int32_t* cu_seqlens_c, const int32_t* cu_seqlens_norm,
+    float* scores, int32_t batch, int64_t total_q, int64_t total_c, int64_t total_norm,
+    int32_t max_seqlen_q, int32_t width, int32_t heads, int32_t heads_k, int32_t head_dim,
+    int32_t norm_kernel_size, int32_t norm_kernel_stride, infllmv2_dtype dtype,
+    float softmax_scale, cudaStream_t stream);
+
+/*
+ * infllmv2_max_pool_blocks: block scores from S (pooling, forcing and the causal limit of
+ * score(p, b) above), fp32 (heads_k, total_q, n_blocks); blocks >= ceil(Lk / 64) are -inf.
+ *
+ *   [in]  scores         fp32 (heads_k, total_q, width), e.g. infllmv2_group_scores' output;
+ *                        columns invisible to a row are ignored whatever they hold
+ *   [in]  cu_seqlens_q, cu_seqlens_k (original key lengths), cu_seqlens_c  int32 (batch + 1)
+ *   [out] block_scores   fp32 (heads_k, total_q, n_blocks)
+ */
+INFLLMV2_API infllmv2_status infllmv2_max_pool_blocks(
+    const float* scores, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+    const int32_t* cu_seqlens_c, float* block_scores, int32_t batch, int64_t total_q,
+    int32_t width, int32_t n_blocks, int32_t max_seqlen_q, int32_t heads_k, int32_t init_blocks,
+    int32_t local_blocks, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -14,7 +14,7 @@ from ._lib import (
     selected_arch,
     set_arch_override,
 )
-from .ops import compress_keys, sparse_attn_varlen
+from .ops import compress_keys, group_scores, max_pool_blocks, select_blocks, sparse_attn_varlen
 
 try:
     from importlib.metadata import PackageNotFoundError, version as _version
@@ -26,6 +26,9 @@ except PackageNotFoundError:  # a source checkout on sys.path
 __all__ = [
     "compress_keys",
     "sparse_attn_varlen",
+    "select_blocks",
+    "group_scores",
+    "max_pool_blocks",
     "build_info",
     "library_available",
     "library_path",

@@ -17,7 +17,16 @@ import torch
 
 import infllmv2
 from infllmv2 import reference
-from infllmv2.testing import GRAD_FLOOR, cu_seqlens, random_mask, random_tokens, realistic_topk, within_error_rule
+from infllmv2.testing import (
+    GRAD_FLOOR,
+    cu_seqlens,
+    random_mask,
+    random_tokens,
+    realistic_topk,
+    scores_mismatch,
+    selection_mismatch,
+    within_error_rule,
+)
 
 
 def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
@@ -54,6 +63,28 @@ def _check_sparse_attn(device, dtype, head_dim, G):
         if err > worst[0]:
             worst = (err, base)
     return ok_all, worst[0], worst[1]
+
+
+def _check_select_blocks(device, dtype, head_dim, G):
+    """Scores (fp32 tolerance) and selections (tie-aware) against the fp32 reference on the CPU."""
+    lengths_q, lengths_k = [1, 31, 64, 65, 700, 1, 900], [1, 31, 64, 65, 700, 2000, 1500]
+    q = random_tokens(lengths_q, 2 * G, head_dim, dtype, device, seed=G)
+    k = random_tokens(lengths_k, 2, head_dim, dtype, device, seed=G + 1)
+    if device == "cpu":  # the CPU path is the reference, which computes in the input dtype
+        q, k = q.float(), k.float()
+    cu_q, cu_k = cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
+    ck, cu_c = infllmv2.compress_keys(k, cu_k, 32, 16)
+    nk, cu_n = infllmv2.compress_keys(k, cu_k, 128, 64)
+    S = infllmv2.group_scores(q, ck, cu_q, cu_k, cu_c, norm_keys=nk, cu_seqlens_norm=cu_n)
+    idx = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=12, local_blocks=4)
+    cpu = [t.cpu() for t in (cu_q, cu_k, cu_c, cu_n)]
+    want = reference.group_scores(q.cpu().float(), ck.cpu().float(), cpu[0], cpu[1], cpu[2], norm_keys=nk.cpu().float(),
+                                  cu_seqlens_norm=cpu[3])
+    blocks = reference.max_pool_blocks(want, cpu[0], cpu[1], cpu[2], local_blocks=4)
+    why = scores_mismatch(S.cpu(), want) or selection_mismatch(idx.cpu(), blocks, 12)
+    if why:
+        print(f"  select_blocks: {why}")
+    return why is None, (S.cpu() - want).abs().max().item(), 0.0
 
 
 def check() -> int:
@@ -94,6 +125,12 @@ def check() -> int:
                         failures += not ok
                         print(f"{'sparse_attn':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
                               f"{f'G={G} fwd+bwd':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
+                    for G in (1, 4, 16):
+                        # fp32 computations on both sides: no PyTorch low-precision error to compare with
+                        ok, err, _ = _check_select_blocks("cuda" if gpu else "cpu", dtype, head_dim, G)
+                        failures += not ok
+                        print(f"{'select_blocks':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
+                              f"{f'G={G}':<14}{err:>10.2e}{'-':>11}  {'ok' if ok else 'FAIL'}")
         finally:
             if arch is not None:
                 infllmv2.set_arch_override(None)

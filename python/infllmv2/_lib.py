@@ -69,6 +69,20 @@ _SIGNATURES = {
         [_c.c_void_p] * 13 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32,
                               _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int, _c.c_float, _c.c_void_p],
     ),
+    "infllmv2_select_blocks": (
+        _c.c_int,
+        [_c.c_void_p] * 8 + [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int64] + [_c.c_int32] * 10
+        + [_c.c_int, _c.c_float, _c.c_void_p],
+    ),
+    "infllmv2_group_scores": (
+        _c.c_int,
+        [_c.c_void_p] * 8 + [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int64] + [_c.c_int32] * 7
+        + [_c.c_int, _c.c_float, _c.c_void_p],
+    ),
+    "infllmv2_max_pool_blocks": (
+        _c.c_int,
+        [_c.c_void_p] * 5 + [_c.c_int32, _c.c_int64] + [_c.c_int32] * 6 + [_c.c_void_p],
+    ),
 }
 
 

@@ -8,6 +8,7 @@ torch.compile traces them.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -294,3 +295,233 @@ def sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen
     else:
         out, lse = reference.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale, block_size)
     return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# stage 1: select_blocks (fused), group_scores and max_pool_blocks (the scores path)
+# --------------------------------------------------------------------------------------------
+
+# DSL build parameters of the stage-1 kernels (dsl/select_blocks.py): the fine compression and
+# the block size they were generated for.
+_KERNEL_FINE = (32, 16)
+_KERNEL_MAX_SELECT_TOPK = 8192
+
+
+def _check_cu(cu, name, device):
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D int32 tensor of B+1 >= 2 offsets")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if not cu.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_keys, cu_seqlens_norm,
+                        kernel_size, kernel_stride, softmax_scale):
+    """Checks for the CUDA scoring kernels (the reference does its own, more general, checks)."""
+    _check_tensor3(q, "q")
+    _check_tensor3(ck, "ck")
+    for name, t in (("ck", ck),) + ((("norm_keys", norm_keys),) if norm_keys is not None else ()):
+        _check_tensor3(t, name)
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q in dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+        if t.shape[1:] != ck.shape[1:]:
+            raise ValueError(f"{name} shape {tuple(t.shape)} must be (tokens, heads_k, head_dim) like ck {tuple(ck.shape)}")
+        _check_kernel_tensor(t, name)
+    _check_kernel_tensor(q, "q")
+    if ck.shape[2] != q.shape[2]:
+        raise ValueError(f"ck head_dim {ck.shape[2]} differs from q head_dim {q.shape[2]}")
+    if ck.shape[1] == 0 or q.shape[1] % ck.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of ck heads ({ck.shape[1]})")
+    if q.shape[1] // ck.shape[1] > 64:
+        raise ValueError(f"the group size heads/heads_k = {q.shape[1] // ck.shape[1]} exceeds 64 on CUDA")
+    if (kernel_size, kernel_stride) != _KERNEL_FINE:
+        raise ValueError(
+            f"kernel_size/kernel_stride must be {_KERNEL_FINE[0]}/{_KERNEL_FINE[1]} on CUDA (the stage-1 kernels are "
+            f"generated for them; rerun `python -m dsl.build` with other FINE_W/FINE_S), got {kernel_size}/{kernel_stride}"
+        )
+    if softmax_scale is not None and not (float(softmax_scale) > 0 and math.isfinite(float(softmax_scale))):
+        raise ValueError(f"softmax_scale must be finite and > 0 on CUDA, got {softmax_scale}")
+    cus = [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cu_seqlens_c", cu_seqlens_c)]
+    if norm_keys is not None:
+        if cu_seqlens_norm is None:
+            raise ValueError("cu_seqlens_norm is required when norm_keys is given")
+        cus.append(("cu_seqlens_norm", cu_seqlens_norm))
+    for name, cu in cus:
+        _check_cu(cu, name, q.device)
+        if cu.numel() != cu_seqlens_q.numel():
+            raise ValueError(f"{name} describes {cu.numel() - 1} sequences but cu_seqlens_q {cu_seqlens_q.numel() - 1}")
+
+
+def select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks,
+                         local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
+    """Runs the fused selection kernel into ``out`` (int32 ``(Hk, total_q, K)``, already allocated)."""
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_select_blocks(
+            _ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
+            _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
+            0 if norm_keys is None else norm_keys.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], ck.shape[1],
+            q.shape[2], out.shape[2], init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
+            _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
+        )
+    _lib.check(status)
+
+
+def group_scores_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out,
+                        norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q):
+    """Runs the scores kernel into ``out`` (fp32 ``(Hk, total_q, width)``, already allocated)."""
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_group_scores(
+            _ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
+            _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
+            0 if norm_keys is None else norm_keys.shape[0], max_seqlen_q, out.shape[2], q.shape[1], ck.shape[1],
+            q.shape[2], norm_kernel_size, norm_kernel_stride, _KERNEL_DTYPES[q.dtype], softmax_scale,
+            _stream(q.device),
+        )
+    _lib.check(status)
+
+
+def max_pool_blocks_launch(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, out, init_blocks, local_blocks, max_seqlen_q):
+    """Runs the pooling kernel on fp32 ``S`` into ``out`` (fp32 ``(Hk, total_q, n_blocks)``)."""
+    with torch.cuda.device(S.device):
+        status = _lib.lib().infllmv2_max_pool_blocks(
+            _ptr(S), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c), _ptr(out), cu_seqlens_q.numel() - 1,
+            S.shape[1], S.shape[2], out.shape[2], max_seqlen_q, S.shape[0], init_blocks, local_blocks,
+            _stream(S.device),
+        )
+    _lib.check(status)
+
+
+@torch.library.custom_op("infllmv2::select_blocks", mutates_args=())
+def _select_blocks_op(
+    q: torch.Tensor, ck: torch.Tensor, norm_keys: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, cu_seqlens_c: torch.Tensor, cu_seqlens_norm: Optional[torch.Tensor], topk: int,
+    init_blocks: int, local_blocks: int, norm_kernel_size: int, norm_kernel_stride: int, softmax_scale: float,
+    max_seqlen_q: int, max_seqlen_k: int,
+) -> torch.Tensor:
+    out = torch.empty((ck.shape[1], q.shape[0], topk), dtype=torch.int32, device=q.device)
+    select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out,
+                         init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q,
+                         max_seqlen_k)
+    return out
+
+
+@_select_blocks_op.register_fake
+def _(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, topk, init_blocks, local_blocks,
+      norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
+    return q.new_empty((ck.shape[1], q.shape[0], topk), dtype=torch.int32)
+
+
+def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, kernel_stride=16, block_size=64,
+                  init_blocks=1, local_blocks=32, approx_lse=True, norm_kernel_size=128, norm_kernel_stride=64,
+                  softmax_scale=None, punct_mask=None, phsa_lambda=0.5, max_seqlen_q=None, max_seqlen_k=None):
+    """Block selection, stages 0 and 1: ``topk_idx`` int32 ``(Hk, total_q, topk)`` for stage 2.
+
+    Same meaning and arguments as ``reference.select_blocks`` (SPEC.md, stage 1): compressed keys
+    (``kernel_size``/``kernel_stride``, optionally PHSA), per-head probabilities normalised over the
+    coarse keys (``approx_lse``) or the fine keys, summed over the head group, max-pooled to
+    ``block_size`` blocks, init and local blocks forced, future blocks excluded, the ``topk`` best
+    per (KV head, query) ascending and -1 padded. No gradient.
+
+    CUDA runs ``compress_keys`` and one fused selection kernel (bf16/fp16, D 64/128, G <= 64;
+    compression 32/16 and block 64, the DSL build parameters; K <= 8192; sequences up to 512K
+    keys): the score matrices never exist in device memory. Ties at the K-th score go to the
+    lower block index. Reads ``cu_seqlens_k`` on the host (compression sizes its output) and
+    the offsets for ``max_seqlen_q/k`` unless given. CPU runs the reference.
+    """
+    _check_tensor3(q, "q")
+    _check_tensor3(k, "k")
+    if k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"k must match q in dtype and device ({q.dtype}, {q.device}), got {k.dtype}, {k.device}")
+    _check_int(topk, "topk", 1)
+    _check_int(init_blocks, "init_blocks", 0)
+    _check_int(local_blocks, "local_blocks", 0)
+    if not q.is_cuda:
+        return reference.select_blocks(
+            q, k, cu_seqlens_q, cu_seqlens_k, topk, kernel_size, kernel_stride, block_size, init_blocks, local_blocks,
+            approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, punct_mask, phsa_lambda,
+        )
+    if block_size != _KERNEL_BLOCK:
+        raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
+    if topk > _KERNEL_MAX_SELECT_TOPK:
+        raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
+    _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
+    _check_cu(cu_seqlens_k, "cu_seqlens_k", q.device)
+    q, k = q.detach(), k.detach()
+    ck, cu_c = compress_keys(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
+    norm_keys = cu_norm = None
+    if approx_lse:
+        _check_int(norm_kernel_size, "norm_kernel_size", 1)
+        _check_int(norm_kernel_stride, "norm_kernel_stride", 1)
+        norm_keys, cu_norm = compress_keys(k, cu_seqlens_k, norm_kernel_size, norm_kernel_stride, punct_mask, phsa_lambda)
+    _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_c, norm_keys, cu_norm, kernel_size, kernel_stride,
+                        softmax_scale)
+    max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
+    return _select_blocks_op(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_c, cu_norm, topk, init_blocks,
+                             local_blocks, norm_kernel_size, norm_kernel_stride, _scale_or_zero(softmax_scale),
+                             max_seqlen_q, max_seqlen_k)
+
+
+def group_scores(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32, kernel_stride=16,
+                 softmax_scale=None, norm_keys=None, cu_seqlens_norm=None, norm_kernel_size=128,
+                 norm_kernel_stride=64, width=None, max_seqlen_q=None):
+    """Group-summed stage-1 scores ``S`` fp32 ``(Hk, total_q, width)`` (``reference.group_scores``).
+
+    ``width`` defaults to the longest compressed sequence (one host read of ``cu_seqlens_c``);
+    columns a row cannot see, and those past its sequence's compressed keys, are 0. CUDA runs the
+    scores kernel (the fused ``select_blocks`` never writes this matrix); CPU runs the reference.
+    """
+    if not q.is_cuda:
+        s = reference.group_scores(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size, kernel_stride,
+                                   softmax_scale, norm_keys, cu_seqlens_norm, norm_kernel_size, norm_kernel_stride)
+        if width is not None:
+            s = torch.nn.functional.pad(s, (0, max(0, width - s.shape[2])))[:, :, :width]
+        return s
+    _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_keys, cu_seqlens_norm, kernel_size,
+                        kernel_stride, softmax_scale)
+    if width is None:
+        width = max(_max_seqlen(cu_seqlens_c, None, "width"), 1)
+    _check_int(width, "width", 1)
+    max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+    out = torch.empty((ck.shape[1], q.shape[0], width), dtype=torch.float32, device=q.device)
+    group_scores_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out,
+                        norm_kernel_size, norm_kernel_stride, _scale_or_zero(softmax_scale), max_seqlen_q)
+    return out
+
+
+def max_pool_blocks(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32, kernel_stride=16, block_size=64,
+                    init_blocks=1, local_blocks=32, n_blocks=None, max_seqlen_q=None):
+    """Block scores fp32 ``(Hk, total_q, n_blocks)`` from ``S`` (``reference.max_pool_blocks``).
+
+    ``n_blocks`` defaults to ``ceil(max Lk / block_size)`` (one host read of ``cu_seqlens_k``).
+    CUDA runs the pooling kernel on fp32 ``S`` (other float dtypes are converted); CPU runs the
+    reference.
+    """
+    if not S.is_cuda:
+        out = reference.max_pool_blocks(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size, kernel_stride,
+                                        block_size, init_blocks, local_blocks)
+        if n_blocks is not None:
+            out = torch.nn.functional.pad(out, (0, max(0, n_blocks - out.shape[2])), value=float("-inf"))[:, :, :n_blocks]
+        return out
+    if not isinstance(S, torch.Tensor) or S.dim() != 3 or not S.is_floating_point():
+        raise ValueError("S must be a floating-point tensor of shape (Hk, total_q, width)")
+    if (kernel_size, kernel_stride) != _KERNEL_FINE or block_size != _KERNEL_BLOCK:
+        raise ValueError(f"kernel_size/kernel_stride/block_size must be {_KERNEL_FINE[0]}/{_KERNEL_FINE[1]}/"
+                         f"{_KERNEL_BLOCK} on CUDA, got {kernel_size}/{kernel_stride}/{block_size}")
+    _check_int(init_blocks, "init_blocks", 0)
+    _check_int(local_blocks, "local_blocks", 0)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cu_seqlens_c", cu_seqlens_c)):
+        _check_cu(cu, name, S.device)
+        if cu.numel() != cu_seqlens_q.numel():
+            raise ValueError(f"{name} describes {cu.numel() - 1} sequences but cu_seqlens_q {cu_seqlens_q.numel() - 1}")
+    if S.shape[1] == 0 or S.shape[2] == 0:
+        raise ValueError(f"S must have total_q >= 1 rows and width >= 1 columns, got shape {tuple(S.shape)}")
+    if n_blocks is None:
+        n_blocks = max(-(-_max_seqlen(cu_seqlens_k, None, "max_seqlen_k") // block_size), 1)
+    _check_int(n_blocks, "n_blocks", 1)
+    max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+    S = S.float().contiguous()
+    out = torch.empty((S.shape[0], S.shape[1], n_blocks), dtype=torch.float32, device=S.device)
+    max_pool_blocks_launch(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, out, init_blocks, local_blocks, max_seqlen_q)
+    return out

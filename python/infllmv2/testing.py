@@ -134,3 +134,63 @@ def visible_pairs(topk_idx, lengths_q, lengths_k, block=64) -> int:
         total += int(torch.where(idx >= 0, vis, 0).sum())
         off += lq
     return total
+
+
+# ---------------------------------------------------------------------------- stage-1 judgement
+
+# The stage-1 kernels compute in fp32 from the bf16/fp16 inputs, as the fp32 reference on the
+# same inputs does: their scores must agree to fp32 rounding of sums of exponentials.
+SCORE_RTOL = 2e-3
+SCORE_ATOL = 1e-4
+
+
+def scores_mismatch(got, want):
+    """None if fp32 scores ``got`` match ``want`` within (SCORE_ATOL, SCORE_RTOL), else why not."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if torch.isnan(got).any():
+        return "NaN (unwritten element?)"
+    excess = (got.float() - want.float()).abs() - (SCORE_ATOL + SCORE_RTOL * want.float().abs())
+    if excess.numel() and excess.max().item() > 0:
+        return f"max excess error {excess.max().item():.3g} over the fp32 tolerance"
+    return None
+
+
+def selection_mismatch(idx, block_scores, topk):
+    """None if ``idx`` is a valid top-``topk`` selection of ``block_scores``, else why not.
+
+    ``idx`` int (Hk, total_q, K): picks ascending, -1 after them; ``block_scores`` fp32
+    (Hk, total_q, nb), -inf for blocks that are not candidates. Tie-aware: the number of picks
+    must be min(K, candidates), every pick a candidate, and a pick may differ from the exact
+    top-K only where its score equals the K-th best within the score tolerance.
+    """
+    hk, tq, nb = block_scores.shape
+    if tuple(idx.shape) != (hk, tq, topk):
+        return f"shape {tuple(idx.shape)} != {(hk, tq, topk)}"
+    if not ((idx >= -1) & (idx < max(nb, 1))).all():
+        return "index out of range"
+    valid = idx >= 0
+    n_valid = valid.sum(-1)
+    pos = torch.arange(topk, device=idx.device)
+    if not torch.equal(valid, pos[None, None, :] < n_valid[..., None]):
+        return "-1 before a valid entry"
+    if not ((idx[..., 1:] > idx[..., :-1]) | ~valid[..., 1:]).all():
+        return "picks not strictly ascending"
+    picked = torch.zeros((hk, tq, nb + 1), dtype=torch.bool, device=idx.device)
+    picked.scatter_(2, torch.where(valid, idx, nb).long(), True)
+    picked = picked[..., :nb]
+    cand = block_scores > float("-inf")
+    if (picked & ~cand).any():
+        return "a pick that is not a candidate (future block or no score)"
+    if not torch.equal(n_valid, torch.clamp(cand.sum(-1), max=topk)):
+        return "pick counts differ from min(K, candidates)"
+    if nb == 0:
+        return None
+    kth = block_scores.topk(min(topk, nb), dim=-1).values[..., -1:]
+    tol = SCORE_ATOL + SCORE_RTOL * kth.abs().nan_to_num(posinf=0.0, neginf=0.0)
+    full = (cand.sum(-1) > topk)[..., None]
+    if (picked & (block_scores < kth - tol) & full).any():
+        return "a pick scores below the K-th best beyond tolerance"
+    if (~picked & cand & (block_scores > kth + tol) & full).any():
+        return "a block scoring above the K-th best was not picked"
+    return None
