@@ -208,7 +208,8 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
  *   [in]  topk           1 .. 8192; init_blocks, local_blocks >= 0
  *   [in]  norm_kernel_size, norm_kernel_stride  window and stride of norm_keys (ignored if NULL)
  *   [in]  softmax_scale  > 0, or 0 for 1/sqrt(head_dim)
- *   Sequences up to 8192 blocks (524288 keys). No workspace, no host synchronisation.
+ *   Sequences up to 8192 blocks (524288 keys) with the sm_90a kernels, 6144 blocks (393216 keys)
+ *   with the sm_80/sm_89 ones (99 KB of shared memory). No workspace, no host synchronisation.
  */
 INFLLMV2_API infllmv2_status infllmv2_select_blocks(
     const void* q, const void* ck, const void* norm_keys, const int32_t* cu_seqlens_q,

@@ -425,7 +425,7 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
 
     CUDA runs ``compress_keys`` and one fused selection kernel (bf16/fp16, D 64/128, G <= 64;
     compression 32/16 and block 64, the DSL build parameters; K <= 8192; sequences up to 512K
-    keys): the score matrices never exist in device memory. Ties at the K-th score go to the
+    keys on sm_90a, 384K on sm_80/sm_89): the score matrices never exist in device memory. Ties at the K-th score go to the
     lower block index. Reads ``cu_seqlens_k`` on the host (compression sizes its output) and
     the offsets for ``max_seqlen_q/k`` unless given. CPU runs the reference.
     """
