@@ -12,7 +12,7 @@ import torch
 import infllmv2
 from infllmv2 import _lib, reference
 from infllmv2.ops import group_scores_launch, max_pool_blocks_launch, select_blocks_launch
-from infllmv2.testing import cu_seqlens, random_tokens, scores_mismatch, selection_mismatch
+from infllmv2.testing import cu_seqlens, max_seqlen, random_tokens, scores_mismatch, selection_mismatch
 
 HQ_FOR_G = {1: 2, 2: 4, 4: 8, 8: 8, 16: 16, 32: 32}
 LENGTH_MIXES = {
@@ -26,9 +26,6 @@ LENGTH_MIXES = {
 }
 POISON_IDX = -7  # no valid output is -7: an unwritten slot cannot pass
 
-
-def _max_len(cu):
-    return int((cu[1:] - cu[:-1]).max())
 
 
 def _inputs(lengths_q, lengths_k, G, D, dtype, heads_k=2, seed=0, approx=True, qscale=1.0):
@@ -47,14 +44,14 @@ def _oracle_scores(q, ck, cu_q, cu_k, cu_c, nk, cu_n):
 
 def _kernel_scores(q, ck, cu_q, cu_k, cu_c, nk, cu_n, width):
     out = torch.full((ck.shape[1], q.shape[0], width), float("nan"), device=q.device)
-    group_scores_launch(q, ck, nk, cu_q, cu_k, cu_c, cu_n, out, 128, 64, 0.0, _max_len(cu_q))
+    group_scores_launch(q, ck, nk, cu_q, cu_k, cu_c, cu_n, out, 128, 64, 0.0, max_seqlen(cu_q))
     return out
 
 
 def _kernel_select(q, ck, cu_q, cu_k, cu_c, nk, cu_n, topk, init_blocks=1, local_blocks=32):
     out = torch.full((ck.shape[1], q.shape[0], topk), POISON_IDX, dtype=torch.int32, device=q.device)
     select_blocks_launch(q, ck, nk, cu_q, cu_k, cu_c, cu_n, out, init_blocks, local_blocks, 128, 64, 0.0,
-                         _max_len(cu_q), _max_len(cu_k))
+                         max_seqlen(cu_q), max_seqlen(cu_k))
     return out
 
 
@@ -94,7 +91,7 @@ def test_scores_pooling_and_selection(dtype, D, G, lengths, approx):
 
     want_B = _oracle_blocks(want_S, cu_q, cu_k, cu_c)
     got_B = torch.full_like(want_B, float("nan"))
-    max_pool_blocks_launch(got_S, cu_q, cu_k, cu_c, got_B, 1, 32, _max_len(cu_q))
+    max_pool_blocks_launch(got_S, cu_q, cu_k, cu_c, got_B, 1, 32, max_seqlen(cu_q))
     want_B_from_got = _oracle_blocks(got_S[:, :, : want_S.shape[2]], cu_q, cu_k, cu_c)
     torch.cuda.synchronize()
     assert torch.equal(got_B, want_B_from_got), "max_pool_blocks differs from the reference pooling of the same S"

@@ -6,7 +6,7 @@ import torch
 import infllmv2
 from infllmv2 import _lib, reference
 from infllmv2.ops import sort_topk_idx, sparse_attn_bwd_launch, sparse_attn_bwd_workspace_floats, sparse_attn_fwd_launch
-from infllmv2.testing import GRAD_FLOOR, assert_close_to_reference, cu_seqlens, random_tokens, realistic_topk
+from infllmv2.testing import GRAD_FLOOR, assert_close_to_reference, cu_seqlens, max_seqlen, random_tokens, realistic_topk
 
 HQ_FOR_G = {1: 2, 2: 4, 4: 8, 8: 8, 16: 16, 32: 32}
 LENGTH_MIXES = {
@@ -33,22 +33,19 @@ def _nan_like(t, dtype=None):
     return torch.full(t.shape, float("nan"), dtype=dtype or t.dtype, device=t.device)
 
 
-def _max_len(cu):
-    return int((cu[1:] - cu[:-1]).max())
-
 
 def _fwd_poisoned(q, k, v, cu_q, cu_k, idx, scale=0.0):
     """The kernels into NaN-poisoned outputs, so an unwritten element cannot pass."""
     out = _nan_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device)
-    sparse_attn_fwd_launch(q, k, v, sort_topk_idx(idx), cu_q, cu_k, _max_len(cu_q), scale, out, lse)
+    sparse_attn_fwd_launch(q, k, v, sort_topk_idx(idx), cu_q, cu_k, max_seqlen(cu_q), scale, out, lse)
     return out, lse
 
 
 def _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx, scale=0.0):
     dq, dk, dv = _nan_like(q), _nan_like(k), _nan_like(v)
     ws = torch.full((sparse_attn_bwd_workspace_floats(q),), float("nan"), device=q.device)
-    sparse_attn_bwd_launch(dout, q, k, v, out, lse, sort_topk_idx(idx), cu_q, cu_k, _max_len(cu_q), _max_len(cu_k),
+    sparse_attn_bwd_launch(dout, q, k, v, out, lse, sort_topk_idx(idx), cu_q, cu_k, max_seqlen(cu_q), max_seqlen(cu_k),
                            scale, dq, dk, dv, ws)
     return dq, dk, dv
 

@@ -10,7 +10,6 @@ using namespace infllmv2;
 namespace {
 constexpr const char* kOp = "infllmv2_compress_keys";
 // CUDA limits gridDim.y and gridDim.z, which carry the batch and the KV heads.
-constexpr int kMaxGridYZ = 65535;
 }  // namespace
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys(

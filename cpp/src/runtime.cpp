@@ -145,7 +145,6 @@ infllmv2_status check_device_pointers(const char* op, const Device& dev,
 }
 
 infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int batch, int heads, int heads_k) {
-  constexpr int kMaxGridYZ = 65535;
   if (dtype != INFLLMV2_DTYPE_BF16 && dtype != INFLLMV2_DTYPE_FP16)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: dtype must be INFLLMV2_DTYPE_BF16 or INFLLMV2_DTYPE_FP16, got %d",
                 op, dtype);

@@ -14,6 +14,9 @@
 
 namespace infllmv2 {
 
+// Batch and KV heads index the grid's y and z dimensions.
+constexpr int kMaxGridYZ = 65535;
+
 // Records the message for infllmv2_last_error() and returns the status, so that wrappers
 // can `return fail(...)`.
 infllmv2_status fail(infllmv2_status status, const char* fmt, ...)

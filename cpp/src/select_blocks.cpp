@@ -12,7 +12,6 @@ using namespace infllmv2;
 
 namespace {
 
-constexpr int kMaxGridYZ = 65535;
 constexpr int kMaxTopk = 8192;
 
 struct Shape {

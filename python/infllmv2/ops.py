@@ -228,6 +228,20 @@ def _sparse_attn_backward(ctx, dout, dlse):
 _sparse_attn_fwd_op.register_autograd(_sparse_attn_backward, setup_context=_sparse_attn_setup_context)
 
 
+def _check_offsets(named, device):
+    """Each (name, cu_seqlens) is a 1-D int32 tensor of B+1 >= 2 offsets on ``device``, all of one B."""
+    first_name, first = named[0]
+    for name, cu in named:
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{name} must be a 1-D int32 tensor of B+1 >= 2 offsets")
+        if cu.device != device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+        if cu.is_cuda and not cu.is_contiguous():  # the kernels read it through its data pointer
+            raise ValueError(f"{name} must be contiguous")
+        if cu.numel() != first.numel():
+            raise ValueError(f"{first_name} describes {first.numel() - 1} sequences but {name} {cu.numel() - 1}")
+
+
 def _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k):
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor3(t, name)
@@ -240,15 +254,7 @@ def _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must share (tokens, heads_k, head_dim={q.shape[2]})")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k heads ({k.shape[1]})")
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-            raise ValueError(f"{name} must be a 1-D int32 tensor of B+1 >= 2 offsets")
-        if cu.device != q.device:
-            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q describes {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k {cu_seqlens_k.numel() - 1}"
-        )
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
     if q.is_cuda:
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check_kernel_tensor(t, name)
@@ -307,13 +313,6 @@ _KERNEL_FINE = (32, 16)
 _KERNEL_MAX_SELECT_TOPK = 8192
 
 
-def _check_cu(cu, name, device):
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be a 1-D int32 tensor of B+1 >= 2 offsets")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
-    if not cu.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_keys, cu_seqlens_norm,
@@ -347,10 +346,7 @@ def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_ke
         if cu_seqlens_norm is None:
             raise ValueError("cu_seqlens_norm is required when norm_keys is given")
         cus.append(("cu_seqlens_norm", cu_seqlens_norm))
-    for name, cu in cus:
-        _check_cu(cu, name, q.device)
-        if cu.numel() != cu_seqlens_q.numel():
-            raise ValueError(f"{name} describes {cu.numel() - 1} sequences but cu_seqlens_q {cu_seqlens_q.numel() - 1}")
+    _check_offsets(cus, q.device)
 
 
 def select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks,
@@ -425,8 +421,8 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
 
     CUDA runs ``compress_keys`` and one fused selection kernel (bf16/fp16, D 64/128, G <= 64;
     compression 32/16 and block 64, the DSL build parameters; K <= 8192; sequences up to 512K
-    keys on sm_90a, 384K on sm_80/sm_89): the score matrices never exist in device memory. Ties at the K-th score go to the
-    lower block index. Reads ``cu_seqlens_k`` on the host (compression sizes its output) and
+    keys on sm_90a, 384K on sm_80/sm_89): the score matrices never exist in device memory.
+    Ties at the K-th score go to the lower block index. Reads ``cu_seqlens_k`` on the host (compression sizes its output) and
     the offsets for ``max_seqlen_q/k`` unless given. CPU runs the reference.
     """
     _check_tensor3(q, "q")
@@ -445,8 +441,7 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
         raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
     if topk > _KERNEL_MAX_SELECT_TOPK:
         raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
-    _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
-    _check_cu(cu_seqlens_k, "cu_seqlens_k", q.device)
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
     q, k = q.detach(), k.detach()
     ck, cu_c = compress_keys(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
     norm_keys = cu_norm = None
@@ -511,10 +506,8 @@ def max_pool_blocks(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32,
                          f"{_KERNEL_BLOCK} on CUDA, got {kernel_size}/{kernel_stride}/{block_size}")
     _check_int(init_blocks, "init_blocks", 0)
     _check_int(local_blocks, "local_blocks", 0)
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cu_seqlens_c", cu_seqlens_c)):
-        _check_cu(cu, name, S.device)
-        if cu.numel() != cu_seqlens_q.numel():
-            raise ValueError(f"{name} describes {cu.numel() - 1} sequences but cu_seqlens_q {cu_seqlens_q.numel() - 1}")
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cu_seqlens_c", cu_seqlens_c)),
+                   S.device)
     if S.shape[1] == 0 or S.shape[2] == 0:
         raise ValueError(f"S must have total_q >= 1 rows and width >= 1 columns, got shape {tuple(S.shape)}")
     if n_blocks is None:

@@ -18,6 +18,11 @@ def cu_seqlens(lengths, device="cpu") -> torch.Tensor:
     return torch.tensor(offs, dtype=torch.int32, device=device)
 
 
+def max_seqlen(cu: torch.Tensor) -> int:
+    """The longest sequence of int32 offsets cu (B+1)."""
+    return int((cu[1:] - cu[:-1]).max())
+
+
 def random_tokens(lengths, heads, head_dim, dtype, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
     """(sum(lengths), heads, head_dim) normal random data (never zeros), reproducible by seed."""
     g = torch.Generator(device="cpu").manual_seed(seed)
