@@ -2,6 +2,8 @@
 #include "runtime.h"
 
 #include <atomic>
+#include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -161,6 +163,28 @@ infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int 
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: group size heads/heads_k = %d exceeds 64, the query rows of one tile",
                 op, heads / heads_k);
   return INFLLMV2_OK;
+}
+
+infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+                                 int32_t max_seqlen_k, float softmax_scale) {
+  if (total_q < 0 || total_q > INT_MAX || total_k < 0 || total_k > INT_MAX)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: total_q and total_k must be in [0, 2^31), got %lld and %lld", op,
+                (long long)total_q, (long long)total_k);
+  if (max_seqlen_q < 0 || max_seqlen_q > total_q)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_q must be in [0, total_q=%lld], got %d", op,
+                (long long)total_q, max_seqlen_q);
+  if (max_seqlen_k < 0 || max_seqlen_k > total_k)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_k must be in [0, total_k=%lld], got %d", op,
+                (long long)total_k, max_seqlen_k);
+  if (!(softmax_scale >= 0.0f) || !std::isfinite(softmax_scale))
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: softmax_scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got %g",
+                op, (double)softmax_scale);
+  return INFLLMV2_OK;
+}
+
+float attn_scale_log2(float softmax_scale, int head_dim) {
+  const float scale = softmax_scale > 0.0f ? softmax_scale : 1.0f / std::sqrt((float)head_dim);
+  return scale * 1.4426950408889634f;
 }
 
 }  // namespace infllmv2

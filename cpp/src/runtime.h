@@ -46,6 +46,14 @@ infllmv2_status check_device_pointers(const char* op, const Device& dev,
 // within a grid dimension, heads a multiple of heads_k with a group of at most 64 rows.
 infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int batch, int heads, int heads_k);
 
+// The size checks of the attention ops (sparse and dense): token counts within int32, the
+// longest sequences within the token counts, a finite softmax_scale >= 0 (0 = 1/sqrt(head_dim)).
+infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+                                 int32_t max_seqlen_k, float softmax_scale);
+
+// softmax_scale (0 = 1/sqrt(head_dim)) times log2(e): the attention kernels use exp2.
+float attn_scale_log2(float softmax_scale, int head_dim);
+
 // The arch forced by infllmv2_set_arch_override / INFLLMV2_FORCE_ARCH, or "" for automatic.
 std::string arch_override();
 

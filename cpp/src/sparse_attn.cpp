@@ -1,6 +1,4 @@
 // infllmv2_sparse_attn_{fwd,bwd}: validation and dispatch over the generated sparse_attn units.
-#include <climits>
-#include <cmath>
 #include <string>
 
 #include "registry.h"
@@ -26,25 +24,10 @@ infllmv2_status check_shape(const char* op, const Shape& s) {
   if (st != INFLLMV2_OK) return st;
   if (s.topk < 1 || s.topk > kMaxTopk)
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: topk must be in [1, %d], got %d", op, kMaxTopk, s.topk);
-  if (s.total_q < 0 || s.total_q > INT_MAX || s.total_k < 0 || s.total_k > INT_MAX)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: total_q and total_k must be in [0, 2^31), got %lld and %lld", op,
-                (long long)s.total_q, (long long)s.total_k);
-  if (s.max_seqlen_q < 0 || s.max_seqlen_q > s.total_q)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_q must be in [0, total_q=%lld], got %d", op,
-                (long long)s.total_q, s.max_seqlen_q);
-  if (s.max_seqlen_k < 0 || s.max_seqlen_k > s.total_k)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_k must be in [0, total_k=%lld], got %d", op,
-                (long long)s.total_k, s.max_seqlen_k);
-  if (!(s.softmax_scale >= 0.0f) || !std::isfinite(s.softmax_scale))
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: softmax_scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got %g",
-                op, (double)s.softmax_scale);
-  return INFLLMV2_OK;
+  return check_attn_sizes(op, s.total_q, s.total_k, s.max_seqlen_q, s.max_seqlen_k, s.softmax_scale);
 }
 
-float scale_log2(const Shape& s) {
-  float scale = s.softmax_scale > 0.0f ? s.softmax_scale : 1.0f / std::sqrt((float)s.head_dim);
-  return scale * 1.4426950408889634f;  // the kernels use exp2
-}
+float scale_log2(const Shape& s) { return attn_scale_log2(s.softmax_scale, s.head_dim); }
 
 int tile_tokens(int block_m, int t_max, int groups) {
   int t = block_m / groups;
