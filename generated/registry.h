@@ -221,6 +221,333 @@ static const infllmv2_compress_keys_phsa_unit infllmv2_compress_keys_phsa_units[
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
+// ---- dense_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, tile_tokens, causal, scale_log2, total_q, heads, total_k, heads_k, batch_plus_one, stream)
+typedef int (*infllmv2_dense_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_dense_attn_bwd_dkdv_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int (*init)(); infllmv2_dense_attn_bwd_dkdv_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_dense_attn_bwd_dkdv_unit infllmv2_dense_attn_bwd_dkdv_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 82688, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 82688, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 82688, 512, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 49920, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 49920, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 49920, 512, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 82688, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 82688, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 82688, 512, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 49920, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 49920, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 49920, 512, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- dense_attn_bwd_dq: call(Q, K, V, dO, LSE, Delta, cu_seqlens_q, cu_seqlens_k, dQ, batch, max_tiles, groups, tile_tokens, causal, scale_log2, total_q, heads, total_k, heads_k, batch_plus_one, stream)
+typedef int (*infllmv2_dense_attn_bwd_dq_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_dense_attn_bwd_dq_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int (*init)(); infllmv2_dense_attn_bwd_dq_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_dense_attn_bwd_dq_unit infllmv2_dense_attn_bwd_dq_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq_bf16_d128", "sm_80", 80, 73984, 128, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq_bf16_d128", "sm_89", 89, 73984, 128, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq_bf16_d128", "sm_90a", 90, 106752, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq_bf16_d64", "sm_80", 80, 41216, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq_bf16_d64", "sm_89", 89, 41216, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq_bf16_d64", "sm_90a", 90, 57600, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq_fp16_d128", "sm_80", 80, 73984, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq_fp16_d128", "sm_89", 89, 73984, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq_fp16_d128", "sm_90a", 90, 106752, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq_fp16_d64", "sm_80", 80, 41216, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq_fp16_d64", "sm_89", 89, 41216, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq_fp16_d64", "sm_90a", 90, 57600, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- dense_attn_fwd: call(Q, K, V, cu_seqlens_q, cu_seqlens_k, O, LSE, batch, max_tiles, groups, tile_tokens, causal, scale_log2, total_q, heads, total_k, heads_k, batch_plus_one, stream)
+typedef int (*infllmv2_dense_attn_fwd_call_fn)(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_dense_attn_fwd_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int (*init)(); infllmv2_dense_attn_fwd_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_dense_attn_fwd_unit infllmv2_dense_attn_fwd_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd_bf16_d128", "sm_80", 80, 49408, 128, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm80_init, infllmv2_dense_attn_fwd_bf16_d128_sm80_call, infllmv2_dense_attn_fwd_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd_bf16_d128", "sm_89", 89, 49408, 128, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm89_init, infllmv2_dense_attn_fwd_bf16_d128_sm89_call, infllmv2_dense_attn_fwd_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd_bf16_d128", "sm_90a", 90, 82176, 256, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm90a_init, infllmv2_dense_attn_fwd_bf16_d128_sm90a_call, infllmv2_dense_attn_fwd_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd_bf16_d64", "sm_80", 80, 24832, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm80_init, infllmv2_dense_attn_fwd_bf16_d64_sm80_call, infllmv2_dense_attn_fwd_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd_bf16_d64", "sm_89", 89, 24832, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm89_init, infllmv2_dense_attn_fwd_bf16_d64_sm89_call, infllmv2_dense_attn_fwd_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd_bf16_d64", "sm_90a", 90, 41216, 256, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm90a_init, infllmv2_dense_attn_fwd_bf16_d64_sm90a_call, infllmv2_dense_attn_fwd_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd_fp16_d128", "sm_80", 80, 49408, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm80_init, infllmv2_dense_attn_fwd_fp16_d128_sm80_call, infllmv2_dense_attn_fwd_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd_fp16_d128", "sm_89", 89, 49408, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm89_init, infllmv2_dense_attn_fwd_fp16_d128_sm89_call, infllmv2_dense_attn_fwd_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd_fp16_d128", "sm_90a", 90, 82176, 256, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm90a_init, infllmv2_dense_attn_fwd_fp16_d128_sm90a_call, infllmv2_dense_attn_fwd_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd_fp16_d64", "sm_80", 80, 24832, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm80_init, infllmv2_dense_attn_fwd_fp16_d64_sm80_call, infllmv2_dense_attn_fwd_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd_fp16_d64", "sm_89", 89, 24832, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm89_init, infllmv2_dense_attn_fwd_fp16_d64_sm89_call, infllmv2_dense_attn_fwd_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd_fp16_d64", "sm_90a", 90, 41216, 256, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm90a_init, infllmv2_dense_attn_fwd_fp16_d64_sm90a_call, infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 // ---- group_scores: call(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, S, batch, max_tiles, groups, tile_tokens, norm_window, norm_stride, approx, scale_log2, total_q, heads, total_c, heads_k, total_n, batch_plus_one, width, stream)
 typedef int (*infllmv2_group_scores_call_fn)(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* S, int batch, int max_tiles, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int width, cudaStream_t stream);
 struct infllmv2_group_scores_unit {
@@ -1004,6 +1331,114 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"compress_keys_phsa", "compress_keys_phsa_fp16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_80", 82688, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_89", 82688, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 82688, 512},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_80", 49920, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_89", 49920, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 49920, 512},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_80", 82688, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_89", 82688, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 82688, 512},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_80", 49920, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_89", 49920, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 49920, 512},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_80", 73984, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_89", 73984, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_90a", 106752, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_80", 41216, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_89", 41216, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_90a", 57600, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_80", 73984, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_89", 73984, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_90a", 106752, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_80", 41216, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_89", 41216, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_90a", 57600, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_80", 49408, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_89", 49408, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_90a", 82176, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_80", 24832, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_89", 24832, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_90a", 41216, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_80", 49408, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_89", 49408, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_90a", 82176, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_80", 24832, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_89", 24832, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_90a", 41216, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"group_scores", "group_scores_bf16_d128", "sm_80", 69696, 128},

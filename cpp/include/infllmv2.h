@@ -31,6 +31,8 @@
  *   select_blocks    bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   group_scores     bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   max_pool_blocks  fp32       -         any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
+ *   dense_attn_fwd   bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
+ *   dense_attn_bwd   bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
  */
 #ifndef INFLLMV2_H_
 #define INFLLMV2_H_
@@ -170,6 +172,40 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
     void* dv, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k,
     int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
     int32_t topk, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/*
+ * infllmv2_dense_attn_fwd: dense GQA attention, the short-input side of the dense-sparse switch.
+ *
+ *   As infllmv2_sparse_attn_fwd with every key of the sequence selected: over keys t with
+ *   t <= p (p = Lk - Lq + i) when causal != 0, over all Lk keys when causal == 0. A query with
+ *   no visible key (causal with Lq > Lk, or Lk = 0) gets out = 0 and lse = -inf.
+ *
+ *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse  as for infllmv2_sparse_attn_fwd
+ *   [in]  max_seqlen_q, max_seqlen_k  the longest query and key sequences (size the grid)
+ *   [in]  causal       0 or 1
+ *   No workspace. No host synchronisation: usable inside CUDA graphs.
+ */
+INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
+    const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+    void* out, float* lse, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+    int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t causal,
+    infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/* Bytes of device workspace infllmv2_dense_attn_bwd needs (fp32 rowsum(dout * out)). */
+INFLLMV2_API size_t infllmv2_dense_attn_bwd_workspace_size(int64_t total_q, int32_t heads);
+
+/*
+ * infllmv2_dense_attn_bwd: dq, dk, dv of infllmv2_dense_attn_fwd (dk, dv summed over each
+ * group's G query heads). Arguments as for the forward plus out, lse (what it returned),
+ * dout, and a workspace of infllmv2_dense_attn_bwd_workspace_size() bytes. Deterministic (no
+ * atomics): repeated calls are bitwise identical.
+ */
+INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(
+    const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,
+    const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* dq, void* dk, void* dv, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+    int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t causal,
+    infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
 /*
  * Stage 1 (block selection). Built for fine compressed keys of window 32 and stride 16

@@ -40,7 +40,8 @@ def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
     return within_error_rule(out.cpu(), lowp, ref32)
 
 
-def _check_sparse_attn(device, dtype, head_dim, G):
+def _check_attention(device, dtype, head_dim, G, op):
+    """sparse_attn_varlen (op "sparse") or dense_attn_varlen (op "dense"), forward and backward."""
     lengths_q, lengths_k = [1, 63, 64, 65, 300, 17], [1, 63, 64, 65, 300, 700]
     hk = 2
     q = random_tokens(lengths_q, G * hk, head_dim, dtype, device, seed=G)
@@ -55,7 +56,10 @@ def _check_sparse_attn(device, dtype, head_dim, G):
                            (q.cpu().float(), k.cpu().float(), v.cpu().float(), dout.cpu().float())):
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (qq, kk, vv))
         c_q, c_k, ix = cu_q.to(qq.device), cu_k.to(qq.device), idx.to(qq.device)
-        out = infllmv2.sparse_attn_varlen(qq, kk, vv, c_q, c_k, ix)
+        if op == "sparse":
+            out = infllmv2.sparse_attn_varlen(qq, kk, vv, c_q, c_k, ix)
+        else:
+            out = infllmv2.dense_attn_varlen(qq, kk, vv, c_q, c_k)
         runs.append([out.detach().cpu(), *(g.cpu() for g in torch.autograd.grad(out, (qq, kk, vv), do))])
     for i, (got, lowp, ref32) in enumerate(zip(*runs)):
         ok, err, base = within_error_rule(got, lowp, ref32, floor=GRAD_FLOOR if i else None)
@@ -120,11 +124,12 @@ def check() -> int:
                             variant = f"{'phsa ' if phsa else ''}{geometry[0]}/{geometry[1]}"
                             print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  {variant:<14}"
                                   f"{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
-                    for G in (1, 4, 16):
-                        ok, err, base = _check_sparse_attn("cuda" if gpu else "cpu", dtype, head_dim, G)
-                        failures += not ok
-                        print(f"{'sparse_attn':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
-                              f"{f'G={G} fwd+bwd':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
+                    for op in ("sparse", "dense"):
+                        for G in (1, 4, 16):
+                            ok, err, base = _check_attention("cuda" if gpu else "cpu", dtype, head_dim, G, op)
+                            failures += not ok
+                            print(f"{op + '_attn':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
+                                  f"{f'G={G} fwd+bwd':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
                     for G in (1, 4, 16):
                         # fp32 computations on both sides: no PyTorch low-precision error to compare with
                         ok, err, _ = _check_select_blocks("cuda" if gpu else "cpu", dtype, head_dim, G)

@@ -69,6 +69,17 @@ _SIGNATURES = {
         [_c.c_void_p] * 13 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32,
                               _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int, _c.c_float, _c.c_void_p],
     ),
+    "infllmv2_dense_attn_fwd": (
+        _c.c_int,
+        [_c.c_void_p] * 7 + [_c.c_int32, _c.c_int64, _c.c_int64] + [_c.c_int32] * 6
+        + [_c.c_int, _c.c_float, _c.c_void_p],
+    ),
+    "infllmv2_dense_attn_bwd_workspace_size": (_c.c_size_t, [_c.c_int64, _c.c_int32]),
+    "infllmv2_dense_attn_bwd": (
+        _c.c_int,
+        [_c.c_void_p] * 12 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64] + [_c.c_int32] * 6
+        + [_c.c_int, _c.c_float, _c.c_void_p],
+    ),
     "infllmv2_select_blocks": (
         _c.c_int,
         [_c.c_void_p] * 8 + [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int64] + [_c.c_int32] * 10

@@ -304,6 +304,121 @@ def sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen
 
 
 # --------------------------------------------------------------------------------------------
+# dense_attn: causal (or full) attention, the short-input side of the dense-sparse switch
+# --------------------------------------------------------------------------------------------
+
+
+def dense_attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out,
+                          lse):
+    """Runs the dense forward kernel into ``out`` and ``lse`` (already allocated)."""
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_dense_attn_fwd(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(out), _ptr(lse),
+            cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1],
+            q.shape[2], int(causal), _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
+        )
+    _lib.check(status)
+
+
+def dense_attn_bwd_launch(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          softmax_scale, dq, dk, dv, workspace):
+    """Runs the dense backward kernels into ``dq``, ``dk``, ``dv`` (already allocated)."""
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_dense_attn_bwd(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k),
+            _ptr(dq), _ptr(dk), _ptr(dv), _ptr(workspace), workspace.numel() * 4, cu_seqlens_q.numel() - 1,
+            q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], int(causal),
+            _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
+        )
+    _lib.check(status)
+
+
+@torch.library.custom_op("infllmv2::dense_attn_fwd", mutates_args=())
+def _dense_attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not q.is_cuda:
+        out, lse = reference.dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale or None, causal)
+        return out.clone(), lse.clone()
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    dense_attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out,
+                          lse)
+    return out, lse
+
+
+@_dense_attn_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("infllmv2::dense_attn_bwd", mutates_args=())
+def _dense_attn_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not q.is_cuda:
+        def fwd(q_, k_, v_):
+            return reference.dense_attn_varlen(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, softmax_scale or None, causal)[0]
+
+        _, vjp = torch.func.vjp(fwd, q, k, v)
+        return tuple(g.contiguous() for g in vjp(dout))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Delta = rowsum(dO * O) is the same workspace as the sparse backward's
+    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q), dtype=torch.float32, device=q.device)
+    dense_attn_bwd_launch(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          softmax_scale, dq, dk, dv, workspace)
+    return dq, dk, dv
+
+
+@_dense_attn_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _dense_attn_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+
+
+def _dense_attn_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.infllmv2.dense_attn_bwd(dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                   *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_dense_attn_fwd_op.register_autograd(_dense_attn_backward, setup_context=_dense_attn_setup_context)
+
+
+def dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, softmax_scale=None,
+                      causal=True, return_lse=False):
+    """Dense GQA attention over each sequence's keys (``reference.dense_attn_varlen``).
+
+    ``q (total_q, Hq, D)``, ``k, v (total_k, Hk, D)``; ``causal`` is bottom-right aligned at
+    token granularity (a query with no visible key, only when ``Lq > Lk``, gets ``out = 0``,
+    ``lse = -inf``). Returns ``out`` (and ``lse fp32 (Hq, total_q)`` with ``return_lse``);
+    differentiable in q, k, v. CUDA runs the library's dense kernels (bf16/fp16, D 64/128,
+    G <= 64, deterministic backward); CPU runs the reference.
+    """
+    _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if q.is_cuda:
+        max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+        max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
+        out, lse = _dense_attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                      _scale_or_zero(softmax_scale))
+    else:
+        out, lse = reference.dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
 # stage 1: select_blocks (fused), group_scores and max_pool_blocks (the scores path)
 # --------------------------------------------------------------------------------------------
 

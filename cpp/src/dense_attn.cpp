@@ -1,0 +1,137 @@
+// infllmv2_dense_attn_{fwd,bwd}: validation and dispatch over the generated dense_attn units
+// (the backward's Delta pass is sparse_attn's preprocess unit: the same rowsum(dout * out)).
+#include <string>
+
+#include "registry.h"
+#include "runtime.h"
+
+using namespace infllmv2;
+
+namespace {
+
+constexpr int kBlock = 64;  // keys per K/V tile of bwd_dkdv
+
+struct Shape {
+  int32_t batch;
+  int64_t total_q, total_k;
+  int32_t max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, causal;
+  infllmv2_dtype dtype;
+  float softmax_scale;
+};
+
+infllmv2_status check_shape(const char* op, const Shape& s) {
+  infllmv2_status st = check_group_layout(op, s.dtype, s.head_dim, s.batch, s.heads, s.heads_k);
+  if (st != INFLLMV2_OK) return st;
+  if (s.causal != 0 && s.causal != 1) return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: causal must be 0 or 1, got %d", op, s.causal);
+  return check_attn_sizes(op, s.total_q, s.total_k, s.max_seqlen_q, s.max_seqlen_k, s.softmax_scale);
+}
+
+std::string desc(const Shape& s) {
+  return std::string("dtype=") + dtype_name(s.dtype) + " head_dim=" + std::to_string(s.head_dim);
+}
+
+template <class Unit>
+auto matcher(const Shape& s) {
+  return [&s](const Unit& u) { return u.dtype == s.dtype && u.head_dim == s.head_dim; };
+}
+
+}  // namespace
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
+    const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* out,
+    float* lse, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k,
+    int32_t heads, int32_t heads_k, int32_t head_dim, int32_t causal, infllmv2_dtype dtype, float softmax_scale,
+    cudaStream_t stream) {
+  static const char* op = "infllmv2_dense_attn_fwd";
+  clear_error();
+  Shape s{batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, causal, dtype, softmax_scale};
+  infllmv2_status st = check_shape(op, s);
+  if (st != INFLLMV2_OK) return st;
+  Device dev;
+  if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_device_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+    return st;
+  if (total_q > 0 && (st = check_device_pointers(op, dev, {{"q", q}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
+    return st;
+  if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
+
+  const infllmv2_dense_attn_fwd_unit* unit = nullptr;
+  st = pick_unit(op, infllmv2_dense_attn_fwd_units, dev, matcher<infllmv2_dense_attn_fwd_unit>(s), desc(s), &unit);
+  if (st != INFLLMV2_OK || total_q == 0 || max_seqlen_q == 0) return st;
+  // A tile is T = block_m / G tokens of one KV group; rows with no key get out = 0, lse = -inf.
+  const int groups = heads / heads_k, T = unit->block_m / groups;
+  int rc = unit->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<int32_t*>(cu_seqlens_q),
+                      const_cast<int32_t*>(cu_seqlens_k), out, lse, batch, (max_seqlen_q + T - 1) / T, groups, T, causal,
+                      attn_scale_log2(softmax_scale, head_dim), (int)total_q, heads, (int)total_k, heads_k, batch + 1,
+                      stream);
+  return launch_result(op, unit->name, rc, unit->last_error);
+}
+
+extern "C" INFLLMV2_API size_t infllmv2_dense_attn_bwd_workspace_size(int64_t total_q, int32_t heads) {
+  return infllmv2_sparse_attn_bwd_workspace_size(total_q, heads);  // Delta, fp32 (heads, total_q)
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(
+    const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,
+    const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* dq, void* dk, void* dv, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k,
+    int32_t heads, int32_t heads_k, int32_t head_dim, int32_t causal, infllmv2_dtype dtype, float softmax_scale,
+    cudaStream_t stream) {
+  static const char* op = "infllmv2_dense_attn_bwd";
+  clear_error();
+  Shape s{batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, causal, dtype, softmax_scale};
+  infllmv2_status st = check_shape(op, s);
+  if (st != INFLLMV2_OK) return st;
+  const size_t need = infllmv2_dense_attn_bwd_workspace_size(total_q, heads);
+  if (workspace_size < need)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: workspace_size is %zu bytes, infllmv2_dense_attn_bwd_workspace_size() asks for %zu", op,
+                workspace_size, need);
+  Device dev;
+  if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_device_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+    return st;
+  if (total_q > 0 && (st = check_device_pointers(op, dev, {{"q", q}, {"out", out}, {"dout", dout}, {"lse", lse},
+                                                    {"dq", dq}, {"workspace", workspace}})) != INFLLMV2_OK)
+    return st;
+  if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}, {"dk", dk}, {"dv", dv}})) != INFLLMV2_OK)
+    return st;
+
+  const infllmv2_sparse_attn_bwd_preprocess_unit* pre = nullptr;
+  const infllmv2_dense_attn_bwd_dq_unit* udq = nullptr;
+  const infllmv2_dense_attn_bwd_dkdv_unit* udkdv = nullptr;
+  if ((st = pick_unit(op, infllmv2_sparse_attn_bwd_preprocess_units, dev,
+                      matcher<infllmv2_sparse_attn_bwd_preprocess_unit>(s), desc(s), &pre)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_dense_attn_bwd_dq_units, dev, matcher<infllmv2_dense_attn_bwd_dq_unit>(s), desc(s),
+                      &udq)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_dense_attn_bwd_dkdv_units, dev, matcher<infllmv2_dense_attn_bwd_dkdv_unit>(s),
+                      desc(s), &udkdv)) != INFLLMV2_OK)
+    return st;
+  if (total_k > 0 && max_seqlen_k > 0 && (total_q == 0 || max_seqlen_q == 0)) {
+    // No query saw any key: the key gradients are zero, and no kernel would write them.
+    const size_t bytes = (size_t)total_k * heads_k * head_dim * 2;
+    cudaError_t e1 = cudaMemsetAsync(dk, 0, bytes, stream), e2 = cudaMemsetAsync(dv, 0, bytes, stream);
+    if (e1 != cudaSuccess || e2 != cudaSuccess)
+      return fail(INFLLMV2_ERR_CUDA, "%s: zeroing dk/dv failed: %s", op, cudaGetErrorString(e1 != cudaSuccess ? e1 : e2));
+    return INFLLMV2_OK;
+  }
+  if (total_q == 0 || max_seqlen_q == 0) return INFLLMV2_OK;
+  float* delta = static_cast<float*>(workspace);
+  const int groups = heads / heads_k;
+  const float sl2 = attn_scale_log2(softmax_scale, head_dim);
+  int rc = pre->call(const_cast<void*>(out), const_cast<void*>(dout), delta, (int)total_q, heads, stream);
+  if ((st = launch_result(op, pre->name, rc, pre->last_error)) != INFLLMV2_OK) return st;
+  int T = udq->block_m / groups;
+  rc = udq->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
+                 const_cast<float*>(lse), delta, const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k),
+                 dq, batch, (max_seqlen_q + T - 1) / T, groups, T, causal, sl2, (int)total_q, heads, (int)total_k,
+                 heads_k, batch + 1, stream);
+  if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
+  if (total_k == 0 || max_seqlen_k == 0) return INFLLMV2_OK;
+  T = udkdv->block_m / groups;
+  rc = udkdv->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
+                   const_cast<float*>(lse), delta, const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k),
+                   dk, dv, batch, (max_seqlen_k + kBlock - 1) / kBlock, groups, T, causal, sl2, (int)total_q, heads,
+                   (int)total_k, heads_k, batch + 1, stream);
+  return launch_result(op, udkdv->name, rc, udkdv->last_error);
+}
