@@ -14,7 +14,8 @@ from ._lib import (
     selected_arch,
     set_arch_override,
 )
-from .ops import compress_keys, group_scores, max_pool_blocks, select_blocks, sparse_attn_varlen
+from .ops import compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, sparse_attn_varlen
+from .attention import SparseConfig, attention, attention_padded
 
 try:
     from importlib.metadata import PackageNotFoundError, version as _version
@@ -24,6 +25,10 @@ except PackageNotFoundError:  # a source checkout on sys.path
     __version__ = "0.0.0+source"
 
 __all__ = [
+    "attention",
+    "attention_padded",
+    "SparseConfig",
+    "dense_attn_varlen",
     "compress_keys",
     "sparse_attn_varlen",
     "select_blocks",

@@ -1,0 +1,160 @@
+"""attention: the dense-sparse switch over stages 0-2, and SparseConfig."""
+
+import pytest
+import torch
+
+import infllmv2
+from infllmv2 import SparseConfig, reference
+from infllmv2.testing import GRAD_FLOOR, assert_close_to_reference, cu_seqlens, random_tokens, selection_mismatch
+
+# small enough for the CPU reference: 64-token blocks, a 2-block window, 3 scored blocks
+SMALL = SparseConfig(dense_len=300, window_size=128, topk=3)
+
+
+def _ref_kwargs(cfg):
+    return dict(dense_len=cfg.dense_len, topk=cfg.num_selected, kernel_size=cfg.kernel_size,
+                kernel_stride=cfg.kernel_stride, block_size=cfg.block_size, init_blocks=cfg.init_blocks,
+                local_blocks=cfg.local_blocks, approx_lse=cfg.approx_lse, norm_kernel_size=cfg.norm_kernel_size,
+                norm_kernel_stride=cfg.norm_kernel_stride)
+
+
+def _qkv(lengths_q, lengths_k, G, D, dtype, device="cpu", seed=0):
+    q = random_tokens(lengths_q, 2 * G, D, dtype, device, seed=seed)
+    k = random_tokens(lengths_k, 2, D, dtype, device, seed=seed + 1)
+    v = random_tokens(lengths_k, 2, D, dtype, device, seed=seed + 2)
+    return q, k, v, cu_seqlens(lengths_q, device), cu_seqlens(lengths_k, device)
+
+
+# ---------------------------------------------------------------------------------- CPU tier
+
+
+@pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 200], [400, 65, 1], [700, 350]])
+@pytest.mark.parametrize("approx_lse", [True, False])
+def test_cpu_matches_reference_both_paths(lengths, approx_lse):
+    cfg = SparseConfig(dense_len=300, window_size=128, topk=3, approx_lse=approx_lse)
+    q, k, v, cu_q, cu_k = _qkv(lengths, lengths, 4, 32, torch.float64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = infllmv2.attention(q, k, v, cu_q, cu_k, config=cfg, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, cu_q, cu_k, **_ref_kwargs(cfg))
+    assert torch.allclose(out, ref) and torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b)
+
+
+def test_cpu_switch_follows_max_seqlen_k():
+    # below dense_len the result is dense causal attention, from dense_len on it is sparse
+    q, k, v, cu_q, cu_k = _qkv([299], [299], 2, 16, torch.float64)
+    dense = reference.dense_attn_varlen(q, k, v, cu_q, cu_k)[0]
+    assert torch.allclose(infllmv2.attention(q, k, v, cu_q, cu_k, config=SMALL), dense)
+    q, k, v, cu_q, cu_k = _qkv([700], [700], 2, 16, torch.float64)
+    dense = reference.dense_attn_varlen(q, k, v, cu_q, cu_k)[0]
+    sparse = infllmv2.attention(q, k, v, cu_q, cu_k, config=SMALL)
+    assert not torch.allclose(sparse, dense)  # 5 of up to 11 blocks per query: not the dense result
+    assert torch.allclose(sparse[:64 * 5], dense[:64 * 5])  # queries with <= 5 blocks: every block selected
+
+
+def test_cpu_padded_layout_and_decode():
+    B, S, G, D = 2, 320, 2, 16
+    q = torch.randn(B, S, 2 * G, D, dtype=torch.float64)
+    k = torch.randn(B, S, 2, D, dtype=torch.float64)
+    v = torch.randn(B, S, 2, D, dtype=torch.float64)
+    out, lse = infllmv2.attention_padded(q, k, v, config=SMALL, return_lse=True)
+    cu = cu_seqlens([S] * B)
+    ref, ref_lse = reference.attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, **_ref_kwargs(SMALL))
+    assert out.shape == (B, S, 2 * G, D) and lse.shape == (B, 2 * G, S)
+    assert torch.allclose(out.flatten(0, 1), ref)
+    assert torch.allclose(lse, ref_lse.reshape(2 * G, B, S).transpose(0, 1))
+    # one-token decode: the last query against the whole cache gives the last row of the prefill
+    dec = infllmv2.attention_padded(q[:, -1:], k, v, config=SMALL)
+    assert torch.allclose(dec[:, 0], out[:, -1])
+
+
+def test_sparse_config_from_minicpm_dict():
+    d = {"kernel_size": 32, "kernel_stride": 16, "init_blocks": 1, "block_size": 64, "window_size": 2048,
+         "topk": 64, "use_nope": False, "dense_len": 8192}
+    cfg = SparseConfig.from_dict(d)
+    assert cfg == SparseConfig() and cfg.local_blocks == 32 and cfg.num_selected == 96
+    assert SparseConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "d, message",
+    [
+        ({"window_size": 100}, "window_size \\(100\\) must be a multiple of block_size"),
+        ({"block_size": 40, "window_size": 2000}, "block_size \\(40\\) must be a multiple of kernel_stride"),
+        ({"kernel_size": 8}, "kernel_size \\(8\\) must be >= kernel_stride"),
+        ({"topk": -1}, "SparseConfig.topk"),
+        ({"topk": 0, "window_size": 0}, "must be >= 1"),
+        ({"approx_lse": 1}, "approx_lse must be a bool"),
+        ({"phsa_lambda": 2.0}, "phsa_lambda must be a number in \\[0, 1\\]"),
+        ({"use_nope": True}, "use_nope=True is not supported"),
+        ({"top_k": 3}, "unknown keys \\['top_k'\\]"),
+    ],
+)
+def test_sparse_config_errors_name_the_key(d, message):
+    with pytest.raises(ValueError, match=message):
+        SparseConfig.from_dict(d)
+
+
+def test_bad_inputs_name_the_argument():
+    q, k, v, cu_q, cu_k = _qkv([10], [10], 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
+        infllmv2.attention(q, k, v, cu_q.long(), cu_k)
+    with pytest.raises(ValueError, match="sparse_config must be a mapping"):
+        infllmv2.attention(q, k, v, cu_q, cu_k, config=3)
+    with pytest.raises(ValueError, match="q must be a 4-D tensor"):
+        infllmv2.attention_padded(q, k, v)
+
+
+# ---------------------------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("G", [1, 4, 16])
+@pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 200], [700, 65, 1000, 1]])
+def test_cuda_matches_reference(dtype, head_dim, G, lengths):
+    """Dense path (all sequences below dense_len) or sparse path: the kernels' selection is
+    checked tie-aware against the reference block scores, then the output and gradients
+    against the reference attention over that selection, by the 2x error rule."""
+    q, k, v, cu_q, cu_k = _qkv(lengths, lengths, G, head_dim, dtype, "cuda", seed=G)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = infllmv2.attention(q, k, v, cu_q, cu_k, config=SMALL)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    sparse = max(lengths) >= SMALL.dense_len
+    if sparse:
+        idx = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=SMALL.num_selected, local_blocks=SMALL.local_blocks)
+        _, blocks = reference.select_blocks(q.detach().cpu().float(), k.detach().cpu().float(), cu_q.cpu(), cu_k.cpu(),
+                                            topk=SMALL.num_selected, local_blocks=SMALL.local_blocks, return_scores=True)
+        why = selection_mismatch(idx.cpu(), blocks, SMALL.num_selected)
+        assert why is None, why
+
+    def ref(dt):
+        qq, kk, vv = (t.detach().cpu().to(dt).requires_grad_() for t in (q, k, v))
+        c_q, c_k = cu_q.cpu(), cu_k.cpu()
+        if sparse:
+            o = reference.sparse_attn_varlen(qq, kk, vv, c_q, c_k, idx.cpu())[0]
+        else:
+            o = reference.dense_attn_varlen(qq, kk, vv, c_q, c_k)[0]
+        return [o.detach(), *torch.autograd.grad(o, (qq, kk, vv), dout.cpu().to(dt))]
+
+    ref32, lowp = ref(torch.float32), ref(dtype)
+    for name, got, r32, lp in zip(("out", "dq", "dk", "dv"), (out, *grads), ref32, lowp):
+        assert_close_to_reference(got.detach().cpu(), lp, r32, what=f"{'sparse' if sparse else 'dense'} {name}",
+                                  floor=GRAD_FLOOR if name[0] == "d" else None)
+
+
+@pytest.mark.gpu
+def test_cuda_dense_path_torch_compile_fullgraph():
+    # the sparse path reads cu_seqlens_k on the host to size the compressed keys: a graph break
+    q, k, v, cu_q, cu_k = _qkv([200, 100], [200, 100], 16, 128, torch.bfloat16, "cuda")
+
+    def f(q, k, v):
+        return infllmv2.attention(q, k, v, cu_q, cu_k, 200, 200, config=SMALL)
+
+    out_c = torch.compile(f, fullgraph=True)(q, k, v)
+    assert torch.equal(out_c, f(q, k, v))
