@@ -33,7 +33,7 @@ import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-OPS = ["dsl.compress_keys", "dsl.sparse_attn", "dsl.select_blocks", "dsl.dense_attn"]
+OPS = ["dsl.compress_keys", "dsl.sparse_attn", "dsl.select_blocks", "dsl.dense_attn", "dsl.attention"]
 ARCHS = ["sm_80", "sm_89", "sm_90a"]
 TILELANG_VERSION = "0.1.15"
 
@@ -195,13 +195,12 @@ def _registry(entries: list[dict]) -> str:
             guard = "INFLLMV2_HAS_" + u["arch"].upper()
             threads = u["threads"][0] * u["threads"][1] * u["threads"][2]
             out.append(f"#if {guard}")
-            out.append(
-                f'  {{"{u["variant"]}", "{u["arch"]}", {u["sm"]}, {u["dynamic_smem"]}, {threads}, {", ".join(vals)}, '
-                f'{u["symbol"]}_init, {u["symbol"]}_call, {u["symbol"]}_last_error}},'
-            )
+            fields = [f'"{u["variant"]}"', f'"{u["arch"]}"', str(u["sm"]), str(u["dynamic_smem"]), str(threads), *vals,
+                      f'{u["symbol"]}_init', f'{u["symbol"]}_call', f'{u["symbol"]}_last_error']
+            out.append(f"  {{{', '.join(fields)}}},")
             out.append("#endif")
         # A zero-length array is not C++; the sentinel also terminates loops.
-        out.append(f"  {{nullptr, nullptr, 0, 0, 0, {', '.join('0' for _ in keys + ckeys)}, nullptr, nullptr, nullptr}},")
+        out.append(f"  {{{', '.join(['nullptr', 'nullptr', '0', '0', '0'] + ['0'] * len(keys + ckeys) + ['nullptr'] * 3)}}},")
         out.append("};")
         out.append("")
     # One flat list of every unit, for infllmv2_build_info().

@@ -1,5 +1,8 @@
 """attention: the dense-sparse switch over stages 0-2, and SparseConfig."""
 
+import ctypes
+import re
+
 import pytest
 import torch
 
@@ -158,3 +161,87 @@ def test_cuda_dense_path_torch_compile_fullgraph():
 
     out_c = torch.compile(f, fullgraph=True)(q, k, v)
     assert torch.equal(out_c, f(q, k, v))
+
+
+# ------------------------------------------------------------- the one-call C entry point
+
+
+def _c_config(cfg):
+    from infllmv2 import _lib
+
+    return _lib.SparseConfigC(**{f: int(getattr(cfg, f)) for f, _ in _lib.SparseConfigC._fields_})
+
+
+needs_library = pytest.mark.skipif(not infllmv2.library_available(), reason="no kernel library")
+
+
+@needs_library
+def test_c_config_default_is_sparse_config_default():
+    from infllmv2 import _lib
+
+    c = _lib.SparseConfigC()
+    _lib.lib().infllmv2_sparse_config_default(ctypes.byref(c))
+    assert {f: getattr(c, f) for f, _ in c._fields_} == {f: int(getattr(SparseConfig(), f)) for f, _ in c._fields_}
+
+
+@needs_library
+@pytest.mark.parametrize(
+    "change, status, message",
+    [
+        (dict(kernel_size=64), "ERR_UNSUPPORTED", "kernel_size/kernel_stride/block_size must be 32/16/64"),
+        (dict(window_size=100), "ERR_INVALID_ARGUMENT", "window_size must be a multiple of block_size"),
+        (dict(topk=200), "ERR_UNSUPPORTED", "topk \\+ window_size / block_size must be in \\[1, 128\\], got 232"),
+        (dict(approx_lse=2), "ERR_INVALID_ARGUMENT", "approx_lse must be 0 or 1"),
+        (dict(init_blocks=-1), "ERR_INVALID_ARGUMENT", "init_blocks, topk and dense_len must be >= 0"),
+    ],
+)
+def test_c_attention_fwd_config_errors(change, status, message):
+    from infllmv2 import _lib
+
+    c = _c_config(SparseConfig())
+    for f, v in change.items():
+        setattr(c, f, v)
+    st = _lib.lib().infllmv2_attention_fwd(None, None, None, None, None, None, None, None, None, 0, 1, 10, 10, 10, 10,
+                                           32, 2, 128, 0, 0.0, ctypes.byref(c), None)
+    assert st == getattr(_lib, status)
+    assert re.search(message, _lib.lib().infllmv2_last_error().decode())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense_len", [0, 100000])
+@pytest.mark.parametrize("approx_lse", [True, False])
+def test_c_attention_fwd_equals_the_torch_layer(dense_len, approx_lse):
+    from infllmv2 import _lib
+    from infllmv2.ops import _stream
+
+    cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=3, approx_lse=approx_lse)
+    lengths = [700, 65, 1000, 1, 31]
+    q, k, v, cu_q, cu_k = _qkv(lengths, lengths, 16, 128, torch.bfloat16, "cuda")
+    want, want_lse = infllmv2.attention(q, k, v, cu_q, cu_k, config=cfg, return_lse=True)
+    c = _c_config(cfg)
+    lib = _lib.lib()
+    size = lib.infllmv2_attention_fwd_workspace_size(len(lengths), q.shape[0], k.shape[0], 1000, 2, 128, ctypes.byref(c))
+    assert (size == 0) == (dense_len > 1000)
+    ws = torch.full((max(size, 1),), 255, dtype=torch.uint8, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+    idx = torch.full((2, q.shape[0], cfg.num_selected), -7, dtype=torch.int32, device="cuda")
+    st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
+                                    out.data_ptr(), lse.data_ptr(), idx.data_ptr(), ws.data_ptr(), size, len(lengths),
+                                    q.shape[0], k.shape[0], 1000, 1000, 32, 2, 128, 0, 0.0, ctypes.byref(c),
+                                    _stream(q.device))
+    assert st == _lib.OK, lib.infllmv2_last_error().decode()
+    torch.cuda.synchronize()
+    # the same kernels on the same data: bitwise the torch layer's result
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    if dense_len == 0:
+        sel = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=cfg.num_selected, local_blocks=cfg.local_blocks,
+                                     approx_lse=approx_lse)
+        assert torch.equal(idx, sel)
+    else:
+        assert (idx == -7).all()
+    st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
+                                    out.data_ptr(), lse.data_ptr(), None, ws.data_ptr(), 16, len(lengths), q.shape[0],
+                                    k.shape[0], 1000, 1000, 32, 2, 128, 0, 0.0, ctypes.byref(c), _stream(q.device))
+    if size > 16:
+        assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()

@@ -33,6 +33,7 @@
  *   max_pool_blocks  fp32       -         any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
  *   dense_attn_fwd   bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   dense_attn_bwd   bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
+ *   attention_fwd    bf16,fp16  64,128    G <= 64, K <= 128        sm_80, sm_89, sm_90a (+PTX)
  */
 #ifndef INFLLMV2_H_
 #define INFLLMV2_H_
@@ -282,6 +283,55 @@ INFLLMV2_API infllmv2_status infllmv2_max_pool_blocks(
     const int32_t* cu_seqlens_c, float* block_scores, int32_t batch, int64_t total_q,
     int32_t width, int32_t n_blocks, int32_t max_seqlen_q, int32_t heads_k, int32_t init_blocks,
     int32_t local_blocks, cudaStream_t stream);
+
+/*
+ * The whole InfLLM-V2 attention in one call (forward): dense causal attention when the longest
+ * key sequence is shorter than dense_len, otherwise compression (infllmv2_compress_keys, fine and,
+ * with approx_lse, coarse), fused selection (infllmv2_select_blocks) and block-sparse attention
+ * (infllmv2_sparse_attn_fwd). The fields mean what MiniCPM4.1's sparse_config keys mean; each
+ * selected row holds K = topk + window_size / block_size blocks. No host synchronisation: the
+ * compressed keys' offsets are computed on the device, their storage sized by a bound.
+ */
+typedef struct {
+  int32_t kernel_size;        /* fine compression window: 32 (the stage-1 kernels' build parameter) */
+  int32_t kernel_stride;      /* fine compression stride: 16 (build parameter) */
+  int32_t block_size;         /* tokens per selectable block: 64 (build parameter) */
+  int32_t init_blocks;        /* leading blocks always selected: 1 */
+  int32_t window_size;        /* local window in tokens, a multiple of block_size: 2048 */
+  int32_t topk;               /* blocks chosen by score on top of the window: 64 (K = 96 <= 128) */
+  int32_t dense_len;          /* dense below this many keys in the longest sequence: 8192 */
+  int32_t approx_lse;         /* 1: normalise stage-1 scores over the coarse keys; 0: the fine keys */
+  int32_t norm_kernel_size;   /* coarse compression window: 128 */
+  int32_t norm_kernel_stride; /* coarse compression stride: 64 */
+} infllmv2_sparse_config;
+
+/* Fills *config with MiniCPM4.1's defaults (the values in the comments above). */
+INFLLMV2_API void infllmv2_sparse_config_default(infllmv2_sparse_config* config);
+
+/* Bytes of device workspace infllmv2_attention_fwd needs (0 on the dense path); an upper bound
+ * that depends only on these sizes. */
+INFLLMV2_API size_t infllmv2_attention_fwd_workspace_size(int32_t batch, int64_t total_q, int64_t total_k,
+                                                          int32_t max_seqlen_k, int32_t heads_k, int32_t head_dim,
+                                                          const infllmv2_sparse_config* config);
+
+/*
+ * infllmv2_attention_fwd: out (total_q, heads, head_dim) and lse fp32 (heads, total_q) of the
+ * InfLLM-V2 attention of packed varlen sequences, bottom-right causal.
+ *
+ *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse  as for infllmv2_sparse_attn_fwd
+ *   [out] topk_idx     optional (NULL: kept in the workspace): int32 (heads_k, total_q, K), the
+ *                      selection the sparse path used (untouched on the dense path)
+ *   [in]  workspace    device memory of infllmv2_attention_fwd_workspace_size() bytes
+ *   [in]  max_seqlen_q, max_seqlen_k  the longest sequences (the switch and the grids)
+ *   [in]  config       see infllmv2_sparse_config; softmax_scale 0 for 1/sqrt(head_dim)
+ * Support: what its ops support (bf16/fp16, head_dim 64/128, G <= 64, K <= 128).
+ */
+INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
+    const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+    void* out, float* lse, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch,
+    int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads,
+    int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
+    const infllmv2_sparse_config* config, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

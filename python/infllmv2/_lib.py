@@ -41,6 +41,14 @@ class Infllmv2UnsupportedError(Infllmv2Error, NotImplementedError):
     """No kernel for this request or for this GPU's arch."""
 
 
+class SparseConfigC(ctypes.Structure):
+    """infllmv2_sparse_config (cpp/include/infllmv2.h), field for field."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "kernel_size", "kernel_stride", "block_size", "init_blocks", "window_size", "topk", "dense_len", "approx_lse",
+        "norm_kernel_size", "norm_kernel_stride")]
+
+
 _lock = threading.Lock()
 _lib = None
 
@@ -79,6 +87,15 @@ _SIGNATURES = {
         _c.c_int,
         [_c.c_void_p] * 12 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64] + [_c.c_int32] * 6
         + [_c.c_int, _c.c_float, _c.c_void_p],
+    ),
+    "infllmv2_sparse_config_default": (None, [_c.c_void_p]),
+    "infllmv2_attention_fwd_workspace_size": (
+        _c.c_size_t, [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_void_p],
+    ),
+    "infllmv2_attention_fwd": (
+        _c.c_int,
+        [_c.c_void_p] * 9 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64] + [_c.c_int32] * 5
+        + [_c.c_int, _c.c_float, _c.c_void_p, _c.c_void_p],
     ),
     "infllmv2_select_blocks": (
         _c.c_int,

@@ -1,0 +1,154 @@
+// infllmv2_attention_fwd: the dense-sparse switch over the library's own ops, for C callers.
+#include <string>
+
+#include "registry.h"
+#include "runtime.h"
+
+using namespace infllmv2;
+
+namespace {
+
+constexpr const char* kOp = "infllmv2_attention_fwd";
+// The stage-1 kernels' DSL build parameters (dsl/select_blocks.py) and stage 2's row limit.
+constexpr int kFineW = 32, kFineS = 16, kBlock = 64, kMaxK = 128;
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int64_t windows(int64_t len, int w, int s) { return len >= w ? (len - w) / s + 1 : 0; }
+
+int selected(const infllmv2_sparse_config& c) { return c.topk + c.window_size / c.block_size; }
+
+infllmv2_status check_config(const infllmv2_sparse_config* c) {
+  if (c == nullptr) return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config must not be NULL", kOp);
+  if (c->kernel_size != kFineW || c->kernel_stride != kFineS || c->block_size != kBlock)
+    return fail(INFLLMV2_ERR_UNSUPPORTED,
+                "%s: config kernel_size/kernel_stride/block_size must be %d/%d/%d (the stage-1 kernels' build "
+                "parameters), got %d/%d/%d",
+                kOp, kFineW, kFineS, kBlock, c->kernel_size, c->kernel_stride, c->block_size);
+  if (c->init_blocks < 0 || c->topk < 0 || c->dense_len < 0)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config init_blocks, topk and dense_len must be >= 0, got %d, %d, %d",
+                kOp, c->init_blocks, c->topk, c->dense_len);
+  if (c->window_size < 0 || c->window_size % c->block_size != 0)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config window_size must be a multiple of block_size >= 0, got %d",
+                kOp, c->window_size);
+  const int K = selected(*c);
+  if (K < 1 || K > kMaxK)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: config topk + window_size / block_size must be in [1, %d], got %d", kOp,
+                kMaxK, K);
+  if (c->approx_lse != 0 && c->approx_lse != 1)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config approx_lse must be 0 or 1, got %d", kOp, c->approx_lse);
+  if (c->approx_lse && (c->norm_kernel_size < 1 || c->norm_kernel_stride < 1))
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config norm_kernel_size and norm_kernel_stride must be >= 1, got %d and %d",
+                kOp, c->norm_kernel_size, c->norm_kernel_stride);
+  return INFLLMV2_OK;
+}
+
+// Where the sparse path keeps its intermediates in the workspace; sizes are bounds that hold
+// for any lengths summing to total_k (n(L) <= L / s + 1 per sequence).
+struct Layout {
+  int64_t bound_c = 0, bound_n = 0;
+  size_t cu_c = 0, cu_n = 0, ck = 0, nk = 0, idx = 0, total = 0;
+};
+
+Layout layout(int32_t batch, int64_t total_q, int64_t total_k, int32_t heads_k, int32_t head_dim,
+              const infllmv2_sparse_config& c) {
+  Layout l;
+  const size_t row = (size_t)heads_k * head_dim * 2;  // one compressed key, bf16/fp16
+  l.bound_c = total_k / c.kernel_stride + batch;
+  l.bound_n = c.approx_lse ? total_k / c.norm_kernel_stride + batch : 0;
+  size_t at = 0;
+  l.cu_c = at, at += align_up((size_t)(batch + 1) * 4);
+  l.cu_n = at, at += align_up((size_t)(batch + 1) * 4);
+  l.ck = at, at += align_up((size_t)l.bound_c * row);
+  l.nk = at, at += align_up((size_t)l.bound_n * row);
+  l.idx = at, at += align_up((size_t)heads_k * total_q * selected(c) * 4);
+  l.total = at;
+  return l;
+}
+
+template <class T>
+T* at(void* base, size_t offset) { return reinterpret_cast<T*>(static_cast<char*>(base) + offset); }
+
+}  // namespace
+
+extern "C" INFLLMV2_API void infllmv2_sparse_config_default(infllmv2_sparse_config* c) {
+  if (c == nullptr) return;
+  *c = infllmv2_sparse_config{kFineW, kFineS, kBlock, 1, 2048, 64, 8192, 1, 128, 64};
+}
+
+extern "C" INFLLMV2_API size_t infllmv2_attention_fwd_workspace_size(int32_t batch, int64_t total_q, int64_t total_k,
+                                                                     int32_t max_seqlen_k, int32_t heads_k,
+                                                                     int32_t head_dim, const infllmv2_sparse_config* c) {
+  if (c == nullptr || batch < 1 || total_q < 0 || total_k < 0 || heads_k < 1 || head_dim < 1 || c->kernel_stride < 1 ||
+      c->block_size < 1 || (c->approx_lse && c->norm_kernel_stride < 1))
+    return 0;
+  if (max_seqlen_k < c->dense_len) return 0;
+  return layout(batch, total_q, total_k, heads_k, head_dim, *c).total;
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
+    const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* out,
+    float* lse, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q,
+    int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
+    infllmv2_dtype dtype, float softmax_scale, const infllmv2_sparse_config* config, cudaStream_t stream) {
+  clear_error();
+  infllmv2_status st = check_config(config);
+  if (st != INFLLMV2_OK) return st;
+  if ((st = check_group_layout(kOp, dtype, head_dim, batch, heads, heads_k)) != INFLLMV2_OK) return st;
+  if ((st = check_attn_sizes(kOp, total_q, total_k, max_seqlen_q, max_seqlen_k, softmax_scale)) != INFLLMV2_OK)
+    return st;
+  const infllmv2_sparse_config& c = *config;
+  if (max_seqlen_k < c.dense_len)
+    return infllmv2_dense_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, batch, total_q, total_k,
+                                   max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, 1, dtype, softmax_scale,
+                                   stream);
+
+  const Layout l = layout(batch, total_q, total_k, heads_k, head_dim, c);
+  if (workspace_size < l.total)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: workspace_size is %zu bytes, infllmv2_attention_fwd_workspace_size() asks for %zu", kOp,
+                workspace_size, l.total);
+  Device dev;
+  if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_device_pointers(kOp, dev, {{"workspace", workspace}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+    return st;
+  if (topk_idx != nullptr && (st = check_device_pointer(kOp, "topk_idx", topk_idx, dev)) != INFLLMV2_OK) return st;
+  const infllmv2_attention_compressed_offsets_unit* offsets = nullptr;
+  if ((st = pick_unit(kOp, infllmv2_attention_compressed_offsets_units, dev,
+                      [](const infllmv2_attention_compressed_offsets_unit&) { return true; }, "compressed offsets",
+                      &offsets)) != INFLLMV2_OK)
+    return st;
+
+  int32_t* cu_c = at<int32_t>(workspace, l.cu_c);
+  int32_t* cu_n = c.approx_lse ? at<int32_t>(workspace, l.cu_n) : nullptr;
+  void* ck = at<void>(workspace, l.ck);
+  void* nk = c.approx_lse ? at<void>(workspace, l.nk) : nullptr;
+  int32_t* idx = topk_idx != nullptr ? topk_idx : at<int32_t>(workspace, l.idx);
+  const int K = selected(c);
+
+  struct Compression {
+    int32_t* cu;
+    void* keys;
+    int64_t bound;
+    int w, s;
+  };
+  const Compression levels[2] = {{cu_c, ck, l.bound_c, c.kernel_size, c.kernel_stride},
+                                 {cu_n, nk, l.bound_n, c.norm_kernel_size, c.norm_kernel_stride}};
+  for (int i = 0; i < (c.approx_lse ? 2 : 1); ++i) {
+    const Compression& z = levels[i];
+    int rc = offsets->call(const_cast<int32_t*>(cu_seqlens_k), z.cu, batch, z.w, z.s, batch + 1, stream);
+    if ((st = launch_result(kOp, offsets->name, rc, offsets->last_error)) != INFLLMV2_OK) return st;
+    const int32_t max_n = (int32_t)windows(max_seqlen_k, z.w, z.s);
+    if ((st = infllmv2_compress_keys(k, cu_seqlens_k, z.cu, nullptr, 0.0f, z.keys, batch, total_k, z.bound, max_n,
+                                     heads_k, head_dim, dtype, z.w, z.s, stream)) != INFLLMV2_OK)
+      return st;
+  }
+  if ((st = infllmv2_select_blocks(q, ck, nk, cu_seqlens_q, cu_seqlens_k, cu_c, cu_n, idx, batch, total_q, l.bound_c,
+                                   l.bound_n, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, K, c.init_blocks,
+                                   c.window_size / c.block_size, c.norm_kernel_size, c.norm_kernel_stride, dtype,
+                                   softmax_scale, stream)) != INFLLMV2_OK)
+    return st;
+  return infllmv2_sparse_attn_fwd(q, k, v, idx, cu_seqlens_q, cu_seqlens_k, out, lse, batch, total_q, total_k,
+                                  max_seqlen_q, heads, heads_k, head_dim, K, dtype, softmax_scale, stream);
+}
