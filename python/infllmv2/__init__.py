@@ -3,7 +3,7 @@ library, with a torch layer on top. CUDA tensors run the kernels; CPU tensors ru
 reference (``infllmv2.reference``), which is also the oracle the kernels are tested against.
 """
 
-from . import reference
+from . import compat, reference
 from ._lib import (
     Infllmv2ArgumentError,
     Infllmv2Error,
@@ -40,6 +40,7 @@ __all__ = [
     "selected_arch",
     "set_arch_override",
     "reference",
+    "compat",
     "Infllmv2Error",
     "Infllmv2ArgumentError",
     "Infllmv2UnsupportedError",
