@@ -3,7 +3,7 @@ library, with a torch layer on top. CUDA tensors run the kernels; CPU tensors ru
 reference (``infllmv2.reference``), which is also the oracle the kernels are tested against.
 """
 
-from . import compat, reference
+from . import compat, phsa, reference
 from ._lib import (
     Infllmv2ArgumentError,
     Infllmv2Error,
@@ -16,6 +16,7 @@ from ._lib import (
 )
 from .ops import compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, sparse_attn_varlen
 from .attention import SparseConfig, attention, attention_padded
+from .module import InfLLMv2Attention
 
 try:
     from importlib.metadata import PackageNotFoundError, version as _version
@@ -28,6 +29,8 @@ __all__ = [
     "attention",
     "attention_padded",
     "SparseConfig",
+    "InfLLMv2Attention",
+    "phsa",
     "dense_attn_varlen",
     "compress_keys",
     "sparse_attn_varlen",
