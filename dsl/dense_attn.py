@@ -304,6 +304,11 @@ def _bwd_dkdv(dtype, D, arch):
             lse_s = T.alloc_shared([BLOCK_M], accum)
             delta_s = T.alloc_shared([BLOCK_M], accum)
             rowlim_s = T.alloc_shared([BLOCK_M], "int32")
+            # row r's token offset and head, computed once: as expressions they put run-time
+            # integer divisions by G into every load of every query tile
+            rtok_s = T.alloc_shared([BLOCK_M], "int32")
+            rhead_s = T.alloc_shared([BLOCK_M], "int32")
+            tile0 = T.alloc_var("int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
             # P^T and dS^T go through shared memory: as register operands their layout would
@@ -320,31 +325,34 @@ def _bwd_dkdv(dtype, D, arch):
             shift = len_k - len_q
             n_tiles = T.ceildiv(len_q, tile_tokens)
             # causal: queries at positions before this block's first key cannot see it
-            first_tile = T.if_then_else(causal != 0, T.max(kb * BLOCK_N - shift, 0) // tile_tokens, 0)
+            tile0 = T.if_then_else(causal != 0, T.max(kb * BLOCK_N - shift, 0) // tile_tokens, 0)
 
             if kb * BLOCK_N < len_k:
+                for r in T.Parallel(BLOCK_M):
+                    rtok_s[r] = r // groups
+                    rhead_s[r] = hk * groups + r % groups
                 T.copy(K[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], K_s)
                 T.copy(V[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], V_s)
                 T.fill(acc_dk, 0)
                 T.fill(acc_dv, 0)
-                for j in T.serial(T.max(n_tiles - first_tile, 0)):
-                    t0 = (first_tile + j) * tile_tokens
+                for j in T.serial(T.max(n_tiles - tile0, 0)):
+                    t0 = (tile0 + j) * tile_tokens
                     n_rows = T.min(tile_tokens, len_q - t0) * groups
                     for r, d in T.Parallel(BLOCK_M, D):
                         Q_s[r, d] = T.if_then_else(
-                            r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                            r < n_rows, Q[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
                         )
                         dO_s[r, d] = T.if_then_else(
-                            r < n_rows, dO[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                            r < n_rows, dO[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
                         )
                     for r in T.Parallel(BLOCK_M):
                         lse_s[r] = T.if_then_else(
-                            r < n_rows, LSE[hk * groups + r % groups, q0 + t0 + r // groups] * LOG2E, NEG_INF
+                            r < n_rows, LSE[rhead_s[r], q0 + t0 + rtok_s[r]] * LOG2E, NEG_INF
                         )
-                        delta_s[r] = T.if_then_else(r < n_rows, Delta[hk * groups + r % groups, q0 + t0 + r // groups], 0)
+                        delta_s[r] = T.if_then_else(r < n_rows, Delta[rhead_s[r], q0 + t0 + rtok_s[r]], 0)
                         rowlim_s[r] = T.if_then_else(
                             r < n_rows,
-                            T.if_then_else(causal != 0, T.min(shift + t0 + r // groups, len_k - 1), len_k - 1),
+                            T.if_then_else(causal != 0, T.min(shift + t0 + rtok_s[r], len_k - 1), len_k - 1),
                             -1,
                         )
                     T.clear(acc_sT)

@@ -233,6 +233,9 @@ def _fwd(dtype, D, arch):
             r_scale = T.alloc_fragment([BLOCK_M], accum)
             r_sum = T.alloc_fragment([BLOCK_M], accum)
             l_sum = T.alloc_fragment([BLOCK_M], accum)
+            # each row's token, computed once: in the mask it would be a run-time division by G
+            # per element and block
+            rtok = T.alloc_fragment([BLOCK_M], "int32")
 
             tx = T.get_thread_binding()
             q0 = cu_seqlens_q[b]
@@ -252,6 +255,8 @@ def _fwd(dtype, D, arch):
                 tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
                            my_keep, my_mask, lohi)
                 n_it = n_union[0]
+                for r in T.Parallel(BLOCK_M):
+                    rtok[r] = T.if_then_else(r < n_rows, r // groups, 31)
                 T.fill(acc_o, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, NEG_INF)
@@ -260,12 +265,9 @@ def _fwd(dtype, D, arch):
                     T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
                     T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
                     for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                        # rows past the tile's tokens have rtok 31, a token bit no mask sets (T <= 16)
                         acc_s[r, c] = T.if_then_else(
-                            r < n_rows
-                            and ((umask_s[it] >> (r // groups)) & 1) == 1
-                            and blk * BLOCK_N + c <= p0 + r // groups,
-                            0,
-                            NEG_INF,
+                            ((umask_s[it] >> rtok[r]) & 1) == 1 and blk * BLOCK_N + c <= p0 + rtok[r], 0, NEG_INF
                         )
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m_cur, m_prev)
@@ -375,6 +377,7 @@ def _bwd_dq(dtype, D, arch):
             acc_dq = T.alloc_fragment([BLOCK_M, D], accum)
             lse_r = T.alloc_fragment([BLOCK_M], accum)
             delta_r = T.alloc_fragment([BLOCK_M], accum)
+            rtok = T.alloc_fragment([BLOCK_M], "int32")  # as in the forward
 
             tx = T.get_thread_binding()
             q0 = cu_seqlens_q[b]
@@ -400,6 +403,7 @@ def _bwd_dq(dtype, D, arch):
                         r < n_rows, LSE[hk * groups + r % groups, q0 + t0 + r // groups] * LOG2E, NEG_INF
                     )
                     delta_r[r] = T.if_then_else(r < n_rows, Delta[hk * groups + r % groups, q0 + t0 + r // groups], 0)
+                    rtok[r] = T.if_then_else(r < n_rows, r // groups, 31)
                 tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
                            my_keep, my_mask, lohi)
                 n_it = n_union[0]
@@ -412,10 +416,9 @@ def _bwd_dq(dtype, D, arch):
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     for r, c in T.Parallel(BLOCK_M, BLOCK_N):
                         acc_s[r, c] = T.if_then_else(
-                            r < n_rows
-                            and lse_r[r] != NEG_INF
-                            and ((umask_s[it] >> (r // groups)) & 1) == 1
-                            and blk * BLOCK_N + c <= p0 + r // groups,
+                            lse_r[r] != NEG_INF
+                            and ((umask_s[it] >> rtok[r]) & 1) == 1
+                            and blk * BLOCK_N + c <= p0 + rtok[r],
                             T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
                             0,
                         )
@@ -494,6 +497,10 @@ def _bwd_dkdv(dtype, D, arch):
             my_mask = T.alloc_var("int32")
             lohi = T.alloc_local([2], "int32")
             n_m = T.alloc_var("int32")
+            # row r's token offset and head, computed once: as expressions they put run-time
+            # integer divisions by G into every load and mask of every query tile
+            rtok_s = T.alloc_shared([BLOCK_M], "int32")
+            rhead_s = T.alloc_shared([BLOCK_M], "int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
             # P^T and dS^T go through shared memory: as register operands their layout would
@@ -514,6 +521,9 @@ def _bwd_dkdv(dtype, D, arch):
             first_tile = T.max(kb * BLOCK_N - shift, 0) // tile_tokens
 
             if kb * BLOCK_N < len_k:
+                for r in T.Parallel(BLOCK_M):
+                    rtok_s[r] = r // groups
+                    rhead_s[r] = hk * groups + r % groups
                 T.copy(K[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], K_s)
                 T.copy(V[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], V_s)
                 T.fill(acc_dk, 0)
@@ -544,17 +554,17 @@ def _bwd_dkdv(dtype, D, arch):
                         n_rows = T.min(tile_tokens, len_q - t0) * groups
                         for r, d in T.Parallel(BLOCK_M, D):
                             Q_s[r, d] = T.if_then_else(
-                                r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                                r < n_rows, Q[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
                             )
                             dO_s[r, d] = T.if_then_else(
-                                r < n_rows, dO[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
+                                r < n_rows, dO[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
                             )
                         for r in T.Parallel(BLOCK_M):
                             lse_s[r] = T.if_then_else(
-                                r < n_rows, LSE[hk * groups + r % groups, q0 + t0 + r // groups] * LOG2E, NEG_INF
+                                r < n_rows, LSE[rhead_s[r], q0 + t0 + rtok_s[r]] * LOG2E, NEG_INF
                             )
                             delta_s[r] = T.if_then_else(
-                                r < n_rows, Delta[hk * groups + r % groups, q0 + t0 + r // groups], 0
+                                r < n_rows, Delta[rhead_s[r], q0 + t0 + rtok_s[r]], 0
                             )
                         T.clear(acc_sT)
                         T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -562,8 +572,8 @@ def _bwd_dkdv(dtype, D, arch):
                             acc_sT[c, r] = T.if_then_else(
                                 r < n_rows
                                 and lse_s[r] != NEG_INF
-                                and ((tmask_s[m] >> (r // groups)) & 1) == 1
-                                and kb * BLOCK_N + c <= shift + t0 + r // groups,
+                                and ((tmask_s[m] >> rtok_s[r]) & 1) == 1
+                                and kb * BLOCK_N + c <= shift + t0 + rtok_s[r],
                                 T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r]),
                                 0,
                             )

@@ -20,18 +20,20 @@
 extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
 extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 8192));
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 24576));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 40960));
-  void* flag_s = ((void*)((char*)buf_dyn_shmem + 49152));
-  void* tile_s = ((void*)((char*)buf_dyn_shmem + 50176));
-  void* tmask_s = ((void*)((char*)buf_dyn_shmem + 51200));
-  void* delta_s = ((void*)((char*)buf_dyn_shmem + 52224));
-  void* lse_s = ((void*)((char*)buf_dyn_shmem + 52480));
-  void* n_mem = ((void*)((char*)buf_dyn_shmem + 52736));
+  void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 512));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 8704));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16896));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 25088));
+  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 33280));
+  void* pT_s = ((void*)((char*)buf_dyn_shmem + 41472));
+  void* flag_s = ((void*)((char*)buf_dyn_shmem + 49664));
+  void* tile_s = ((void*)((char*)buf_dyn_shmem + 50688));
+  void* tmask_s = ((void*)((char*)buf_dyn_shmem + 51712));
+  void* delta_s = ((void*)((char*)buf_dyn_shmem + 52736));
+  void* lse_s = ((void*)((char*)buf_dyn_shmem + 52992));
+  void* n_mem = ((void*)((char*)buf_dyn_shmem + 53248));
   float acc_dk[16];
   float acc_dv[16];
   int my_mask = 0;
@@ -68,6 +70,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   }
   int len_k = (condval_3 - k0);
   if ((((int)blockIdx.x) * 64) < len_k) {
+    if (((int)threadIdx.x) < 64) {
+      int rmod = (((int)threadIdx.x) % groups);
+      int rdiv = (((int)threadIdx.x) / groups);
+      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
+      int rmod_1 = (((int)threadIdx.x) % groups);
+      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
+    }
     #pragma unroll
     for (int i = 0; i < 2; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
@@ -100,50 +109,50 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
-    int rmod = (((len_q + tile_tokens) - 1) % tile_tokens);
-    int rdiv = (((len_q + tile_tokens) - 1) / tile_tokens);
-    int rmod_1 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-    int rdiv_1 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-    for (int chunk = 0; chunk < ((max((((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) - ((((0 <= tile_tokens) && (0 <= rmod_1)) || ((tile_tokens < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1))), 0) + 255) >> 8); ++chunk) {
+    int rmod_2 = (((len_q + tile_tokens) - 1) % tile_tokens);
+    int rdiv_1 = (((len_q + tile_tokens) - 1) / tile_tokens);
+    int rmod_3 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+    int rdiv_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+    for (int chunk = 0; chunk < ((max((((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) - ((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1))), 0) + 255) >> 8); ++chunk) {
       my_mask = 0;
-      int rmod_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-      int rdiv_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-      int rmod_3 = (((len_q + tile_tokens) - 1) % tile_tokens);
-      int rdiv_3 = (((len_q + tile_tokens) - 1) / tile_tokens);
-      if ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1))) + ((int)threadIdx.x)) < ((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) {
+      int rmod_4 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+      int rdiv_3 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+      int rmod_5 = (((len_q + tile_tokens) - 1) % tile_tokens);
+      int rdiv_4 = (((len_q + tile_tokens) - 1) / tile_tokens);
+      if ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) + ((int)threadIdx.x)) < ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) {
         for (int t = 0; t < 8; ++t) {
-          int rmod_4 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_4 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          if ((t < tile_tokens) && ((((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t) < len_q)) {
+          int rmod_6 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+          int rdiv_5 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+          if ((t < tile_tokens) && ((((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_6)) || ((tile_tokens < 0) && (rmod_6 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t) < len_q)) {
             lohi[0] = 0;
             lohi[1] = topk;
             for (int __1 = 0; __1 < 8; ++__1) {
               if (lohi[0] < lohi[1]) {
-                int rmod_5 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_5 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int rmod_6 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rmod_7 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
                 int rdiv_6 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+                int rmod_8 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rdiv_7 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
                 int condval_6;
-                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_6)) || ((tile_tokens < 0) && (rmod_6 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-                  int64_t rmod_7 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_7 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  int64_t rmod_8 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_7)) || ((tile_tokens < 0) && (rmod_7 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_8)) || ((tile_tokens < 0) && (rmod_8 <= 0))) ? rdiv_7 : (rdiv_7 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
+                  int64_t rmod_9 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
                   int64_t rdiv_8 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_6 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_8)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_8 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
+                  int64_t rmod_10 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                  int64_t rdiv_9 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+                  condval_6 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
                 } else {
                   condval_6 = 0;
                 }
-                int rmod_9 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_9 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int rmod_10 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rmod_11 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
                 int rdiv_10 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+                int rmod_12 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rdiv_11 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
                 int condval_7;
-                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_9)) || ((tile_tokens < 0) && (rmod_9 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_10)) || ((tile_tokens < 0) && (rmod_10 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-                  int64_t rmod_11 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_11 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  int64_t rmod_12 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_11)) || ((tile_tokens < 0) && (rmod_11 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_12)) || ((tile_tokens < 0) && (rmod_12 <= 0))) ? rdiv_11 : (rdiv_11 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
+                  int64_t rmod_13 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
                   int64_t rdiv_12 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_7 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_12)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_12 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
+                  int64_t rmod_14 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                  int64_t rdiv_13 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+                  condval_7 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rdiv_13 : (rdiv_13 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
                 } else {
                   condval_7 = 0;
                 }
@@ -154,17 +163,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                 }
               }
             }
-            int rmod_13 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_13 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-            int rmod_14 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+            int rmod_15 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
             int rdiv_14 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+            int rmod_16 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+            int rdiv_15 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
             int condval_8;
-            if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_13)) || ((tile_tokens < 0) && (rmod_13 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_14)) || ((tile_tokens < 0) && (rmod_14 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-              int64_t rmod_15 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_15 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              int64_t rmod_16 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+            if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_15)) || ((tile_tokens < 0) && (rmod_15 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_16)) || ((tile_tokens < 0) && (rmod_16 <= 0))) ? rdiv_15 : (rdiv_15 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
+              int64_t rmod_17 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
               int64_t rdiv_16 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
+              int64_t rmod_18 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+              int64_t rdiv_17 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_18)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_18 <= (int64_t)0))) ? rdiv_17 : (rdiv_17 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
             } else {
               condval_8 = 0;
             }
@@ -185,9 +194,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       tl::CumSum1D<256, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 256);
       __syncthreads();
       if (my_mask != 0) {
-        int rmod_17 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-        int rdiv_17 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-        ((int*)tile_s)[(((int64_t)((int*)flag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_17)) || ((tile_tokens < 0) && (rmod_17 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) + ((int)threadIdx.x));
+        int rmod_19 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+        int rdiv_18 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+        ((int*)tile_s)[(((int64_t)((int*)flag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_19)) || ((tile_tokens < 0) && (rmod_19 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) + ((int)threadIdx.x));
       }
       __syncthreads();
       if (my_mask != 0) {
@@ -205,41 +214,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         #pragma unroll
         for (int i_4 = 0; i_4 < 2; ++i_4) {
           half_t broadcast_var_4 = half_t(0x0p+0f/*0.000000e+00*/);
-          int rmod_18 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_19 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_20 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_18 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-          int rmod_21 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_19 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
           uint4 condval_10;
-          if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rdiv_18 : (rdiv_18 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) < total_q))) {
-            int64_t rmod_22 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_23 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_20 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            int64_t rmod_24 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_25 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_21 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            condval_10 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rmod_24 : (rmod_24 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_25)) || ((((int64_t)groups) < (int64_t)0) && (rmod_25 <= (int64_t)0))) ? rdiv_21 : (rdiv_21 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+          if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]))) && (((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]) < total_q))) {
+            condval_10 = *(uint4*)(Q + (((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
           } else {
             condval_10 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
           }
           *(uint4*)(((half_t*)Q_s) + (((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_10;
           half_t broadcast_var_5 = half_t(0x0p+0f/*0.000000e+00*/);
-          int rmod_26 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_27 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rmod_28 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_22 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-          int rmod_29 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-          int rdiv_23 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
           uint4 condval_11;
-          if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_22 : (rdiv_22 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_29)) || ((groups < 0) && (rmod_29 <= 0))) ? rdiv_23 : (rdiv_23 - 1))) < total_q))) {
-            int64_t rmod_30 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_31 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_24 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            int64_t rmod_32 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rmod_33 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-            int64_t rdiv_25 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-            condval_11 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rmod_32 : (rmod_32 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_33)) || ((((int64_t)groups) < (int64_t)0) && (rmod_33 <= (int64_t)0))) ? rdiv_25 : (rdiv_25 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+          if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]))) && (((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]) < total_q))) {
+            condval_11 = *(uint4*)(dO + (((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
           } else {
             condval_11 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
           }
@@ -249,21 +234,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         if (((int)threadIdx.x) < 64) {
           float condval_12;
           if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-            int rmod_34 = (((int)threadIdx.x) % groups);
-            int rdiv_26 = (((int)threadIdx.x) / groups);
-            int rmod_35 = (((int)threadIdx.x) % groups);
-            int rdiv_27 = (((int)threadIdx.x) / groups);
-            int rmod_36 = (((int)threadIdx.x) % groups);
-            int rmod_37 = (((int)threadIdx.x) % groups);
             float condval_13;
-            if (((((0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rdiv_26 : (rdiv_26 - 1)))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_27 : (rdiv_27 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rmod_36 : (rmod_36 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_37)) || ((groups < 0) && (rmod_37 <= 0))) ? rmod_37 : (rmod_37 + groups))) < heads))) {
-              int64_t rmod_38 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-              int64_t rmod_39 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-              int64_t rdiv_28 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-              int64_t rmod_40 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-              int64_t rmod_41 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-              int64_t rdiv_29 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-              condval_13 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rmod_40 : (rmod_40 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_41)) || ((((int64_t)groups) < (int64_t)0) && (rmod_41 <= (int64_t)0))) ? rdiv_29 : (rdiv_29 - (int64_t)1)))];
+            if (((((0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)])) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
+              condval_13 = LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
             } else {
               condval_13 = 0x0p+0f/*0.000000e+00*/;
             }
@@ -272,21 +245,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             condval_12 = -CUDART_INF_F;
           }
           ((float*)lse_s)[((int)threadIdx.x)] = condval_12;
-          int rmod_42 = (((int)threadIdx.x) % groups);
-          int rdiv_30 = (((int)threadIdx.x) / groups);
-          int rmod_43 = (((int)threadIdx.x) % groups);
-          int rdiv_31 = (((int)threadIdx.x) / groups);
-          int rmod_44 = (((int)threadIdx.x) % groups);
-          int rmod_45 = (((int)threadIdx.x) % groups);
           float condval_14;
-          if ((((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_42)) || ((groups < 0) && (rmod_42 <= 0))) ? rdiv_30 : (rdiv_30 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_43)) || ((groups < 0) && (rmod_43 <= 0))) ? rdiv_31 : (rdiv_31 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_44)) || ((groups < 0) && (rmod_44 <= 0))) ? rmod_44 : (rmod_44 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_45)) || ((groups < 0) && (rmod_45 <= 0))) ? rmod_45 : (rmod_45 + groups))) < heads))) {
-            int64_t rmod_46 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t rmod_47 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t rdiv_32 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-            int64_t rmod_48 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t rmod_49 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t rdiv_33 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-            condval_14 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_48)) || ((((int64_t)groups) < (int64_t)0) && (rmod_48 <= (int64_t)0))) ? rmod_48 : (rmod_48 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_49)) || ((((int64_t)groups) < (int64_t)0) && (rmod_49 <= (int64_t)0))) ? rdiv_33 : (rdiv_33 - (int64_t)1)))];
+          if ((((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]))) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
+            condval_14 = Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
           } else {
             condval_14 = 0x0p+0f/*0.000000e+00*/;
           }
@@ -315,12 +276,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         }
         #pragma unroll
         for (int i_7 = 0; i_7 < 16; ++i_7) {
-          int rmod_50 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) % groups);
-          int rdiv_34 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) / groups);
-          int rmod_51 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) % groups);
-          int rdiv_35 = ((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) / groups);
           float condval_15;
-          if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F)) && (((((int*)tmask_s)[m] >> ((((0 <= groups) && (0 <= rmod_50)) || ((groups < 0) && (rmod_50 <= 0))) ? rdiv_34 : (rdiv_34 - 1))) & 1) == 1)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((((0 <= groups) && (0 <= rmod_51)) || ((groups < 0) && (rmod_51 <= 0))) ? rdiv_35 : (rdiv_35 - 1))) - len_q)))) {
+          if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F)) && (((((int*)tmask_s)[m] >> ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]) & 1) == 1)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]) - len_q)))) {
             condval_15 = exp2f(((acc_sT[i_7] * scale_log2) - ((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]));
           } else {
             condval_15 = 0x0p+0f/*0.000000e+00*/;
@@ -453,9 +410,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error() 
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 52752);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 53264);
     if (result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 52752, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 53264, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel));
         return -1;
     }
 
@@ -474,7 +431,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(half_t* __restri
 		config.stream = stream;
 		config.gridDim = dim3(max_kblocks, batch, heads_k);
 		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 52752;
+		config.dynamicSmemBytes = 53264;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_kernel");

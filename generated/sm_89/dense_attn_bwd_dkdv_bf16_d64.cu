@@ -20,15 +20,18 @@
 extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q);
 extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 8192));
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 24576));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 40960));
-  void* delta_s = ((void*)((char*)buf_dyn_shmem + 49152));
-  void* lse_s = ((void*)((char*)buf_dyn_shmem + 49408));
-  void* rowlim_s = ((void*)((char*)buf_dyn_shmem + 49664));
+  void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 512));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 8704));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16896));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 25088));
+  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 33280));
+  void* pT_s = ((void*)((char*)buf_dyn_shmem + 41472));
+  void* delta_s = ((void*)((char*)buf_dyn_shmem + 49664));
+  void* lse_s = ((void*)((char*)buf_dyn_shmem + 49920));
+  void* rowlim_s = ((void*)((char*)buf_dyn_shmem + 50176));
+  int tile0 = 0;
   float acc_dk[16];
   float acc_dv[16];
   float acc_sT[16];
@@ -61,28 +64,44 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
     condval_3 = 0;
   }
   int len_k = (condval_3 - k0);
+  int condval_4;
+  if ((causal != 0)) {
+    int rmod = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
+    int rdiv = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+    condval_4 = ((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
+  } else {
+    condval_4 = 0;
+  }
+  tile0 = condval_4;
   if ((((int)blockIdx.x) * 64) < len_k) {
+    if (((int)threadIdx.x) < 64) {
+      int rmod_1 = (((int)threadIdx.x) % groups);
+      int rdiv_1 = (((int)threadIdx.x) / groups);
+      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
+      int rmod_2 = (((int)threadIdx.x) % groups);
+      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rmod_2 : (rmod_2 + groups)));
+    }
     #pragma unroll
     for (int i = 0; i < 2; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_4;
+      uint4 condval_5;
       if (((((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)K_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((bfloat16_t*)K_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
     }
     #pragma unroll
     for (int i_1 = 0; i_1 < 2; ++i_1) {
       bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
+      uint4 condval_6;
       if (((((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+        condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((bfloat16_t*)V_s) + (((((i_1 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((bfloat16_t*)V_s) + (((((i_1 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
     }
     #pragma unroll
     for (int i_2 = 0; i_2 < 4; ++i_2) {
@@ -94,291 +113,64 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
-    int rmod = (((len_q + tile_tokens) - 1) % tile_tokens);
-    int rdiv = (((len_q + tile_tokens) - 1) / tile_tokens);
-    int condval_6;
-    if ((causal != 0)) {
-      int rmod_1 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-      int rdiv_1 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-      condval_6 = ((((0 <= tile_tokens) && (0 <= rmod_1)) || ((tile_tokens < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
-    } else {
-      condval_6 = 0;
-    }
-    for (int j = 0; j < max((((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) - condval_6), 0); ++j) {
+    int rmod_3 = (((len_q + tile_tokens) - 1) % tile_tokens);
+    int rdiv_2 = (((len_q + tile_tokens) - 1) / tile_tokens);
+    for (int j = 0; j < max((((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) - tile0), 0); ++j) {
+      int t0 = ((tile0 + j) * tile_tokens);
       __syncthreads();
       #pragma unroll
       for (int i_4 = 0; i_4 < 2; ++i_4) {
         bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        int condval_8;
-        if ((causal != 0)) {
-          int rmod_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_8 = ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
-        } else {
-          condval_8 = 0;
-        }
-        int rmod_3 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int rmod_4 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int condval_9;
-        if ((causal != 0)) {
-          int rmod_5 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_3 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_9 = ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_3 : (rdiv_3 - 1));
-        } else {
-          condval_9 = 0;
-        }
-        int rmod_6 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int rdiv_4 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-        int condval_10;
-        if ((causal != 0)) {
-          int rmod_7 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_5 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_10 = ((((0 <= tile_tokens) && (0 <= rmod_7)) || ((tile_tokens < 0) && (rmod_7 <= 0))) ? rdiv_5 : (rdiv_5 - 1));
-        } else {
-          condval_10 = 0;
-        }
-        int rmod_8 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int rdiv_6 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
         uint4 condval_7;
-        if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - ((condval_8 + j) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_4)) || ((groups < 0) && (rmod_4 <= 0))) ? rmod_4 : (rmod_4 + groups))) < heads)) && (0 <= ((q0 + ((condval_9 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_4 : (rdiv_4 - 1))))) && (((q0 + ((condval_10 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q))) {
-          int64_t rmod_9 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t condval_11;
-          if ((((int64_t)causal) != (int64_t)0)) {
-            int64_t rmod_10 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-            int64_t rdiv_7 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-            condval_11 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rdiv_7 : (rdiv_7 - (int64_t)1));
-          } else {
-            condval_11 = (int64_t)0;
-          }
-          int64_t rmod_11 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t rdiv_8 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-          int64_t rmod_12 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t condval_12;
-          if ((((int64_t)causal) != (int64_t)0)) {
-            int64_t rmod_13 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-            int64_t rdiv_9 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-            condval_12 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_13)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_13 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1));
-          } else {
-            condval_12 = (int64_t)0;
-          }
-          int64_t rmod_14 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t rdiv_10 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-          condval_7 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_12)) || ((((int64_t)groups) < (int64_t)0) && (rmod_12 <= (int64_t)0))) ? rmod_12 : (rmod_12 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((condval_12 + ((int64_t)j)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)groups) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rdiv_10 : (rdiv_10 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]))) && (((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]) < total_q))) {
+          condval_7 = *(uint4*)(Q + (((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
         } else {
           condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
         }
         *(uint4*)(((bfloat16_t*)Q_s) + (((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
         bfloat16_t broadcast_var_5 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        int condval_14;
-        if ((causal != 0)) {
-          int rmod_15 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_11 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_14 = ((((0 <= tile_tokens) && (0 <= rmod_15)) || ((tile_tokens < 0) && (rmod_15 <= 0))) ? rdiv_11 : (rdiv_11 - 1));
+        uint4 condval_8;
+        if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]))) && (((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]) < total_q))) {
+          condval_8 = *(uint4*)(dO + (((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
         } else {
-          condval_14 = 0;
+          condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
         }
-        int rmod_16 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int rmod_17 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int condval_15;
-        if ((causal != 0)) {
-          int rmod_18 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_12 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_15 = ((((0 <= tile_tokens) && (0 <= rmod_18)) || ((tile_tokens < 0) && (rmod_18 <= 0))) ? rdiv_12 : (rdiv_12 - 1));
-        } else {
-          condval_15 = 0;
-        }
-        int rmod_19 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int rdiv_13 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-        int condval_16;
-        if ((causal != 0)) {
-          int rmod_20 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_14 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_16 = ((((0 <= tile_tokens) && (0 <= rmod_20)) || ((tile_tokens < 0) && (rmod_20 <= 0))) ? rdiv_14 : (rdiv_14 - 1));
-        } else {
-          condval_16 = 0;
-        }
-        int rmod_21 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) % groups);
-        int rdiv_15 = (((i_4 * 32) + (((int)threadIdx.x) >> 3)) / groups);
-        uint4 condval_13;
-        if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - ((condval_14 + j) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_16)) || ((groups < 0) && (rmod_16 <= 0))) ? rmod_16 : (rmod_16 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rmod_17 : (rmod_17 + groups))) < heads)) && (0 <= ((q0 + ((condval_15 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_13 : (rdiv_13 - 1))))) && (((q0 + ((condval_16 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_15 : (rdiv_15 - 1))) < total_q))) {
-          int64_t rmod_22 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t condval_17;
-          if ((((int64_t)causal) != (int64_t)0)) {
-            int64_t rmod_23 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-            int64_t rdiv_16 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-            condval_17 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1));
-          } else {
-            condval_17 = (int64_t)0;
-          }
-          int64_t rmod_24 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t rdiv_17 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-          int64_t rmod_25 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t condval_18;
-          if ((((int64_t)causal) != (int64_t)0)) {
-            int64_t rmod_26 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-            int64_t rdiv_18 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-            condval_18 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_26)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_26 <= (int64_t)0))) ? rdiv_18 : (rdiv_18 - (int64_t)1));
-          } else {
-            condval_18 = (int64_t)0;
-          }
-          int64_t rmod_27 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-          int64_t rdiv_19 = (((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-          condval_13 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_25)) || ((((int64_t)groups) < (int64_t)0) && (rmod_25 <= (int64_t)0))) ? rmod_25 : (rmod_25 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((condval_18 + ((int64_t)j)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)groups) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-        } else {
-          condval_13 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
-        }
-        *(uint4*)(((bfloat16_t*)dO_s) + (((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_13;
+        *(uint4*)(((bfloat16_t*)dO_s) + (((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
       }
       if (((int)threadIdx.x) < 64) {
-        int condval_20;
-        if ((causal != 0)) {
-          int rmod_28 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_20 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_20 = ((((0 <= tile_tokens) && (0 <= rmod_28)) || ((tile_tokens < 0) && (rmod_28 <= 0))) ? rdiv_20 : (rdiv_20 - 1));
+        float condval_9;
+        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
+          float condval_10;
+          if (((((0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)])) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
+            condval_10 = LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+          } else {
+            condval_10 = 0x0p+0f/*0.000000e+00*/;
+          }
+          condval_9 = (condval_10 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
         } else {
-          condval_20 = 0;
+          condval_9 = -CUDART_INF_F;
         }
-        float condval_19;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((condval_20 + j) * tile_tokens))) * groups))) {
-          int condval_22;
+        ((float*)lse_s)[((int)threadIdx.x)] = condval_9;
+        float condval_11;
+        if ((((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]))) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
+          condval_11 = Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+        } else {
+          condval_11 = 0x0p+0f/*0.000000e+00*/;
+        }
+        ((float*)delta_s)[((int)threadIdx.x)] = condval_11;
+        int condval_12;
+        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
+          int condval_13;
           if ((causal != 0)) {
-            int rmod_29 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_21 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-            condval_22 = ((((0 <= tile_tokens) && (0 <= rmod_29)) || ((tile_tokens < 0) && (rmod_29 <= 0))) ? rdiv_21 : (rdiv_21 - 1));
+            condval_13 = min((((len_k + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) - len_q), (len_k - 1));
           } else {
-            condval_22 = 0;
+            condval_13 = (len_k - 1);
           }
-          int rmod_30 = (((int)threadIdx.x) % groups);
-          int rdiv_22 = (((int)threadIdx.x) / groups);
-          int condval_23;
-          if ((causal != 0)) {
-            int rmod_31 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_23 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-            condval_23 = ((((0 <= tile_tokens) && (0 <= rmod_31)) || ((tile_tokens < 0) && (rmod_31 <= 0))) ? rdiv_23 : (rdiv_23 - 1));
-          } else {
-            condval_23 = 0;
-          }
-          int rmod_32 = (((int)threadIdx.x) % groups);
-          int rdiv_24 = (((int)threadIdx.x) / groups);
-          int rmod_33 = (((int)threadIdx.x) % groups);
-          int rmod_34 = (((int)threadIdx.x) % groups);
-          float condval_21;
-          if (((((0 <= ((q0 + ((condval_22 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rdiv_22 : (rdiv_22 - 1)))) && (((q0 + ((condval_23 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_24 : (rdiv_24 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads))) {
-            int64_t rmod_35 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t condval_24;
-            if ((((int64_t)causal) != (int64_t)0)) {
-              int64_t rmod_36 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_25 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              condval_24 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_36)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_36 <= (int64_t)0))) ? rdiv_25 : (rdiv_25 - (int64_t)1));
-            } else {
-              condval_24 = (int64_t)0;
-            }
-            int64_t rmod_37 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t rdiv_26 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-            int64_t rmod_38 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t condval_25;
-            if ((((int64_t)causal) != (int64_t)0)) {
-              int64_t rmod_39 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_27 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              condval_25 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rdiv_27 : (rdiv_27 - (int64_t)1));
-            } else {
-              condval_25 = (int64_t)0;
-            }
-            int64_t rmod_40 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-            int64_t rdiv_28 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-            condval_21 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_38)) || ((((int64_t)groups) < (int64_t)0) && (rmod_38 <= (int64_t)0))) ? rmod_38 : (rmod_38 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + ((condval_25 + ((int64_t)j)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_28 : (rdiv_28 - (int64_t)1)))];
-          } else {
-            condval_21 = 0x0p+0f/*0.000000e+00*/;
-          }
-          condval_19 = (condval_21 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+          condval_12 = condval_13;
         } else {
-          condval_19 = -CUDART_INF_F;
+          condval_12 = -1;
         }
-        ((float*)lse_s)[((int)threadIdx.x)] = condval_19;
-        int condval_27;
-        if ((causal != 0)) {
-          int rmod_41 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_29 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_27 = ((((0 <= tile_tokens) && (0 <= rmod_41)) || ((tile_tokens < 0) && (rmod_41 <= 0))) ? rdiv_29 : (rdiv_29 - 1));
-        } else {
-          condval_27 = 0;
-        }
-        int condval_28;
-        if ((causal != 0)) {
-          int rmod_42 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_30 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_28 = ((((0 <= tile_tokens) && (0 <= rmod_42)) || ((tile_tokens < 0) && (rmod_42 <= 0))) ? rdiv_30 : (rdiv_30 - 1));
-        } else {
-          condval_28 = 0;
-        }
-        int rmod_43 = (((int)threadIdx.x) % groups);
-        int rdiv_31 = (((int)threadIdx.x) / groups);
-        int condval_29;
-        if ((causal != 0)) {
-          int rmod_44 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_32 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_29 = ((((0 <= tile_tokens) && (0 <= rmod_44)) || ((tile_tokens < 0) && (rmod_44 <= 0))) ? rdiv_32 : (rdiv_32 - 1));
-        } else {
-          condval_29 = 0;
-        }
-        int rmod_45 = (((int)threadIdx.x) % groups);
-        int rdiv_33 = (((int)threadIdx.x) / groups);
-        int rmod_46 = (((int)threadIdx.x) % groups);
-        int rmod_47 = (((int)threadIdx.x) % groups);
-        float condval_26;
-        if ((((((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((condval_27 + j) * tile_tokens))) * groups)) && (0 <= ((q0 + ((condval_28 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_43)) || ((groups < 0) && (rmod_43 <= 0))) ? rdiv_31 : (rdiv_31 - 1))))) && (((q0 + ((condval_29 + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_45)) || ((groups < 0) && (rmod_45 <= 0))) ? rdiv_33 : (rdiv_33 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_46)) || ((groups < 0) && (rmod_46 <= 0))) ? rmod_46 : (rmod_46 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_47)) || ((groups < 0) && (rmod_47 <= 0))) ? rmod_47 : (rmod_47 + groups))) < heads))) {
-          int64_t rmod_48 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-          int64_t condval_30;
-          if ((((int64_t)causal) != (int64_t)0)) {
-            int64_t rmod_49 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-            int64_t rdiv_34 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-            condval_30 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_49)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_49 <= (int64_t)0))) ? rdiv_34 : (rdiv_34 - (int64_t)1));
-          } else {
-            condval_30 = (int64_t)0;
-          }
-          int64_t rmod_50 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-          int64_t rdiv_35 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-          int64_t rmod_51 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-          int64_t condval_31;
-          if ((((int64_t)causal) != (int64_t)0)) {
-            int64_t rmod_52 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-            int64_t rdiv_36 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-            condval_31 = (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_52)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_52 <= (int64_t)0))) ? rdiv_36 : (rdiv_36 - (int64_t)1));
-          } else {
-            condval_31 = (int64_t)0;
-          }
-          int64_t rmod_53 = (((int64_t)((int)threadIdx.x)) % ((int64_t)groups));
-          int64_t rdiv_37 = (((int64_t)((int)threadIdx.x)) / ((int64_t)groups));
-          condval_26 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_51)) || ((((int64_t)groups) < (int64_t)0) && (rmod_51 <= (int64_t)0))) ? rmod_51 : (rmod_51 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + ((condval_31 + ((int64_t)j)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_53)) || ((((int64_t)groups) < (int64_t)0) && (rmod_53 <= (int64_t)0))) ? rdiv_37 : (rdiv_37 - (int64_t)1)))];
-        } else {
-          condval_26 = 0x0p+0f/*0.000000e+00*/;
-        }
-        ((float*)delta_s)[((int)threadIdx.x)] = condval_26;
-        int condval_33;
-        if ((causal != 0)) {
-          int rmod_54 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_38 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-          condval_33 = ((((0 <= tile_tokens) && (0 <= rmod_54)) || ((tile_tokens < 0) && (rmod_54 <= 0))) ? rdiv_38 : (rdiv_38 - 1));
-        } else {
-          condval_33 = 0;
-        }
-        int condval_32;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((condval_33 + j) * tile_tokens))) * groups))) {
-          int condval_34;
-          if ((causal != 0)) {
-            int rmod_55 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_39 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-            int rmod_56 = (((int)threadIdx.x) % groups);
-            int rdiv_40 = (((int)threadIdx.x) / groups);
-            condval_34 = min((((len_k + ((((((0 <= tile_tokens) && (0 <= rmod_55)) || ((tile_tokens < 0) && (rmod_55 <= 0))) ? rdiv_39 : (rdiv_39 - 1)) + j) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_56)) || ((groups < 0) && (rmod_56 <= 0))) ? rdiv_40 : (rdiv_40 - 1))) - len_q), (len_k - 1));
-          } else {
-            condval_34 = (len_k - 1);
-          }
-          condval_32 = condval_34;
-        } else {
-          condval_32 = -1;
-        }
-        ((int*)rowlim_s)[((int)threadIdx.x)] = condval_32;
+        ((int*)rowlim_s)[((int)threadIdx.x)] = condval_12;
       }
       #pragma unroll
       for (int i_5 = 0; i_5 < 4; ++i_5) {
@@ -403,13 +195,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
       }
       #pragma unroll
       for (int i_7 = 0; i_7 < 16; ++i_7) {
-        float condval_35;
+        float condval_14;
         if (((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((int*)rowlim_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]) && (((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F))) {
-          condval_35 = exp2f(((acc_sT[i_7] * scale_log2) - ((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]));
+          condval_14 = exp2f(((acc_sT[i_7] * scale_log2) - ((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]));
         } else {
-          condval_35 = 0x0p+0f/*0.000000e+00*/;
+          condval_14 = 0x0p+0f/*0.000000e+00*/;
         }
-        acc_sT[i_7] = condval_35;
+        acc_sT[i_7] = condval_14;
       }
       #pragma unroll
       for (int i_8 = 0; i_8 < 4; ++i_8) {
@@ -534,9 +326,9 @@ extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error() {
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 49920);
+    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 50432);
     if (result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 49920, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 50432, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel));
         return -1;
     }
 
@@ -555,7 +347,7 @@ extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call(bfloat16_t* __res
 		config.stream = stream;
 		config.gridDim = dim3(max_kblocks, batch, heads_k);
 		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 49920;
+		config.dynamicSmemBytes = 50432;
 		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, batch, batch_plus_one, causal, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_kernel");

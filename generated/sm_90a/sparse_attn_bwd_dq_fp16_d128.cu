@@ -35,6 +35,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   void* dS_s = ((void*)((char*)buf_dyn_shmem + 81920));
   float lse_r[2];
   float delta_r[2];
+  int rtok[2];
   int my_keep[16];
   int my_mask[16];
   int lohi[2];
@@ -160,21 +161,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         condval_8 = 0x0p+0f/*0.000000e+00*/;
       }
       delta_r[i_1] = condval_8;
+      int condval_9;
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
+        int rmod_32 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        condval_9 = ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1));
+      } else {
+        condval_9 = 31;
+      }
+      rtok[i_1] = condval_9;
     }
     for (int e = 0; e < 16; ++e) {
-      int condval_9;
+      int condval_10;
       if ((((e < tile_tokens) && (e < (len_q - (((int)blockIdx.x) * tile_tokens)))) && (((int)threadIdx.x) < topk))) {
-        int condval_10;
+        int condval_11;
         if (((((e + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) && (0 <= ((e + q0) + (((int)blockIdx.x) * tile_tokens))))) {
-          condval_10 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+          condval_11 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
         } else {
-          condval_10 = 0;
+          condval_11 = 0;
         }
-        condval_9 = condval_10;
+        condval_10 = condval_11;
       } else {
-        condval_9 = -1;
+        condval_10 = -1;
       }
-      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_9;
+      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_10;
     }
     __syncthreads();
     for (int e_1 = 0; e_1 < 16; ++e_1) {
@@ -221,16 +231,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     for (int e_3 = 0; e_3 < 16; ++e_3) {
       __syncthreads();
-      int condval_11;
-      if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
-        condval_11 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
-      } else {
-        condval_11 = 0;
-      }
-      if (condval_11 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
-        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))];
-      }
-      __syncthreads();
       int condval_12;
       if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
         condval_12 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
@@ -238,6 +238,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         condval_12 = 0;
       }
       if (condval_12 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
+        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))];
+      }
+      __syncthreads();
+      int condval_13;
+      if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
+        condval_13 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
+      } else {
+        condval_13 = 0;
+      }
+      if (condval_13 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_3];
       }
     }
@@ -304,17 +314,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_2 = ((int*)ublk_s)[it];
       #pragma unroll
       for (int i_6 = 0; i_6 < 32; ++i_6) {
-        int rmod_32 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_16 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        float condval_13;
-        if (((((((((((int)threadIdx.x) >> 5) * 16) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (lse_r[((i_6 & 3) >> 1)] != -CUDART_INF_F)) && (((((int*)umask_s)[it] >> ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1))) & 1) == 1)) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) - len_q)))) {
-          condval_13 = exp2f(((acc_s[i_6] * scale_log2) - lse_r[((i_6 & 3) >> 1)]));
+        float condval_14;
+        if ((((lse_r[((i_6 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_6 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_6 & 3) >> 1)]) - len_q)))) {
+          condval_14 = exp2f(((acc_s[i_6] * scale_log2) - lse_r[((i_6 & 3) >> 1)]));
         } else {
-          condval_13 = 0x0p+0f/*0.000000e+00*/;
+          condval_14 = 0x0p+0f/*0.000000e+00*/;
         }
-        acc_s[i_6] = condval_13;
+        acc_s[i_6] = condval_14;
       }
       #pragma unroll
       for (int i_7 = 0; i_7 < 8; ++i_7) {
@@ -419,17 +425,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
       #pragma unroll
       for (int i_12 = 0; i_12 < 32; ++i_12) {
-        int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_19 = (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        float condval_14;
-        if (((((((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (lse_r[((i_12 & 3) >> 1)] != -CUDART_INF_F)) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) & 1) == 1)) && (((((blk_5 * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) - len_q)))) {
-          condval_14 = exp2f(((acc_s[i_12] * scale_log2) - lse_r[((i_12 & 3) >> 1)]));
+        float condval_15;
+        if ((((lse_r[((i_12 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_12 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_12 & 3) >> 1)]) - len_q)))) {
+          condval_15 = exp2f(((acc_s[i_12] * scale_log2) - lse_r[((i_12 & 3) >> 1)]));
         } else {
-          condval_14 = 0x0p+0f/*0.000000e+00*/;
+          condval_15 = 0x0p+0f/*0.000000e+00*/;
         }
-        acc_s[i_12] = condval_14;
+        acc_s[i_12] = condval_15;
       }
     }
     if (1 <= n_it) {
@@ -510,23 +512,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           __9.y = (v__6.y*v__7.y);
         ((half2*)(&__8))[0] = __float22half2_rn(((float2*)(&__9))[0]);
         *(uint1*)(dQ_local_cast_2 + 0) = __8;
-        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rmod_36 : (rmod_36 + groups)))) {
-          int rmod_37 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_37)) || ((groups < 0) && (rmod_37 <= 0))) ? rmod_37 : (rmod_37 + groups))) < heads) {
-            int rmod_38 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_20 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_38)) || ((groups < 0) && (rmod_38 <= 0))) ? rdiv_20 : (rdiv_20 - 1)))) {
-              int rmod_39 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_21 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_39)) || ((groups < 0) && (rmod_39 <= 0))) ? rdiv_21 : (rdiv_21 - 1))) < total_q) {
+        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
+          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
+            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
+              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
+                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                 int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_41 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_42 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_43 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_42)) || ((((int64_t)groups) < (int64_t)0) && (rmod_42 <= (int64_t)0))) ? rmod_42 : (rmod_42 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_43)) || ((((int64_t)groups) < (int64_t)0) && (rmod_43 <= (int64_t)0))) ? rdiv_23 : (rdiv_23 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
               }
             }
           }
