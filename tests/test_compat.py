@@ -35,7 +35,7 @@ def _minicpm_selection(q, k, cu_q, cu_k, cache_lens, max_q):
     pos = cache_lens.long()[seq] + torch.arange(q.shape[0], device=q.device) - cu_q[:-1].long()[seq]
     idx = torch.where((idx > (pos // 64)[None, :, None]) | torch.isneginf(vals), -1, idx)
     idx = torch.nn.functional.pad(idx, (0, K - idx.shape[-1]), value=-1)
-    return ops_sort(idx).to(torch.int32), blocks, causal
+    return ops_sort(idx).to(torch.int32), blocks, causal, (S, ck, cu_c, nk, cu_n)
 
 
 def ops_sort(idx):
@@ -59,7 +59,7 @@ def test_cpu_minicpm_flow_matches_reference(case):
     v = random_tokens(lk, 2, 32, torch.float64, seed=3).requires_grad_()
     cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     cache = torch.tensor([b - a for a, b in zip(lq, lk)], dtype=torch.int32)
-    idx, blocks, causal = _minicpm_selection(q, k, cu_q, cu_k, cache, max(lq))
+    idx, blocks, causal, _ = _minicpm_selection(q, k, cu_q, cu_k, cache, max(lq))
     # the scores and block scores are the reference's, the selection is the reference's top-K
     want_idx, want_blocks = reference.select_blocks(q, k, cu_q, cu_k, topk=TOPK + LOCAL, init_blocks=INIT,
                                                     local_blocks=LOCAL, return_scores=True)
@@ -145,9 +145,18 @@ def test_cuda_minicpm_flow(dtype, head_dim, G, case):
     v = random_tokens(lk, 2, head_dim, dtype, "cuda", seed=G + 2).requires_grad_()
     cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
     cache = torch.tensor([b - a for a, b in zip(lq, lk)], dtype=torch.int32, device="cuda")
-    idx, _, causal = _minicpm_selection(q, k, cu_q, cu_k, cache, max(lq))
-    _, want_blocks = reference.select_blocks(q.detach().cpu().float(), k.detach().cpu().float(), cu_q.cpu(), cu_k.cpu(),
-                                             topk=TOPK + LOCAL, init_blocks=INIT, local_blocks=LOCAL, return_scores=True)
+    idx, blocks, causal, (S, ck, cu_c, nk, cu_n) = _minicpm_selection(q, k, cu_q, cu_k, cache, max(lq))
+    # stage 1 returns scores in q's dtype (as the original): within its rounding of the fp32
+    # reference on the same compressed keys
+    c = [t.cpu() for t in (cu_q, cu_k, cu_c, cu_n)]
+    want_S = reference.group_scores(q.detach().float().cpu(), ck.float().cpu(), c[0], c[1], c[2], 32, 16, None,
+                                    nk.float().cpu(), c[3], 128, 64)
+    want_S = torch.nn.functional.pad(want_S, (0, S.shape[2] - want_S.shape[2]))
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(S.float().cpu(), want_S, rtol=eps, atol=1e-6)
+    # pooling is exact on those scores, and the top-K is a valid selection of them (tie-aware)
+    want_blocks = reference.max_pool_blocks(S.float().cpu(), c[0], c[1], c[2], 32, 16, 64, INIT, LOCAL)
+    assert torch.equal(blocks.cpu(), want_blocks)
     why = selection_mismatch(idx.cpu(), want_blocks, TOPK + LOCAL)
     assert why is None, why
     for sel in (idx, None):

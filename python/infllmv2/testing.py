@@ -199,3 +199,17 @@ def selection_mismatch(idx, block_scores, topk):
     if (~picked & cand & (block_scores > kth + tol) & full).any():
         return "a block scoring above the K-th best was not picked"
     return None
+
+
+def oracle_block_scores(q, k, cu_seqlens_q, cu_seqlens_k, init_blocks=1, local_blocks=32, approx_lse=True):
+    """fp32 block scores (Hk, total_q, nb) to judge a CUDA selection by (``selection_mismatch``):
+    the keys compressed by the library in the input dtype, as the selection kernel sees them,
+    then the reference scores and pooling in fp32 on the CPU (compression 32/16 and 128/64)."""
+    from . import ops, reference
+
+    ck, cu_c = ops.compress_keys(k.detach(), cu_seqlens_k, 32, 16)
+    nk, cu_n = ops.compress_keys(k.detach(), cu_seqlens_k, 128, 64) if approx_lse else (None, None)
+    cu_q, cu_k, cu_c = (t.cpu() for t in (cu_seqlens_q, cu_seqlens_k, cu_c))
+    S = reference.group_scores(q.detach().float().cpu(), ck.float().cpu(), cu_q, cu_k, cu_c, 32, 16, None,
+                               None if nk is None else nk.float().cpu(), None if cu_n is None else cu_n.cpu(), 128, 64)
+    return reference.max_pool_blocks(S, cu_q, cu_k, cu_c, 32, 16, 64, init_blocks, local_blocks)
