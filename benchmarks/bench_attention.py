@@ -3,7 +3,7 @@ backward) against dense causal attention (SDPA cuDNN and flash backends) in the 
 the dense path alone against cuDNN.
 
     python benchmarks/bench_attention.py --json bench_attention.json
-    python benchmarks/bench_attention.py --plot bench_attention.json --png docs/bench_attention.png
+    python benchmarks/bench_attention.py --plot bench_attention.json --png benchmarks/results/bench_attention.png
 
 Configuration: bf16, D = 128, Hq = 32, Hk = 2, MiniCPM4.1's sparse_config (compression 32/16,
 coarse-key normaliser 128/64, block 64, 1 init block, 2048-token window, top-64 + 32 local =
