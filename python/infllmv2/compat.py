@@ -1,143 +1,257 @@
-"""The original InfLLM-V2 package's calls (``infllm_v2``), same names, signatures and meaning,
-over this library's ops: a model written against the original switches by changing one import
-(``from infllmv2.compat import ...``). See ../shared/ORIGINAL_API.md for the meaning.
+"""The original InfLLM-V2 package's calls (``infllm_v2``) over this library's ops.
 
-What differs, and why:
-- Any group size G = Hq / Hk and head dim 64 or 128, bf16 or fp16 (the original: G = 16, D = 128,
-  bf16). Compression is 32/16 (coarse 128/64) and blocks are 64 tokens, as in the original.
-- Arguments the original accepts but MiniCPM4.1 leaves at their defaults (dropout, window,
-  softcap, ALiBi, paged ``block_table``, the probabilities of ``return_attn_probs``) must stay
-  at their defaults here; anything else is a ``ValueError`` naming the argument.
-- ``max_pooling_1d(_varlen)`` gives -inf (not 0) to blocks after the query's own block, so that
-  ``torch.topk`` never prefers them to a past block; selections made the MiniCPM way (top-K,
-  then indices beyond the query's block set to -1) are the same or better.
-- No host synchronisation, except ``max_pooling_1d_varlen``'s output width, which reads
-  ``max(cache_lens)`` once, as its definition needs.
-- ``infllmv2_attn_with_kvcache`` is not offered yet.
+Same names, signatures and meaning (the project's ORIGINAL_API.md), so that a model written
+against the original switches by changing one import::
 
-Positions. ``infllmv2_attn_stage1`` sees only compressed keys. With ``causal=True`` its queries
-are a prefill: query i of a sequence sits at position ``cache_lens[b] + i`` (``cache_lens``, a
-keyword this module adds, defaults to 0, the original's behaviour), and the compressed keys
-must come from that sequence's ``cache_lens[b] + Lq`` keys. With ``causal=False`` (MiniCPM4.1's
-one-token decode) every compressed key is visible. ``max_pooling_1d_varlen`` places query i at
-``cache_lens[b] + i``, as in the original.
+    from infllmv2.compat import infllmv2_attn_stage1, max_pooling_1d_varlen, infllmv2_attn_varlen_func
+
+Mapping:
+
+- ``infllmv2_attn_stage1`` -> ``ops.group_scores`` (fine keys 32/16 in ``k``, the normaliser
+  keys in ``v``), cast to q's dtype as the original returns it.
+- ``max_pooling_1d_varlen`` / ``max_pooling_1d`` -> ``ops.max_pool_blocks`` (window
+  ``block_size/stride + 1``, padding 1, compression window ``2*stride``), in the input's dtype.
+- ``infllmv2_attn_varlen_func`` -> ``ops.sparse_attn_varlen`` with ``topk_idx`` (autograd),
+  ``ops.dense_attn_varlen`` without.
+- ``infllmv2_attn_with_kvcache`` (padded, paged, in-place cache append) is not offered yet.
+
+Accepted only at their defaults (anything else is a ``ValueError`` naming the argument):
+``dropout_p=0``, ``window_size=(-1, -1)``, ``softcap=0``, ``alibi_slopes=None``,
+``block_table=None`` (paged KV). ``deterministic`` and stage 1's ``return_attn_probs`` are
+accepted and ignored: the backward is always deterministic, and stage 1 always returns its
+scores (as the original does). The original returns no probabilities from the varlen call
+either when ``dropout_p == 0``, so ``return_attn_probs=True`` gives ``(out, lse, None)``.
+
+Beyond the original: any group size G = Hq / Hk (the original: 16), head dim 64 or 128 (the
+original: 128), fp16 as well as bf16, CPU tensors (through the reference), and no host
+synchronisation in stage 1 or stage 2 (the original reads offsets back in its backward and
+pooling). ``max_pooling_1d_varlen`` keeps one host read, ``max(cache_lens)``, which its output
+width is defined by (none when ``cache_lens`` is a CPU tensor).
+
+Where the results differ from the original's, on purpose:
+
+- Stage 1 places queries by one consistent rule (see ``infllmv2_attn_stage1``), which is the
+  original's own alignment wherever that is self-consistent; the original drops one
+  compressed key at some lengths (``Lq % 16 == 15``, causal chunks of fewer than 16 queries)
+  through an integer-rounding slip, and places the coarse normaliser keys on their own 64-token
+  grid (up to 63 positions off the fine keys' in a cached chunk).
+- Pooling gives -inf (the original: 0, +inf to init blocks) to blocks after the query's own
+  block, so that ``torch.topk`` never prefers a future block to a past one; selections made the
+  MiniCPM way (top-K, then indices beyond the query's block set to -1) are the same or better.
+- The varlen call's sparse kernels handle ``K <= 128`` blocks per row on CUDA (MiniCPM4.1: 96).
+- New: the keyword-only ``cache_lens`` of ``infllmv2_attn_stage1`` (exact positions).
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import ops
+from .ops import _check_offsets
 
-_FINE = (32, 16)  # the original's compression: window 32, stride 16
-_COARSE = (128, 64)  # and its normaliser keys
+_FINE = (32, 16)  # the original's compression: window 32, stride 16 (MiniCPM4.1 sparse_config)
+_COARSE = (128, 64)  # its normaliser keys
+_DEFAULT_ONLY = (("dropout_p", 0.0), ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+                 ("block_table", None))
 
 
-def _check_default(name, value, default):
-    if value != default:
-        raise ValueError(f"{name}={value!r} is not supported by infllmv2.compat (only the default {default!r})")
+def _check_defaults(*values):
+    """The original's flash-attention knobs that MiniCPM never sets, in _DEFAULT_ONLY order."""
+    for (name, default), value in zip(_DEFAULT_ONLY, values):
+        if default is None:
+            ok = value is None
+        elif isinstance(default, tuple):
+            ok = isinstance(value, (tuple, list)) and tuple(value) == default
+        else:
+            ok = not isinstance(value, torch.Tensor) and value == default
+        if not ok:
+            shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+            raise ValueError(f"{name} must be {default!r} in infllmv2.compat (the only value supported), got {shown}")
+
+
+def _as_int(value, name, minimum=0):
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def _lengths(cu):
     return cu[1:] - cu[:-1]
 
 
-def _offsets_from(lengths):
+def _offsets_of(lengths):
+    """int32 offsets (B+1) of per-sequence lengths, computed where they are (no host read)."""
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
 
 
-def _cache_lens(cache_lens, batch, device, name="cache_lens"):
-    if cache_lens is None:
-        return torch.zeros(batch, dtype=torch.int32, device=device)
+def _cache_lens(cache_lens, batch, device):
     if not isinstance(cache_lens, torch.Tensor) or cache_lens.dim() != 1 or cache_lens.numel() != batch:
-        raise ValueError(f"{name} must be a 1-D integer tensor of {batch} entries (one per sequence)")
+        raise ValueError(f"cache_lens must be a 1-D integer tensor of {batch} entries (one per sequence), got "
+                         f"{tuple(cache_lens.shape) if isinstance(cache_lens, torch.Tensor) else type(cache_lens).__name__}")
     if cache_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64, got {cache_lens.dtype}")
-    return cache_lens.to(device=device, dtype=torch.int32)
+        raise ValueError(f"cache_lens must be int32 or int64, got {cache_lens.dtype}")
+    return cache_lens.to(device=device, dtype=torch.int32, non_blocking=True)
 
 
 def infllmv2_attn_stage1(q, k, v, cu_seqlens_q, cu_seqlens_k, cu_seqlens_v, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                          softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                          deterministic=False, return_attn_probs=True, block_table=None, *, cache_lens=None):
-    """Stage-1 scores ``(Hk, total_q, max_seqlen_k)`` in q's dtype.
+    """Stage-1 scores ``(Hk, total_q, max_seqlen_k)`` in q's dtype; no gradient.
 
-    ``k``: fine compressed keys (32/16) with offsets ``cu_seqlens_k``; ``v``: the coarse keys
-    (128/64) with ``cu_seqlens_v``, used only as the softmax normaliser (``v is k`` with the same
-    offsets: the exact normaliser). Entry ``[g, row, j]`` is the sum over the G heads of group g
-    of ``exp(scale * q . k_j - LSE)`` for visible j, else 0. No gradient.
+    ``q (total_q, Hq, D)``; ``k (total_k1, Hk, D)`` the fine compressed keys (window 32, stride
+    16) with offsets ``cu_seqlens_k``; ``v`` the normaliser keys with ``cu_seqlens_v``: the coarse
+    keys (window 128, stride 64) for the LSE approximation, or keys with as many rows as ``k``
+    (``v is k``: the exact normaliser) normalised with the fine keys' visibility, as the original
+    does when the two lengths agree. Entry ``[g, row, j]`` = sum over the G heads of group g of
+    ``exp(scale * q . k_j - LSE)`` for the visible compressed keys j of the row's sequence, 0 for
+    the others and past the sequence's keys (NaN never appears; it would be 0 as in the original).
+
+    Positions. The original receives no full key lengths; its causal mask aligns each sequence's
+    queries bottom-right in compressed space, which is the window-visibility rule
+    ``j*16 + 31 <= p``, ``p = Lk - Lq + i``, for the key length ``Lk`` that has exactly the
+    sequence's ``n`` compressed keys and ``Lk = Lq (mod 16)`` (its kernel computes
+    ``Lk - Lq = 16 * (n - trunc((Lq - 15) / 16))``). That is the true length in prefill and in
+    chunks whose cache length is a multiple of 16, and the rule used here with ``causal=True``.
+    ``cache_lens`` (int ``(B,)``, keyword, not in the original) gives exact positions instead:
+    ``p = cache_lens[b] + i``, the compressed keys coming from ``cache_lens[b] + Lq`` keys.
+    ``causal=False`` (MiniCPM4.1's decode) shows every compressed key to every query, which needs
+    one query per sequence (``max_seqlen_q <= 1``): the last token sees every complete window.
+    The coarse keys use the same positions. All of this runs on the device, without host reads.
     """
-    for name, value, default in (("dropout_p", dropout_p, 0.0), ("window_size", tuple(window_size), (-1, -1)),
-                                 ("softcap", softcap, 0.0), ("alibi_slopes", alibi_slopes, None),
-                                 ("block_table", block_table, None)):
-        _check_default(name, value, default)
-    batch = cu_seqlens_q.numel() - 1
-    lq, nc = _lengths(cu_seqlens_q), _lengths(cu_seqlens_k)
+    _check_defaults(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _as_int(max_seqlen_k, "max_seqlen_k")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (tokens, heads, head_dim)")
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cu_seqlens_v", cu_seqlens_v)),
+                   q.device)
+    if not causal and max_seqlen_q > 1:
+        # the library's scoring is causal by construction; without a mask only a sequence's last
+        # token is placed right, so several queries per sequence cannot be honoured
+        raise ValueError(f"causal=False needs one query per sequence (max_seqlen_q <= 1, decode), got "
+                         f"max_seqlen_q={max_seqlen_q}; use causal=True for prefill")
     w, s = _FINE
-    if causal:
-        lk = _cache_lens(cache_lens, batch, q.device) + lq
+    lq = _lengths(cu_seqlens_q)
+    if cache_lens is not None:
+        lk = _cache_lens(cache_lens, lq.numel(), q.device) + lq
     else:
-        if int(max_seqlen_q) > 1:
-            raise ValueError("causal=False needs one query per sequence (max_seqlen_q <= 1, decode); "
-                             f"got max_seqlen_q={max_seqlen_q}")
-        # the shortest key length with exactly these windows: its last window ends at the query
-        lk = torch.clamp(torch.where(nc > 0, (nc - 1) * s + w, 0), min=1)
-    exact = v is k and (cu_seqlens_v is cu_seqlens_k or torch.equal(cu_seqlens_v, cu_seqlens_k))
-    with torch.no_grad():
-        S = ops.group_scores(
-            q.detach(), k.detach(), cu_seqlens_q, _offsets_from(lk), cu_seqlens_k, w, s, softmax_scale,
-            None if exact else v.detach(), None if exact else cu_seqlens_v, *_COARSE,
-            width=max(int(max_seqlen_k), 1), max_seqlen_q=int(max_seqlen_q),
-        )
-    return torch.nan_to_num(S[:, :, : int(max_seqlen_k)], nan=0.0).to(q.dtype)
+        n = _lengths(cu_seqlens_k)
+        shortest = (n - 1) * s + w  # the shortest key length with n windows; n+1 starts s later
+        lk = torch.where(n > 0, shortest + torch.remainder(lq - shortest, s), lq)
+    if v is k:
+        norm, cu_norm, norm_w, norm_s = None, None, w, s
+    elif v.shape[0] == k.shape[0]:
+        # as many normaliser keys as fine keys: the original's "no compressed LSE" case
+        norm, cu_norm, (norm_w, norm_s) = v.detach(), cu_seqlens_v, _FINE
+    else:
+        norm, cu_norm, (norm_w, norm_s) = v.detach(), cu_seqlens_v, _COARSE
+    S = ops.group_scores(q.detach(), k.detach(), cu_seqlens_q, _offsets_of(lk), cu_seqlens_k, w, s, softmax_scale,
+                         norm, cu_norm, norm_w, norm_s, width=max(max_seqlen_k, 1), max_seqlen_q=max_seqlen_q)
+    S = S[:, :, :max_seqlen_k]
+    return S.masked_fill_(torch.isnan(S), 0.0).to(q.dtype)
+
+
+def _pool(input, cu_seqlens_q, cu_seqlens_c, lk, n_blocks, max_seqlen_q, local_blocks, init_blocks, block_size, stride):
+    if not isinstance(input, torch.Tensor) or input.dim() != 3 or not input.is_floating_point():
+        raise ValueError("input must be a floating-point 3-D tensor (heads_k, total_q, width) of stage-1 scores")
+    if input.shape[1] == 0:
+        return input.new_empty((input.shape[0], 0, n_blocks))
+    # a batch too short for any compressed key has 0 columns; one ignored column keeps the kernel's shape rule
+    scores = torch.nn.functional.pad(input, (0, 1)) if input.shape[2] == 0 else input
+    out = ops.max_pool_blocks(scores, cu_seqlens_q, _offsets_of(lk), cu_seqlens_c, 2 * stride, stride, block_size,
+                              init_blocks, local_blocks, n_blocks=max(n_blocks, 1), max_seqlen_q=max_seqlen_q)
+    # pooled in fp32: a max of fp32/bf16/fp16 inputs (or +-inf) is exact in the input's dtype,
+    # which the original returns
+    return out[:, :, :n_blocks].to(input.dtype)
 
 
 def max_pooling_1d_varlen(input, cu_seqlens_q, cu_seqlens_k, cache_lens, max_seqlen_q, max_seqlen_k, local_blocks,
                           init_blocks, block_size=64, stride=16):
-    """Block scores ``(Hk, total_q, ceil((max_seqlen_q + max(cache_lens)) / block_size))`` fp32.
+    """Block scores ``(Hk, total_q, ceil((max_seqlen_q + max(cache_lens)) / block_size))``.
 
-    ``input``: stage-1 scores ``(Hk, total_q, width)``; ``cu_seqlens_k``: the compressed keys'
-    offsets; query i of sequence b sits at ``cache_lens[b] + i``. +inf for init and local
-    blocks, the max over the 5 compressed scores of the block otherwise (-inf if none)."""
-    if not isinstance(input, torch.Tensor) or input.dim() != 3:
-        raise ValueError("input must be a 3-D tensor (heads_k, total_q, width) of stage-1 scores")
+    ``input`` the stage-1 scores ``(Hk, total_q, width)``, ``cu_seqlens_k`` the compressed keys'
+    offsets (window ``2*stride``, stride ``stride``), ``cache_lens`` int ``(B,)`` the tokens
+    cached before each sequence's first query: query i of sequence b sits at
+    ``p = cache_lens[b] + i`` among ``cache_lens[b] + Lq`` keys. ``+inf`` for blocks
+    ``b < init_blocks`` and ``p//block_size - local_blocks <= b <= p//block_size``; otherwise the
+    max of the visible compressed scores ``m*b - 1 .. m*b + m - 1`` (``m = block_size/stride``),
+    -inf if none and for blocks after the query's own. In the input's dtype.
+
+    ``max_seqlen_k`` is accepted for the original's signature; the input's width is used.
+    The positions are computed on the device; the output width needs one host read of
+    ``max(cache_lens)`` (a GPU synchronisation when ``cache_lens`` is a CUDA tensor).
+    """
+    max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
+    _as_int(max_seqlen_k, "max_seqlen_k")
+    block_size = _as_int(block_size, "block_size", 1)
+    if not isinstance(input, torch.Tensor):
+        raise ValueError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), input.device)
     batch = cu_seqlens_q.numel() - 1
     cache = _cache_lens(cache_lens, batch, input.device)
-    lk = cache + _lengths(cu_seqlens_q)
-    n_blocks = -(-(int(max_seqlen_q) + int(cache.max().item() if batch else 0)) // block_size)
-    return ops.max_pool_blocks(input, cu_seqlens_q, _offsets_from(lk), cu_seqlens_k, 2 * stride, stride, block_size,
-                               init_blocks, local_blocks, n_blocks=max(n_blocks, 1), max_seqlen_q=int(max_seqlen_q))
+    max_cache = int(cache_lens.max()) if batch else 0  # the one host read, on cache_lens' own device
+    n_blocks = -(-(max_seqlen_q + max_cache) // block_size)
+    return _pool(input, cu_seqlens_q, cu_seqlens_k, cache + _lengths(cu_seqlens_q), n_blocks, max_seqlen_q,
+                 local_blocks, init_blocks, block_size, stride)
 
 
 def max_pooling_1d(input, cache_len, local_blocks, init_blocks, block_size=64, stride=16):
-    """``max_pooling_1d_varlen`` for one sequence: ``input (Hk, q_len, k_len)``, scalar ``cache_len``."""
+    """``max_pooling_1d_varlen`` for one sequence: ``input (Hk, q_len, k_len)``, an int ``cache_len``.
+
+    Output ``(Hk, q_len, ceil((q_len + cache_len) / block_size))``; no host synchronisation.
+    """
     if not isinstance(input, torch.Tensor) or input.dim() != 3:
         raise ValueError("input must be a 3-D tensor (heads_k, q_len, k_len) of stage-1 scores")
-    q_len, k_len = input.shape[1], input.shape[2]
-    dev = input.device
-    cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
-    cu_c = torch.tensor([0, k_len], dtype=torch.int32, device=dev)
-    cache = torch.tensor([int(cache_len)], dtype=torch.int32, device=dev)
-    return max_pooling_1d_varlen(input, cu_q, cu_c, cache, q_len, k_len, local_blocks, init_blocks, block_size, stride)
+    cache_len = _as_int(cache_len, "cache_len")
+    block_size = _as_int(block_size, "block_size", 1)
+    stride = _as_int(stride, "stride", 1)
+    q_len = input.shape[1]
+    lk = cache_len + q_len
+    n_c = (lk - 2 * stride) // stride + 1 if lk >= 2 * stride else 0
+    cu = torch.tensor([0, q_len, 0, n_c, lk], dtype=torch.int32).to(input.device, non_blocking=True)
+    return _pool(input, cu[:2], cu[2:4], cu[4:], -(-lk // block_size), q_len, local_blocks, init_blocks, block_size,
+                 stride)
 
 
 def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, block_table=None, topk_idx=None):
-    """Stage 2 with autograd (``topk_idx`` int32 ``(Hk, total_q, K)``), or dense attention when
-    ``topk_idx`` is None. Returns ``out``, or ``(out, softmax_lse, None)`` with
-    ``return_attn_probs``. The backward is always deterministic."""
-    for name, value, default in (("dropout_p", dropout_p, 0.0), ("window_size", tuple(window_size), (-1, -1)),
-                                 ("softcap", softcap, 0.0), ("alibi_slopes", alibi_slopes, None),
-                                 ("block_table", block_table, None)):
-        _check_default(name, value, default)
+    """Varlen attention with autograd: block-sparse over ``topk_idx``, dense when it is None.
+
+    ``q (total_q, Hq, D)``, ``k, v (total_k, Hk, D)``; ``topk_idx`` int ``(Hk, total_q, K)`` of
+    per-sequence 64-token block indices (-1 unused, any order). With ``topk_idx`` the attention
+    is causal at token granularity, bottom-right aligned, which is what ``causal=True`` means in
+    the original and, for one query per sequence, ``causal=False`` too (a decode token sees its
+    whole cache): MiniCPM4.1's ``causal = max_seqlen_q != 1``; ``causal=False`` with several
+    queries per sequence is rejected. Without ``topk_idx``, ``causal`` is honoured either way.
+
+    Returns ``out``, or with ``return_attn_probs`` ``(out, softmax_lse, None)``: ``softmax_lse``
+    fp32 ``(Hq, total_q)`` for dense attention, and in the original's sparse layout
+    ``(Hk, total_q * G)`` (entry ``[g, t*G + h]`` for query head ``g*G + h``) with ``topk_idx``.
+    The backward is deterministic.
+    """
+    _check_defaults(dropout_p, window_size, softcap, alibi_slopes, block_table)
+    max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _as_int(max_seqlen_k, "max_seqlen_k")
     if topk_idx is None:
-        out, lse = ops.dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        out, lse = ops.dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          softmax_scale, causal=bool(causal), return_lse=True)
-    else:
-        if not causal and int(max_seqlen_q) > 1:
-            # the sparse kernels mask at token granularity, bottom-right: for one query per
-            # sequence that is no mask at all, which is how MiniCPM4.1 calls it (causal=False)
-            raise ValueError("causal=False with topk_idx needs max_seqlen_q <= 1 (decode); the sparse path is causal")
-        out, lse = ops.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, int(max_seqlen_q),
-                                          int(max_seqlen_k), softmax_scale, return_lse=True)
-    return (out, lse, None) if return_attn_probs else out
+        return (out, lse, None) if return_attn_probs else out
+    if not causal and max_seqlen_q > 1:
+        raise ValueError(f"causal=False with topk_idx needs one query per sequence (max_seqlen_q <= 1, decode), got "
+                         f"max_seqlen_q={max_seqlen_q}: the sparse kernels mask at token granularity")
+    out, lse = ops.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                      softmax_scale, return_lse=True)
+    if not return_attn_probs:
+        return out
+    hk = k.shape[1]
+    # the original runs the sparse kernel on q viewed as (total_q * G, Hk, D), rows t*G + h
+    lse = lse.view(hk, q.shape[1] // hk, q.shape[0]).transpose(1, 2).reshape(hk, -1)
+    return out, lse, None
