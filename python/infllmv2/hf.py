@@ -4,15 +4,35 @@
     infllmv2.hf.register()              # once, before loading the model
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="infllmv2")
 
-Each attention layer then runs ``infllmv2.attention`` with the model config's ``sparse_config``
-(MiniCPM4.1's dict) when it has one, else the config given to ``register`` (default
-``SparseConfig()``). The mask interface is FlashAttention's: no 4-D mask is built, and a 2-D
-padding mask (left, right or any holes) is honoured by packing the valid tokens into the varlen
-layout (one host read of the longest sequence). Importing this module does not import
-transformers; ``register`` does.
+``register`` adds an attention function (``AttentionInterface``) and a mask function
+(``AttentionMaskInterface``) under one name. Each attention layer then runs
+``infllmv2.attention`` with the model config's ``sparse_config`` (MiniCPM4.1's dict) when it has
+one, else the config given to ``register`` (default ``SparseConfig()``).
+
+The mask function is FlashAttention's (plus the StaticCache count below): the model never builds
+a 4-D mask, and the attention function gets ``None`` (no padding) or the 2-D padding mask.
+Supported:
+
+- causal self-attention without padding, prefill and decode against a ``DynamicCache``: the
+  padded layout directly, nothing gathered (batch-1 prefill reads ``position_ids`` once per
+  layer to detect packed sequences, as FlashAttention's integration does);
+- 2-D padding masks, left, right or with holes (``generate`` with a padded batch): the valid
+  tokens are packed into the varlen layout, one host read of the sequence lengths per layer;
+- ``StaticCache``: keys past the written slots are ignored (the mask function passes their
+  count on as a mask, as FlashAttention's does; one host read per forward);
+- packed sequences (padding-free training): FlashAttention's ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` keyword arguments, or batch-1 ``position_ids`` that restart.
+
+Non-causal attention, sliding windows shorter than the keys, soft-capping, attention sinks,
+position biases and the paged (continuous batching) cache raise ``NotImplementedError``;
+``dropout > 0`` raises ``ValueError``. Importing this module does not import transformers;
+``register`` does.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Mapping
 
 import torch
 
@@ -21,44 +41,134 @@ from .attention import SparseConfig, _config, attention, attention_padded
 NAME = "infllmv2"
 
 
+@functools.lru_cache(maxsize=32)
+def _frozen_config(items: tuple) -> SparseConfig:
+    return SparseConfig.from_dict(dict(items))
+
+
 def _layer_config(module, default: SparseConfig) -> SparseConfig:
     sparse = getattr(getattr(module, "config", None), "sparse_config", None)
-    return default if sparse is None else _config(sparse)
+    if sparse is None:
+        return default
+    try:
+        if isinstance(sparse, Mapping):
+            try:  # every layer of every forward reads it: validate each distinct dict once
+                return _frozen_config(tuple(sorted(sparse.items())))
+            except TypeError:  # unhashable values: let from_dict report them
+                pass
+        return _config(sparse)
+    except ValueError as e:
+        raise ValueError(f"model config sparse_config: {e}") from e
+
+
+def _check_supported(module, key, dropout, kwargs) -> None:
+    if dropout:
+        raise ValueError(f"attn_implementation='infllmv2' has no attention dropout: dropout must be 0, got {dropout}")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if not is_causal:
+        raise NotImplementedError("attn_implementation='infllmv2' is causal self-attention only "
+                                  f"({type(module).__name__} asks for is_causal=False)")
+    window = kwargs.get("sliding_window")
+    if window is not None and key.shape[2] > window:
+        raise NotImplementedError(f"attn_implementation='infllmv2' has no sliding window (sliding_window={window} "
+                                  f"< {key.shape[2]} keys): use it for full-attention layers only")
+    for name in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attn_implementation='infllmv2' does not support {name}")
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError("attn_implementation='infllmv2' does not support the paged cache (continuous batching)")
+
+
+def _restarts(position_ids, S: int):
+    """Sequence starts of a batch-1 row whose positions restart (packed sequences), or None."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.numel() != S or S < 2:
+        return None
+    pos = position_ids.reshape(S)
+    starts = torch.nonzero(pos[1:] - pos[:-1] != 1).flatten()  # the one host read
+    return None if starts.numel() == 0 else [0, *(starts + 1).tolist(), S]
+
+
+def _unpadded(q, k, v, mask, cfg, scaling):
+    """Attention of a padded batch given its 2-D padding mask (B, L): the valid tokens packed."""
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    if mask.dim() != 2 or mask.shape[0] != B or not Sq <= mask.shape[1] <= Sk:
+        raise NotImplementedError(
+            f"attn_implementation='infllmv2' takes a 2-D padding mask (batch={B}, kv_len) with "
+            f"{Sq} <= kv_len <= {Sk}, got shape {tuple(mask.shape)}: custom (4-D) masks are not supported")
+    L = mask.shape[1]
+    k, v = k[:, :L], v[:, :L]  # a StaticCache's slots past the mask were never written
+    mask = mask.bool()
+    keep_q = mask[:, L - Sq:]  # the queries are the last Sq positions
+    len_k, len_q = mask.sum(1, dtype=torch.int32), keep_q.sum(1, dtype=torch.int32)
+    n_k, n_q, max_k, max_q = torch.stack([len_k.sum(), len_q.sum(), len_k.max(), len_q.max()]).tolist()
+    if n_k == B * L:  # a static cache without padding
+        return attention_padded(q, k, v, cfg, scaling)
+    out = q.new_zeros(q.shape)
+    if n_q == 0:
+        return out
+    ik = torch.nonzero_static(mask.reshape(-1), size=n_k).flatten()
+    iq = torch.nonzero_static(keep_q.reshape(-1), size=n_q).flatten()
+    bk, sk, bq, sq = ik // L, ik % L, iq // Sq, iq % Sq
+    cu_k, cu_q = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (len_k, len_q))
+    packed = attention(q[bq, sq], k[bk, sk], v[bk, sk], cu_q, cu_k, max_q, max_k, config=cfg, softmax_scale=scaling)
+    return out.index_put((bq, sq), packed)
 
 
 def _attention_forward(default: SparseConfig):
     def infllmv2_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        if dropout:
-            raise ValueError(f"attn_implementation='infllmv2' has no attention dropout, got dropout={dropout}")
+        _check_supported(module, key, dropout, kwargs)
         cfg = _layer_config(module, default)
         # transformers passes (B, H, S, D); the library's padded layout is (B, S, H, D)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        if attention_mask is None:
+        B, Sq, Hq, D = q.shape
+        if attention_mask is not None:
+            return _unpadded(q, k, v, attention_mask, cfg, scaling), None
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is None and B == 1 and Sq == k.shape[1]:
+            bounds = _restarts(kwargs.get("position_ids"), Sq)
+            if bounds is not None:
+                cu_q = cu_k = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+                kwargs["max_length_q"] = kwargs["max_length_k"] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        if cu_q is None:
             return attention_padded(q, k, v, cfg, scaling), None
-        if attention_mask.dim() != 2 or attention_mask.shape != (k.shape[0], k.shape[1]):
-            raise ValueError(f"attention_mask must be a 2-D padding mask (batch, kv_len) = {tuple(k.shape[:2])}, "
-                             f"got shape {tuple(attention_mask.shape)}")
-        keep_k = attention_mask.bool()
-        keep_q = keep_k[:, -q.shape[1]:]  # the queries are the last q_len positions of the keys
-        lk, lq = keep_k.sum(1, dtype=torch.int32), keep_q.sum(1, dtype=torch.int32)
-        cu_k = torch.cat([lk.new_zeros(1), lk.cumsum(0)]).to(torch.int32)
-        cu_q = torch.cat([lq.new_zeros(1), lq.cumsum(0)]).to(torch.int32)
-        out = attention(q[keep_q].contiguous(), k[keep_k].contiguous(), v[keep_k].contiguous(), cu_q, cu_k,
-                        config=cfg, softmax_scale=scaling)
-        full = out.new_zeros(q.shape)
-        full[keep_q] = out
-        return full, None
+        # with B = 1 the reshape is a strided view; the kernels read memory in order
+        q, k, v = (t.reshape(-1, *t.shape[2:]).contiguous() for t in (q, k, v))
+        out = attention(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs.get("max_length_q"),
+                        kwargs.get("max_length_k"), config=cfg, softmax_scale=scaling)
+        return out.view(B, Sq, Hq, D), None
 
     return infllmv2_attention_forward
 
 
+def _mask_function(flash_attention_mask):
+    def infllmv2_mask(batch_size, q_length, kv_length, q_offset=None, kv_offset=0, attention_mask=None, **kwargs):
+        mask = flash_attention_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                                    q_offset=0 if q_offset is None else q_offset, kv_offset=kv_offset,
+                                    attention_mask=attention_mask, **kwargs)
+        if mask is None and q_offset is not None and not kv_offset:
+            # A StaticCache hands over all kv_length slots; generate() drops an all-ones mask
+            # for any implementation but FlashAttention, so say here how many are written.
+            written = int(q_offset) + q_length
+            if written < kv_length:
+                mask = torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+        return mask
+
+    return infllmv2_mask
+
+
 def register(config=None, name: str = NAME) -> None:
-    """Registers ``name`` with transformers' attention and mask interfaces. ``config``: the
-    ``SparseConfig`` (or sparse_config dict) for models whose config has no ``sparse_config``."""
+    """Registers ``name`` with transformers' attention and mask interfaces.
+
+    ``config``: the ``SparseConfig`` (or sparse_config dict) for models whose config has no
+    ``sparse_config``; calling ``register`` again replaces it. Needs transformers >= 5."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
     except ImportError as e:
-        raise ImportError("infllmv2.hf.register needs transformers >= 5 (pip install transformers)") from e
-    AttentionInterface.register(name, _attention_forward(_config(config)))
-    AttentionMaskInterface.register(name, flash_attention_mask)
+        raise ImportError("infllmv2.hf.register() needs transformers >= 5 with AttentionInterface and "
+                          "AttentionMaskInterface (pip install 'transformers>=5')") from e
+    default = _config(config)
+    AttentionInterface.register(name, _attention_forward(default))
+    AttentionMaskInterface.register(name, _mask_function(flash_attention_mask))

@@ -1,65 +1,129 @@
-"""PHSA helpers (../shared/seeds/phsa-paper.txt): the punctuation token set of a vocabulary, and
-the per-token mask that ``compress_keys`` / ``select_blocks`` / ``attention`` take as
+"""PHSA helpers (seed phsa-paper.txt): the punctuation token set of a vocabulary, and the per-token
+mask that ``compress_keys`` / ``select_blocks`` / ``attention`` / ``InfLLMv2Attention`` take as
 ``punct_mask``.
 
-Rule (the paper's P(Z(p))): a token is punctuation when its decoded text, with surrounding
-whitespace removed, is non-empty and every character is punctuation: Unicode category P*
-(so ",", ".", "，", "。", "...", "?!") or one of ``extra``. Byte-level BPE and SentencePiece
-markers ("Ġ", "▁", "Ċ") count as whitespace when a token cannot be decoded.
+The rule, the paper's ``P = {p in V | P(Z(p)) = 1}``: a token is punctuation when its decoded
+text ``Z(p)``, with surrounding whitespace removed, is non-empty and every character in it is a
+punctuation mark. So ",", " ,", ".", "...", "?!", "，", "。" and "」" are punctuation tokens;
+"a,", "12", "$" (a symbol, category Sc) and bare whitespace are not. Punctuation marks are the
+Unicode categories P* by default (English and CJK alike: the paper found Chinese marks help
+Chinese tasks); ``punctuation`` narrows or replaces the set (e.g. ``string.punctuation`` for
+ASCII marks, as the paper first trained) and ``extra`` adds characters.
+
+Decoding: a tokenizer object decodes its own tokens (``convert_tokens_to_string``, else
+``decode``), so byte-level BPE ("Ġ,", "ï¼Į" for "，") and SentencePiece ("▁.", "<0x2C>") tokens
+are read as the text they produce. For a plain ``{token: id}`` mapping the vocabulary's style is
+guessed: byte-level BPE when some token holds "Ġ" and none "▁" (each token decoded through
+GPT-2's byte alphabet; a token that is not whole UTF-8, part of a character, is no
+punctuation), else SentencePiece-like ("▁" read as a space).
 """
 
 from __future__ import annotations
 
+import functools
 import unicodedata
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
-_MARKERS = {"\u0120": " ", "\u2581": " ", "\u010a": "\n", "\u0109": "\t"}  # Ġ ▁ Ċ ĉ
+__all__ = ["is_punctuation_text", "punctuation_token_ids", "punctuation_mask"]
 
 
-def is_punctuation_text(text: str, extra: Iterable[str] = ()) -> bool:
-    """Whether ``text`` is non-empty after stripping whitespace and consists of punctuation only."""
+def _predicate(punctuation, extra) -> Callable[[str], bool]:
+    if punctuation is None:
+        base = lambda ch: unicodedata.category(ch).startswith("P")  # noqa: E731
+    elif callable(punctuation):
+        base = punctuation
+    elif isinstance(punctuation, Iterable):
+        chars = set(punctuation)
+        if not all(isinstance(c, str) and len(c) == 1 for c in chars):
+            raise ValueError("punctuation must be None, a callable or a string / iterable of single characters")
+        base = chars.__contains__
+    else:
+        raise ValueError("punctuation must be None, a callable or a string of characters, "
+                         f"got {type(punctuation).__name__}")
     extra = set(extra)
+    return (lambda ch: ch in extra or base(ch)) if extra else base
+
+
+def is_punctuation_text(text: str, punctuation=None, extra: Iterable[str] = ()) -> bool:
+    """Whether ``text`` is non-empty after stripping whitespace and consists of punctuation only
+    (``punctuation`` / ``extra`` as in ``punctuation_token_ids``)."""
+    is_punct = _predicate(punctuation, extra)
     text = text.strip()
-    return bool(text) and all(unicodedata.category(ch).startswith("P") or ch in extra for ch in text)
+    return bool(text) and all(is_punct(ch) for ch in text)
 
 
-def _token_text(tokenizer, token: str, token_id: int) -> str:
-    if tokenizer is not None:
-        for decode in (lambda: tokenizer.convert_tokens_to_string([token]), lambda: tokenizer.decode([token_id])):
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level BPE alphabet, inverted: the printable character standing for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+def _byte_level_text(token: str) -> str:
+    table = _byte_decoder()
+    if not all(ch in table for ch in token):
+        return token  # an added or special token, stored as text
+    try:
+        return bytes(table[ch] for ch in token).decode("utf-8")
+    except UnicodeDecodeError:
+        return ""  # part of a multi-byte character: no punctuation of its own
+
+
+def _decoder(tokenizer):
+    """token, id -> text, with the tokenizer's own decoding where it has one."""
+    def decode(token, token_id):
+        for fn in (lambda: tokenizer.convert_tokens_to_string([token]), lambda: tokenizer.decode([token_id])):
             try:
-                text = decode()
-            except Exception:  # tokenizers differ in what they offer; fall back to the raw token
+                text = fn()
+            except Exception:  # tokenizers differ in what they offer and in what they refuse
                 continue
             if isinstance(text, str):
                 return text
-    return "".join(_MARKERS.get(ch, ch) for ch in token)
+        return token
+
+    return decode
 
 
-def punctuation_token_ids(tokenizer_or_vocab, extra: Iterable[str] = ()) -> torch.Tensor:
-    """Sorted int64 ids of the punctuation tokens of a vocabulary.
+def punctuation_token_ids(tokenizer_or_vocab, punctuation=None, extra: Iterable[str] = ()) -> torch.Tensor:
+    """Sorted int64 ids of the punctuation tokens of a vocabulary (the module docstring has the rule).
 
-    ``tokenizer_or_vocab``: a ``{token: id}`` mapping, or a tokenizer with ``get_vocab()`` (Hugging
-    Face and the like), whose own decoding is used to read each token's text. ``extra``: more
-    characters to count as punctuation (e.g. symbols of category S* such as "$")."""
+    ``tokenizer_or_vocab``: a ``{token: id}`` mapping, or a tokenizer with ``get_vocab()``
+    (Hugging Face and the like). ``punctuation``: None for Unicode P*, a string / iterable of
+    the characters that count, or a predicate ``char -> bool``. ``extra``: characters that count
+    as well (e.g. "$" or "~", which Unicode files as symbols)."""
+    is_punct = _predicate(punctuation, extra)
     if isinstance(tokenizer_or_vocab, Mapping):
-        tokenizer, vocab = None, tokenizer_or_vocab
-    elif hasattr(tokenizer_or_vocab, "get_vocab"):
-        tokenizer, vocab = tokenizer_or_vocab, tokenizer_or_vocab.get_vocab()
+        vocab = tokenizer_or_vocab
+        byte_level = any("\u0120" in t for t in vocab) and not any("\u2581" in t for t in vocab)
+        decode = (lambda t, i: _byte_level_text(t)) if byte_level else (lambda t, i: t.replace("\u2581", " "))
+    elif callable(getattr(tokenizer_or_vocab, "get_vocab", None)):
+        vocab, decode = tokenizer_or_vocab.get_vocab(), _decoder(tokenizer_or_vocab)
     else:
         raise ValueError("tokenizer_or_vocab must be a {token: id} mapping or a tokenizer with get_vocab(), "
                          f"got {type(tokenizer_or_vocab).__name__}")
-    extra = tuple(extra)
-    ids = sorted(int(i) for tok, i in vocab.items() if is_punctuation_text(_token_text(tokenizer, tok, int(i)), extra))
-    return torch.tensor(ids, dtype=torch.int64)
+    ids = set()
+    for token, token_id in vocab.items():
+        text = decode(token, int(token_id)).strip()
+        if text and all(is_punct(ch) for ch in text):
+            ids.add(int(token_id))
+    return torch.tensor(sorted(ids), dtype=torch.int64)
 
 
-def punctuation_mask(input_ids: torch.Tensor, punct_ids: torch.Tensor) -> torch.Tensor:
-    """Bool mask of ``input_ids``' shape: which tokens are in ``punct_ids``. For the varlen layout
-    pass the packed ids ``(total_k,)``; for the padded one ``(B, S)``."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point():
-        raise ValueError("input_ids must be an integer tensor")
-    if not isinstance(punct_ids, torch.Tensor):
-        punct_ids = torch.as_tensor(list(punct_ids), dtype=torch.int64)
-    return torch.isin(input_ids, punct_ids.to(device=input_ids.device, dtype=input_ids.dtype))
+def punctuation_mask(input_ids: torch.Tensor, punct_ids) -> torch.Tensor:
+    """Bool mask of ``input_ids``' shape and device: which tokens are in ``punct_ids`` (a tensor or
+    list of ids). For the varlen layout pass the packed ids ``(total_k,)``; for the padded one
+    ``(B, S)``."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
+            or input_ids.dtype == torch.bool:
+        got = getattr(input_ids, "dtype", type(input_ids).__name__)
+        raise ValueError(f"input_ids must be an integer tensor, got {got}")
+    punct_ids = torch.as_tensor(punct_ids, dtype=input_ids.dtype, device=input_ids.device)
+    return torch.isin(input_ids, punct_ids)
