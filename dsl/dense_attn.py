@@ -16,8 +16,9 @@ once per tile, so the per-element causal mask is one comparison with no division
 Kernels (one PrimFunc each; the backward's Delta comes from sparse_attn_bwd_preprocess):
   fwd        O, LSE                                  grid (tiles, batch, Hk)
   bwd_dq     dQ, same tiles as fwd                    grid (tiles, batch, Hk)
-  bwd_dkdv   dK, dV per 64-key block, visiting every  grid (key blocks, batch, Hk)
-             query tile that can see it
+  bwd_dkdv   dK, dV per 64-key block, visiting every  grid (Hk, batch, key blocks)
+             query tile that can see it; on sm_90a the next tile's rows load by cp.async
+             while the current one is computed
 Every gradient is written by exactly one thread block in a fixed order: the backward is
 deterministic, with no atomics.
 """
@@ -269,6 +270,16 @@ def _bwd_dq(dtype, D, arch):
     return dense_attn_bwd_dq
 
 
+def _prefetch(arch):
+    # bwd_dkdv loads the next query tile by cp.async into a second buffer while the current
+    # one is computed (as sparse_attn_bwd_dkdv); sm_80 (also run on sm_86) and sm_89 parts
+    # have 99 KB of shared memory per block, too little for the second buffers.
+    return arch.startswith("sm_90")
+
+
+VEC = 8  # elements per 16-byte cp.async (2-byte dtypes)
+
+
 def _bwd_dkdv(dtype, D, arch):
     accum = "float32"
     total_q, total_k, heads, heads_k, batch_plus_one = _dyn()
@@ -276,6 +287,50 @@ def _bwd_dkdv(dtype, D, arch):
     # (measured on an H100, dense 4K x 8, G=16: 512 threads 37 ms; 256 threads 51 ms, or 45 ms
     # with 128-row query tiles; 128 threads 51 ms).
     threads = 512 if arch.startswith("sm_90") else 256
+    prefetch = _prefetch(arch)
+    NV = BLOCK_M * D // VEC
+
+    @T.macro
+    def load_tile(Q, dO, LSE, Delta, q0, t0, n_rows, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab):
+        # cp.async, zero-filled past the sequence, and no wait (the caller commits and waits)
+        for i in T.serial(T.ceildiv(NV, threads)):
+            v = i * threads + tx
+            if v < NV:
+                r = v // (D // VEC)
+                d = (v % (D // VEC)) * VEC
+                row = q0 + t0 + T.if_then_else(r < n_rows, rtok_s[r], 0)
+                T.ptx_cp_async(T.access_ptr(Qb[r, d], "w", VEC), T.access_ptr(Q[row, rhead_s[r], d], "r", VEC), VEC,
+                               predicate=r < n_rows)
+                T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[row, rhead_s[r], d], "r", VEC), VEC,
+                               predicate=r < n_rows)
+        if tx < BLOCK_M:
+            row = q0 + t0 + T.if_then_else(tx < n_rows, rtok_s[tx], 0)
+            T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[rhead_s[tx], row], "r", 1), 1,
+                           predicate=tx < n_rows)
+            T.ptx_cp_async(T.access_ptr(deltab[tx], "w", 1), T.access_ptr(Delta[rhead_s[tx], row], "r", 1), 1,
+                           predicate=tx < n_rows)
+
+    @T.macro
+    def compute(t0, n_rows, kb, shift, len_k, causal, scale_log2, rtok_s, K_s, V_s, pT_s, dsT_s,
+                acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
+        T.clear(acc_sT)
+        T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            acc_sT[c, r] = T.if_then_else(
+                r < n_rows
+                and lse_s[r] != NEG_INF
+                and kb * BLOCK_N + c < len_k
+                and (causal == 0 or kb * BLOCK_N + c <= shift + t0 + rtok_s[r]),
+                T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
+                0,
+            )
+        T.clear(acc_dpT)
+        T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(acc_sT, pT_s)
+        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+        T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
 
     @T.prim_func
     def dense_attn_bwd_dkdv(
@@ -296,19 +351,25 @@ def _bwd_dkdv(dtype, D, arch):
         causal: T.int32,
         scale_log2: T.float32,
     ):
-        with T.Kernel(max_kblocks, batch, heads_k, threads=threads) as (kb, b, hk):
+        # key blocks outermost: with causal masking the first blocks of every sequence have the
+        # most query tiles and must start in the first wave, not at the end of the grid
+        with T.Kernel(heads_k, batch, max_kblocks, threads=threads) as (hk, b, kb):
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            Q_s = T.alloc_shared([BLOCK_M, D], dtype)
-            dO_s = T.alloc_shared([BLOCK_M, D], dtype)
-            lse_s = T.alloc_shared([BLOCK_M], accum)
-            delta_s = T.alloc_shared([BLOCK_M], accum)
-            rowlim_s = T.alloc_shared([BLOCK_M], "int32")
+            Q_s0 = T.alloc_shared([BLOCK_M, D], dtype)
+            dO_s0 = T.alloc_shared([BLOCK_M, D], dtype)
+            lse_s0 = T.alloc_shared([BLOCK_M], accum)
+            delta_s0 = T.alloc_shared([BLOCK_M], accum)
+            Q_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
+            dO_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
+            lse_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
+            delta_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
             # row r's token offset and head, computed once: as expressions they put run-time
             # integer divisions by G into every load of every query tile
             rtok_s = T.alloc_shared([BLOCK_M], "int32")
             rhead_s = T.alloc_shared([BLOCK_M], "int32")
             tile0 = T.alloc_var("int32")
+            n_m = T.alloc_var("int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
             # P^T and dS^T go through shared memory: as register operands their layout would
@@ -318,6 +379,7 @@ def _bwd_dkdv(dtype, D, arch):
             acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
             acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
 
+            tx = T.get_thread_binding()
             q0 = cu_seqlens_q[b]
             k0 = cu_seqlens_k[b]
             len_q = cu_seqlens_q[b + 1] - q0
@@ -335,41 +397,48 @@ def _bwd_dkdv(dtype, D, arch):
                 T.copy(V[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], V_s)
                 T.fill(acc_dk, 0)
                 T.fill(acc_dv, 0)
-                for j in T.serial(T.max(n_tiles - tile0, 0)):
+                n_m = T.max(n_tiles - tile0, 0)
+                if n_m > 0:
+                    load_tile(Q, dO, LSE, Delta, q0, tile0 * tile_tokens,
+                              T.min(tile_tokens, len_q - tile0 * tile_tokens) * groups, rtok_s, rhead_s, tx,
+                              Q_s0, dO_s0, lse_s0, delta_s0)
+                    T.ptx_commit_group()
+                for j in T.serial(n_m):
+                    if prefetch:
+                        if j + 1 < n_m:
+                            tn = (tile0 + j + 1) * tile_tokens
+                            if j % 2 == 0:
+                                load_tile(Q, dO, LSE, Delta, q0, tn, T.min(tile_tokens, len_q - tn) * groups, rtok_s,
+                                          rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1)
+                            else:
+                                load_tile(Q, dO, LSE, Delta, q0, tn, T.min(tile_tokens, len_q - tn) * groups, rtok_s,
+                                          rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                            T.ptx_commit_group()
+                            T.ptx_wait_group(1)
+                        else:
+                            T.ptx_wait_group(0)
+                    else:
+                        if j > 0:
+                            tn = (tile0 + j) * tile_tokens
+                            load_tile(Q, dO, LSE, Delta, q0, tn, T.min(tile_tokens, len_q - tn) * groups, rtok_s,
+                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                            T.ptx_commit_group()
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
                     t0 = (tile0 + j) * tile_tokens
                     n_rows = T.min(tile_tokens, len_q - t0) * groups
-                    for r, d in T.Parallel(BLOCK_M, D):
-                        Q_s[r, d] = T.if_then_else(
-                            r < n_rows, Q[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
-                        )
-                        dO_s[r, d] = T.if_then_else(
-                            r < n_rows, dO[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
-                        )
-                    for r in T.Parallel(BLOCK_M):
-                        lse_s[r] = T.if_then_else(
-                            r < n_rows, LSE[rhead_s[r], q0 + t0 + rtok_s[r]] * LOG2E, NEG_INF
-                        )
-                        delta_s[r] = T.if_then_else(r < n_rows, Delta[rhead_s[r], q0 + t0 + rtok_s[r]], 0)
-                        rowlim_s[r] = T.if_then_else(
-                            r < n_rows,
-                            T.if_then_else(causal != 0, T.min(shift + t0 + rtok_s[r], len_k - 1), len_k - 1),
-                            -1,
-                        )
-                    T.clear(acc_sT)
-                    T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    for c, r in T.Parallel(BLOCK_N, BLOCK_M):
-                        acc_sT[c, r] = T.if_then_else(
-                            kb * BLOCK_N + c <= rowlim_s[r] and lse_s[r] != NEG_INF,
-                            T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r]),
-                            0,
-                        )
-                    T.clear(acc_dpT)
-                    T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.copy(acc_sT, pT_s)
-                    for c, r in T.Parallel(BLOCK_N, BLOCK_M):
-                        dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
-                    T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
-                    T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+                    if prefetch:
+                        if j % 2 == 0:
+                            compute(t0, n_rows, kb, shift, len_k, causal, scale_log2, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                    acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                        else:
+                            compute(t0, n_rows, kb, shift, len_k, causal, scale_log2, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                    acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1, delta_s1)
+                    else:
+                        compute(t0, n_rows, kb, shift, len_k, causal, scale_log2, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                    # the next step's loads overwrite this step's buffers
+                    T.sync_threads()
                 for c, d in T.Parallel(BLOCK_N, D):
                     if kb * BLOCK_N + c < len_k:
                         dK[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dk[c, d] * (scale_log2 / LOG2E), dtype)

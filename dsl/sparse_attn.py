@@ -22,9 +22,12 @@ Kernels (one PrimFunc each):
   fwd             O, LSE                                  grid (tiles, batch, Hk)
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
   bwd_dq          dQ, same tiles and union as fwd         grid (tiles, batch, Hk)
-  bwd_dkdv        dK, dV per 64-key block, visiting the   grid (key blocks, batch, Hk)
-                  query tiles whose union holds it (found by binary search in the sorted
-                  selection rows, CAND candidate tiles at a time, compacted by prefix sum)
+  bwd_dkdv        dK, dV per 64-key block, visiting the   grid (Hk, batch, key blocks)
+                  tokens that picked it: `threads` candidate tiles at a time, each token
+                  checked by binary search in its sorted selection row, the members compacted
+                  by prefix sum and taken T at a time (T x G rows), so rows of tokens that did
+                  not pick the block cost no work; the next group's rows load by cp.async
+                  while the current one is computed
 Every gradient is written by exactly one thread block in a fixed order: the backward is
 deterministic, with no atomics.
 
@@ -45,7 +48,6 @@ T_MAX_BY_ARCH = {"sm_90a": 16}  # tokens per query tile at most (G < 64 // T_MAX
 T_MAX_DEFAULT = 8  # 8 elsewhere, so the union buffers fit 99 KB of shared memory with the tiles
 K_MAX = 128  # selected blocks per token at most
 LOG_K_MAX = 8  # binary-search steps over a row of K_MAX entries (ceil(log2(K_MAX + 1)))
-CAND = 128  # candidate query tiles scanned at once by bwd_dkdv
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
@@ -88,6 +90,17 @@ def _stages(arch):
     # prologue rules warp specialisation out (see pass_configs): the block loop is not
     # pipelined on any arch yet.
     return 1
+
+
+def _prefetch(arch):
+    # bwd_dkdv loads the next member query tile by cp.async into a second buffer while the
+    # current one is computed. sm_80 code also runs on sm_86 parts, which like sm_89 have 99 KB
+    # of shared memory per block, too little for the second buffers: one buffer there, loaded
+    # and waited for in turn.
+    return arch.startswith("sm_90")
+
+
+VEC = 8  # elements per 16-byte cp.async (2-byte dtypes)
 
 
 def _make_lower_bound(topk):
@@ -463,6 +476,53 @@ def _bwd_dkdv(dtype, D, arch):
     threads = 512 if arch.startswith("sm_90") else 256
     T_MAX = tile_tokens_max(arch)
     lower_bound = _make_lower_bound_global(topk)
+    prefetch = _prefetch(arch)
+    NV = BLOCK_M * D // VEC
+
+    @T.macro
+    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab):
+        # cp.async, zero-filled past the member rows, and no wait: the next group's rows load
+        # while the current one is computed. Per-thread copies because the rows are a gather:
+        # row r is head rhead_s[r] of member token tok_s[base + rtok_s[r]]. (Computing
+        # r -> token, head here instead of reading rtok_s / rhead_s removes barriers but made
+        # the kernel 60% slower on an H100.)
+        for i in T.serial(T.ceildiv(NV, threads)):
+            v = i * threads + tx
+            if v < NV:
+                r = v // (D // VEC)
+                d = (v % (D // VEC)) * VEC
+                row = q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0)
+                T.ptx_cp_async(T.access_ptr(Qb[r, d], "w", VEC), T.access_ptr(Q[row, rhead_s[r], d], "r", VEC), VEC,
+                               predicate=r < n_rows)
+                T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[row, rhead_s[r], d], "r", VEC), VEC,
+                               predicate=r < n_rows)
+        if tx < BLOCK_M:
+            row = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
+            T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[rhead_s[tx], row], "r", 1), 1,
+                           predicate=tx < n_rows)
+            T.ptx_cp_async(T.access_ptr(deltab[tx], "w", 1), T.access_ptr(Delta[rhead_s[tx], row], "r", 1), 1,
+                           predicate=tx < n_rows)
+
+    @T.macro
+    def compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+                acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
+        T.clear(acc_sT)
+        T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            acc_sT[c, r] = T.if_then_else(
+                r < n_rows
+                and lse_s[r] != NEG_INF
+                and kb * BLOCK_N + c <= shift + tok_s[base + rtok_s[r]],
+                T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
+                0,
+            )
+        T.clear(acc_dpT)
+        T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(acc_sT, pT_s)
+        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+        T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
 
     @T.prim_func
     def sparse_attn_bwd_dkdv(
@@ -483,20 +543,30 @@ def _bwd_dkdv(dtype, D, arch):
         tile_tokens: T.int32,
         scale_log2: T.float32,
     ):
-        with T.Kernel(max_kblocks, batch, heads_k, threads=threads) as (kb, b, hk):
+        # key blocks outermost: block 0 (every query's init block) has by far the most member
+        # tiles and must start in the first wave, not at the end of the grid
+        with T.Kernel(heads_k, batch, max_kblocks, threads=threads) as (hk, b, kb):
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            Q_s = T.alloc_shared([BLOCK_M, D], dtype)
-            dO_s = T.alloc_shared([BLOCK_M, D], dtype)
-            lse_s = T.alloc_shared([BLOCK_M], accum)
-            delta_s = T.alloc_shared([BLOCK_M], accum)
+            Q_s0 = T.alloc_shared([BLOCK_M, D], dtype)
+            dO_s0 = T.alloc_shared([BLOCK_M, D], dtype)
+            lse_s0 = T.alloc_shared([BLOCK_M], accum)
+            delta_s0 = T.alloc_shared([BLOCK_M], accum)
+            Q_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
+            dO_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
+            lse_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
+            delta_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
             flag_s = T.alloc_shared([threads], "int32")
-            tile_s = T.alloc_shared([threads], "int32")
-            tmask_s = T.alloc_shared([threads], "int32")
+            # the member tokens (positions in the sequence) of `threads` candidate tiles, in order;
+            # T_MAX spare entries keep the last group's reads past the end in bounds
+            tok_s = T.alloc_shared([threads * T_MAX + T_MAX], "int32")
             n_mem = T.alloc_shared([1], "int32")
             my_mask = T.alloc_var("int32")
+            my_cnt = T.alloc_var("int32")
+            n_put = T.alloc_var("int32")
             lohi = T.alloc_local([2], "int32")
             n_m = T.alloc_var("int32")
+            n_toks = T.alloc_var("int32")
             # row r's token offset and head, computed once: as expressions they put run-time
             # integer divisions by G into every load and mask of every query tile
             rtok_s = T.alloc_shared([BLOCK_M], "int32")
@@ -532,58 +602,70 @@ def _bwd_dkdv(dtype, D, arch):
                     # which of the next `threads` query tiles picked this block, and by which tokens
                     j = first_tile + chunk * threads + tx
                     my_mask = 0
+                    my_cnt = 0
                     if j < n_tiles:
                         for t in T.serial(T_MAX):
                             if t < tile_tokens and j * tile_tokens + t < len_q:
                                 lower_bound(topk_idx, hk, q0 + j * tile_tokens + t, kb, lohi)
                                 if lohi[0] < topk and topk_idx[hk, q0 + j * tile_tokens + t, lohi[0]] == kb:
                                     my_mask = my_mask | (1 << t)
-                    flag_s[tx] = T.if_then_else(my_mask != 0, 1, 0)
+                                    my_cnt = my_cnt + 1
+                    # compact the member tokens: groups of T of them (T x G rows) are the GEMM tiles,
+                    # so rows of tokens that did not pick this block cost nothing
+                    flag_s[tx] = my_cnt
                     T.sync_threads()
                     T.cumsum(src=flag_s, dst=flag_s, dim=0)
                     T.sync_threads()
-                    if my_mask != 0:
-                        tile_s[flag_s[tx] - 1] = j
-                        tmask_s[flag_s[tx] - 1] = my_mask
+                    n_put = flag_s[tx] - my_cnt
+                    for t in T.serial(T_MAX):
+                        if ((my_mask >> t) & 1) == 1:
+                            tok_s[n_put] = j * tile_tokens + t
+                            n_put = n_put + 1
                     if tx == 0:
                         n_mem[0] = flag_s[threads - 1]
                     T.sync_threads()
-                    n_m = n_mem[0]
+                    n_toks = n_mem[0]
+                    n_m = T.ceildiv(n_toks, tile_tokens)
+                    if n_m > 0:
+                        load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
+                                  rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                        T.ptx_commit_group()
                     for m in T.serial(n_m):
-                        t0 = tile_s[m] * tile_tokens
-                        n_rows = T.min(tile_tokens, len_q - t0) * groups
-                        for r, d in T.Parallel(BLOCK_M, D):
-                            Q_s[r, d] = T.if_then_else(
-                                r < n_rows, Q[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
-                            )
-                            dO_s[r, d] = T.if_then_else(
-                                r < n_rows, dO[q0 + t0 + rtok_s[r], rhead_s[r], d], T.cast(0, dtype)
-                            )
-                        for r in T.Parallel(BLOCK_M):
-                            lse_s[r] = T.if_then_else(
-                                r < n_rows, LSE[rhead_s[r], q0 + t0 + rtok_s[r]] * LOG2E, NEG_INF
-                            )
-                            delta_s[r] = T.if_then_else(
-                                r < n_rows, Delta[rhead_s[r], q0 + t0 + rtok_s[r]], 0
-                            )
-                        T.clear(acc_sT)
-                        T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
-                            acc_sT[c, r] = T.if_then_else(
-                                r < n_rows
-                                and lse_s[r] != NEG_INF
-                                and ((tmask_s[m] >> rtok_s[r]) & 1) == 1
-                                and kb * BLOCK_N + c <= shift + t0 + rtok_s[r],
-                                T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r]),
-                                0,
-                            )
-                        T.clear(acc_dpT)
-                        T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.copy(acc_sT, pT_s)
-                        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
-                            dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
-                        T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
-                        T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+                        if prefetch:
+                            if m + 1 < n_m:
+                                nb = (m + 1) * tile_tokens
+                                if m % 2 == 0:
+                                    load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups, tok_s,
+                                              rtok_s, rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1)
+                                else:
+                                    load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups, tok_s,
+                                              rtok_s, rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                                T.ptx_commit_group()
+                                T.ptx_wait_group(1)
+                            else:
+                                T.ptx_wait_group(0)
+                        else:
+                            if m > 0:
+                                load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
+                                          T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s, rhead_s,
+                                          tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                                T.ptx_commit_group()
+                            T.ptx_wait_group(0)
+                        T.sync_threads()
+                        base = m * tile_tokens
+                        n_rows = T.min(tile_tokens, n_toks - base) * groups
+                        if prefetch:
+                            if m % 2 == 0:
+                                compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                        acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                            else:
+                                compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                        acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1, delta_s1)
+                        else:
+                            compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                    acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                        # the next step's prefetch overwrites this step's buffers
+                        T.sync_threads()
                     T.sync_threads()
                 for c, d in T.Parallel(BLOCK_N, D):
                     if kb * BLOCK_N + c < len_k:

@@ -326,40 +326,40 @@ extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_dense_attn_bwd_dkdv_unit infllmv2_dense_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 83200, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 82944, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 83200, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 82944, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 83200, 512, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 116224, 512, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 50432, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 50176, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 50432, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 50176, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 50432, 512, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 67072, 512, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 83200, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 82944, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 83200, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 82944, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 83200, 512, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 116224, 512, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 50432, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 50176, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 50432, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 50176, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 50432, 512, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 67072, 512, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -924,40 +924,40 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error()
 #endif
 static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 86032, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 92208, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 86032, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 92208, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 89104, 512, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 151552, 512, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 53264, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 59440, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 53264, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 59440, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 56336, 512, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 102400, 512, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 86032, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 92208, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 86032, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 92208, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 89104, 512, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 151552, 512, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 53264, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 59440, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 53264, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 59440, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 56336, 512, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 102400, 512, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1376,40 +1376,40 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"compress_keys_phsa", "compress_keys_phsa_fp16_d64", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_80", 83200, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_80", 82944, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_89", 83200, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_89", 82944, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 83200, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 116224, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_80", 50432, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_80", 50176, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_89", 50432, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_89", 50176, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 50432, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 67072, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_80", 83200, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_80", 82944, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_89", 83200, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_89", 82944, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 83200, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 116224, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_80", 50432, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_80", 50176, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_89", 50432, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_89", 50176, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 50432, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 67072, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_80", 73984, 128},
@@ -1565,40 +1565,40 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 77888, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 86032, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 92208, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 86032, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 92208, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 89104, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 151552, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 53264, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 59440, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 53264, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 59440, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 56336, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 102400, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 86032, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 92208, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 86032, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 92208, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 89104, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 151552, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 53264, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 59440, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 53264, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 59440, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 56336, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 102400, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_80", 81920, 128},

@@ -219,6 +219,10 @@ def test_c_abi_errors():
     pb = [t.data_ptr() for t in (q, k, v, q, q, cu_q, idx, cu_q, cu_k, q, k, v, q)]
     st = lib.infllmv2_sparse_attn_bwd(*pb, 16, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
+    # key blocks past the grid's z limit are refused before any pointer is read
+    n = 65536 * 64
+    st = lib.infllmv2_sparse_attn_bwd(*pb, 1 << 20, 1, 128, n, 128, n, 8, 2, 128, 4, 0, 0.0, None)
+    assert st == _lib.ERR_UNSUPPORTED and "max_seqlen_k must be at most 4194240" in lib.infllmv2_last_error().decode()
 
 
 # ---------------------------------------------------------------------------------- CPU tier

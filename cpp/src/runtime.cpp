@@ -165,6 +165,13 @@ infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int 
   return INFLLMV2_OK;
 }
 
+infllmv2_status check_key_blocks_on_grid(const char* op, int32_t max_seqlen_k, int block) {
+  if (((int64_t)max_seqlen_k + block - 1) / block > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: max_seqlen_k must be at most %d in the backward, got %d", op,
+                kMaxGridYZ * block, max_seqlen_k);
+  return INFLLMV2_OK;
+}
+
 infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
                                  int32_t max_seqlen_k, float softmax_scale) {
   if (total_q < 0 || total_q > INT_MAX || total_k < 0 || total_k > INT_MAX)

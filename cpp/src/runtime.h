@@ -14,7 +14,7 @@
 
 namespace infllmv2 {
 
-// Batch and KV heads index the grid's y and z dimensions.
+// The largest grid y and z dimension (batch, KV heads, sparse_attn_bwd's key blocks).
 constexpr int kMaxGridYZ = 65535;
 
 // Records the message for infllmv2_last_error() and returns the status, so that wrappers
@@ -50,6 +50,10 @@ infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int 
 // longest sequences within the token counts, a finite softmax_scale >= 0 (0 = 1/sqrt(head_dim)).
 infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
                                  int32_t max_seqlen_k, float softmax_scale);
+
+// The backward dK/dV kernels put a sequence's key blocks on the grid's z axis (the blocks every
+// query sees must start in the first wave): at most kMaxGridYZ blocks of `block` keys.
+infllmv2_status check_key_blocks_on_grid(const char* op, int32_t max_seqlen_k, int block);
 
 // softmax_scale (0 = 1/sqrt(head_dim)) times log2(e): the attention kernels use exp2.
 float attn_scale_log2(float softmax_scale, int head_dim);

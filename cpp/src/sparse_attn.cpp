@@ -91,6 +91,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   Shape s{batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk, dtype, softmax_scale};
   infllmv2_status st = check_shape(op, s);
   if (st != INFLLMV2_OK) return st;
+  if ((st = check_key_blocks_on_grid(op, max_seqlen_k, kBlock)) != INFLLMV2_OK) return st;
   const size_t need = infllmv2_sparse_attn_bwd_workspace_size(total_q, heads);
   if (workspace_size < need)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT,

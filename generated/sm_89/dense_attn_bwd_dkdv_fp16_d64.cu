@@ -8,6 +8,7 @@
 #define alignas _tl_orig_alignas
 #endif
 #include <tl_templates/cuda/instruction/mma.h>
+#include <tl_templates/cuda/copy.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -24,16 +25,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 512));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 8704));
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16896));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 25088));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 33280));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 41472));
-  void* delta_s = ((void*)((char*)buf_dyn_shmem + 49664));
-  void* lse_s = ((void*)((char*)buf_dyn_shmem + 49920));
-  void* rowlim_s = ((void*)((char*)buf_dyn_shmem + 50176));
+  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 16896));
+  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 25088));
+  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 33280));
+  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 33536));
+  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 33792));
+  void* pT_s = ((void*)((char*)buf_dyn_shmem + 41984));
   int tile0 = 0;
   float acc_dk[16];
   float acc_dv[16];
+  int n_m = 0;
   float acc_sT[16];
   float acc_dpT[16];
   int condval;
@@ -66,27 +67,27 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
   int len_k = (condval_3 - k0);
   int condval_4;
   if ((causal != 0)) {
-    int rmod = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-    int rdiv = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+    int rmod = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+    int rdiv = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
     condval_4 = ((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
   } else {
     condval_4 = 0;
   }
   tile0 = condval_4;
-  if ((((int)blockIdx.x) * 64) < len_k) {
+  if ((((int)blockIdx.z) * 64) < len_k) {
     if (((int)threadIdx.x) < 64) {
       int rmod_1 = (((int)threadIdx.x) % groups);
       int rdiv_1 = (((int)threadIdx.x) / groups);
       ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
       int rmod_2 = (((int)threadIdx.x) % groups);
-      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rmod_2 : (rmod_2 + groups)));
+      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rmod_2 : (rmod_2 + groups)));
     }
     #pragma unroll
     for (int i = 0; i < 2; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_5;
-      if (((((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      if (((((((((int)blockIdx.z) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
+        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
         condval_5 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
@@ -96,8 +97,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
     for (int i_1 = 0; i_1 < 2; ++i_1) {
       half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_6;
-      if (((((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      if (((((((((int)blockIdx.z) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
+        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
         condval_6 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
       }
@@ -115,77 +116,184 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
     }
     int rmod_3 = (((len_q + tile_tokens) - 1) % tile_tokens);
     int rdiv_2 = (((len_q + tile_tokens) - 1) / tile_tokens);
-    for (int j = 0; j < max((((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) - tile0), 0); ++j) {
-      int t0 = ((tile0 + j) * tile_tokens);
-      __syncthreads();
-      #pragma unroll
+    n_m = max((((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) - tile0), 0);
+    if (0 < n_m) {
       for (int i_4 = 0; i_4 < 2; ++i_4) {
-        half_t broadcast_var_4 = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_7;
-        if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]))) && (((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]) < total_q))) {
-          condval_7 = *(uint4*)(Q + (((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        __syncthreads();
+        int condval_7;
+        if ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
+          condval_7 = ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))];
         } else {
-          condval_7 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
+          condval_7 = 0;
         }
-        *(uint4*)(((half_t*)Q_s) + (((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
-        half_t broadcast_var_5 = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_8;
-        if ((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]))) && (((q0 + t0) + ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))]) < total_q))) {
-          condval_8 = *(uint4*)(dO + (((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-        } else {
-          condval_8 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
-        }
-        *(uint4*)(((half_t*)dO_s) + (((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
+        int row = ((q0 + (tile0 * tile_tokens)) + condval_7);
+        __syncthreads();
+        tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
+        __syncthreads();
+        tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
       }
+    }
+  }
+  __syncthreads();
+  if ((((int)blockIdx.z) * 64) < len_k) {
+    if (0 < n_m) {
       if (((int)threadIdx.x) < 64) {
-        float condval_9;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-          float condval_10;
-          if (((((0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)])) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
-            condval_10 = LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-          } else {
-            condval_10 = 0x0p+0f/*0.000000e+00*/;
-          }
-          condval_9 = (condval_10 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+        int64_t condval_8;
+        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+          condval_8 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
         } else {
-          condval_9 = -CUDART_INF_F;
+          condval_8 = (int64_t)0;
         }
-        ((float*)lse_s)[((int)threadIdx.x)] = condval_9;
-        float condval_11;
-        if ((((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]))) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
-          condval_11 = Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+        int64_t condval_9;
+        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+          condval_9 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
         } else {
-          condval_11 = 0x0p+0f/*0.000000e+00*/;
+          condval_9 = (int64_t)0;
         }
-        ((float*)delta_s)[((int)threadIdx.x)] = condval_11;
-        int condval_12;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-          int condval_13;
-          if ((causal != 0)) {
-            condval_13 = min((((len_k + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) - len_q), (len_k - 1));
-          } else {
-            condval_13 = (len_k - 1);
-          }
-          condval_12 = condval_13;
+                int condval_10;
+        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
+          condval_10 = ((int*)rtok_s)[((int)threadIdx.x)];
         } else {
-          condval_12 = -1;
+          condval_10 = 0;
         }
-        ((int*)rowlim_s)[((int)threadIdx.x)] = condval_12;
+        int condval_11;
+        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
+          condval_11 = ((int*)rtok_s)[((int)threadIdx.x)];
+        } else {
+          condval_11 = 0;
+        }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)tile0) * ((int64_t)tile_tokens))) + condval_9)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + (tile0 * tile_tokens)) + condval_10) < total_q)) && (0 <= ((q0 + (tile0 * tile_tokens)) + condval_11))));
       }
+    }
+  }
+  __syncthreads();
+  if ((((int)blockIdx.z) * 64) < len_k) {
+    if (0 < n_m) {
+      if (((int)threadIdx.x) < 64) {
+        int64_t condval_12;
+        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+          condval_12 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+        } else {
+          condval_12 = (int64_t)0;
+        }
+        int64_t condval_13;
+        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+          condval_13 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+        } else {
+          condval_13 = (int64_t)0;
+        }
+                int condval_14;
+        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
+          condval_14 = ((int*)rtok_s)[((int)threadIdx.x)];
+        } else {
+          condval_14 = 0;
+        }
+        int condval_15;
+        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
+          condval_15 = ((int*)rtok_s)[((int)threadIdx.x)];
+        } else {
+          condval_15 = 0;
+        }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)tile0) * ((int64_t)tile_tokens))) + condval_13)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + (tile0 * tile_tokens)) + condval_14) < total_q)) && (0 <= ((q0 + (tile0 * tile_tokens)) + condval_15))));
+      }
+    }
+    if (0 < n_m) {
+      tl::cp_async_commit();
+    }
+    for (int j = 0; j < n_m; ++j) {
+      if (0 < j) {
+        for (int i_5 = 0; i_5 < 2; ++i_5) {
+          __syncthreads();
+          int condval_16;
+          if ((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
+            condval_16 = ((int*)rtok_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))];
+          } else {
+            condval_16 = 0;
+          }
+          int row_1 = ((q0 + ((tile0 + j) * tile_tokens)) + condval_16);
+          __syncthreads();
+          tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
+          __syncthreads();
+          tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
+        }
+      }
+      __syncthreads();
+      if (0 < j) {
+        if (((int)threadIdx.x) < 64) {
+          int64_t condval_17;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+            condval_17 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+          } else {
+            condval_17 = (int64_t)0;
+          }
+          int64_t condval_18;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+            condval_18 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+          } else {
+            condval_18 = (int64_t)0;
+          }
+                    int condval_19;
+          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
+            condval_19 = ((int*)rtok_s)[((int)threadIdx.x)];
+          } else {
+            condval_19 = 0;
+          }
+          int condval_20;
+          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
+            condval_20 = ((int*)rtok_s)[((int)threadIdx.x)];
+          } else {
+            condval_20 = 0;
+          }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens))) + condval_18)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + ((tile0 + j) * tile_tokens)) + condval_19) < total_q)) && (0 <= ((q0 + ((tile0 + j) * tile_tokens)) + condval_20))));
+        }
+      }
+      __syncthreads();
+      if (0 < j) {
+        if (((int)threadIdx.x) < 64) {
+          int64_t condval_21;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+            condval_21 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+          } else {
+            condval_21 = (int64_t)0;
+          }
+          int64_t condval_22;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+            condval_22 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+          } else {
+            condval_22 = (int64_t)0;
+          }
+                    int condval_23;
+          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
+            condval_23 = ((int*)rtok_s)[((int)threadIdx.x)];
+          } else {
+            condval_23 = 0;
+          }
+          int condval_24;
+          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
+            condval_24 = ((int*)rtok_s)[((int)threadIdx.x)];
+          } else {
+            condval_24 = 0;
+          }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens))) + condval_22)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + ((tile0 + j) * tile_tokens)) + condval_23) < total_q)) && (0 <= ((q0 + ((tile0 + j) * tile_tokens)) + condval_24))));
+        }
+        tl::cp_async_commit();
+      }
+      tl::cp_async_wait<0>();
+      __syncthreads();
+      int t0 = ((tile0 + j) * tile_tokens);
       #pragma unroll
-      for (int i_5 = 0; i_5 < 4; ++i_5) {
-        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_sT + (i_5 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+      for (int i_6 = 0; i_6 < 4; ++i_6) {
+        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_sT + (i_6 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
       }
       {
         half_t A_local[8];
         half_t B_local[16];
-        __syncthreads();
         for (int ki = 0; ki < 4; ++ki) {
           tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
           #pragma unroll
-          for (int i_6 = 0; i_6 < 2; ++i_6) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_6 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_6 * 8)])));
+          for (int i_7 = 0; i_7 < 2; ++i_7) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_7 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
           }
           for (int j_1 = 0; j_1 < 2; ++j_1) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_1 * 8)));
@@ -194,19 +302,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
         }
       }
       #pragma unroll
-      for (int i_7 = 0; i_7 < 16; ++i_7) {
-        float condval_14;
-        if (((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((int*)rowlim_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]) && (((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F))) {
-          condval_14 = exp2f(((acc_sT[i_7] * scale_log2) - ((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))]));
+      for (int i_8 = 0; i_8 < 16; ++i_8) {
+        float condval_25;
+        if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))]) - len_q))))) {
+          condval_25 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
         } else {
-          condval_14 = 0x0p+0f/*0.000000e+00*/;
+          condval_25 = 0x0p+0f/*0.000000e+00*/;
         }
-        acc_sT[i_7] = condval_14;
+        acc_sT[i_8] = condval_25;
       }
       #pragma unroll
-      for (int i_8 = 0; i_8 < 4; ++i_8) {
-        float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dpT + (i_8 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+      for (int i_9 = 0; i_9 < 4; ++i_9) {
+        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dpT + (i_9 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
       }
       {
         half_t A_local_1[8];
@@ -214,8 +322,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
         for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
           tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_9 = 0; i_9 < 2; ++i_9) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)dO_s)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_9 * 8)])));
+          for (int i_10 = 0; i_10 < 2; ++i_10) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
           }
           for (int j_2 = 0; j_2 < 2; ++j_2) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_2 * 8)));
@@ -225,32 +333,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
       }
       __syncthreads();
       #pragma unroll
-      for (int i_10 = 0; i_10 < 8; ++i_10) {
+      for (int i_11 = 0; i_11 < 8; ++i_11) {
         half_t pT_s_local_cast[2];
         uint1 __1;
-        float2 v_ = *(float2*)(acc_sT + (i_10 * 2));
+        float2 v_ = *(float2*)(acc_sT + (i_11 * 2));
         ((half2*)(&__1))[0] = __float22half2_rn(((float2*)(&v_))[0]);
         *(uint1*)(pT_s_local_cast + 0) = __1;
-        *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_10 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_10 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
+        *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
       }
       #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
-        float delta_s_local_cast_2[2];
+      for (int i_12 = 0; i_12 < 8; ++i_12) {
+        float delta_s0_local_cast_2[2];
         half_t dsT_s_local_cast_1[2];
-        *(float2*)(delta_s_local_cast_2 + 0) = *(float2*)(((float*)delta_s) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+        *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_12 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
         uint1 __2;
         float2 __3;
-          float2 v__1 = *(float2*)(acc_sT + (i_11 * 2));
+          float2 v__1 = *(float2*)(acc_sT + (i_12 * 2));
           float2 __4;
-            float2 v__2 = *(float2*)(acc_dpT + (i_11 * 2));
-            float2 v__3 = *(float2*)(delta_s_local_cast_2 + 0);
+            float2 v__2 = *(float2*)(acc_dpT + (i_12 * 2));
+            float2 v__3 = *(float2*)(delta_s0_local_cast_2 + 0);
             __4.x = (v__2.x-v__3.x);
             __4.y = (v__2.y-v__3.y);
           __3.x = (v__1.x*__4.x);
           __3.y = (v__1.y*__4.y);
         ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
         *(uint1*)(dsT_s_local_cast_1 + 0) = __2;
-        *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
+        *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
       }
       {
         half_t A_local_2[8];
@@ -259,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
           tl::ptx_ldmatrix_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
-          for (int i_12 = 0; i_12 < 2; ++i_12) {
-            tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_12) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_12 * 8)])));
+          for (int i_13 = 0; i_13 < 2; ++i_13) {
+            tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_13) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
           }
           for (int j_3 = 0; j_3 < 2; ++j_3) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_3 * 8)));
@@ -274,8 +382,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
           tl::ptx_ldmatrix_x4((&(((half_t*)dsT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
           #pragma unroll
-          for (int i_13 = 0; i_13 < 2; ++i_13) {
-            tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_13) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_13 * 8)])));
+          for (int i_14 = 0; i_14 < 2; ++i_14) {
+            tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_14) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_14 * 8)])));
           }
           for (int j_4 = 0; j_4 < 2; ++j_4) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_4 * 8)));
@@ -283,24 +391,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
           }
         }
       }
+      __syncthreads();
     }
     #pragma unroll
-    for (int i_14 = 0; i_14 < 8; ++i_14) {
-      if (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+    for (int i_15 = 0; i_15 < 8; ++i_15) {
+      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
             uint1 __5;
             float2 __6;
-              float2 v__4 = *(float2*)(acc_dk + (i_14 * 2));
+              float2 v__4 = *(float2*)(acc_dk + (i_15 * 2));
               float2 v__5 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
               __6.x = (v__4.x*v__5.x);
               __6.y = (v__4.y*v__5.y);
             ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
             uint1 __7;
-            float2 v__6 = *(float2*)(acc_dv + (i_14 * 2));
+            float2 v__6 = *(float2*)(acc_dv + (i_15 * 2));
             ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __7;
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __7;
           }
         }
       }
@@ -326,9 +435,9 @@ extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error() {
 extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 50432);
+    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 50176);
     if (result_infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 50432, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 50176, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel));
         return -1;
     }
 
@@ -345,9 +454,9 @@ extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call(half_t* __restric
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_kblocks, batch, heads_k);
+		config.gridDim = dim3(heads_k, batch, max_kblocks);
 		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 50432;
+		config.dynamicSmemBytes = 50176;
 		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, batch, batch_plus_one, causal, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_kernel");

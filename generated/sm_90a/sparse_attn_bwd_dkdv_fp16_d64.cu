@@ -10,6 +10,7 @@
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/barrier.h>
+#include <tl_templates/cuda/copy.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -24,22 +25,28 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_sparse_attn_bwd_dk
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
-  void* delta_s = ((void*)((char*)buf_dyn_shmem + 512));
-  void* lse_s = ((void*)((char*)buf_dyn_shmem + 768));
+  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 512));
+  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 768));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 1024));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 9216));
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 17408));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 25600));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 33792));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 41984));
-  void* flag_s = ((void*)((char*)buf_dyn_shmem + 50176));
-  void* tile_s = ((void*)((char*)buf_dyn_shmem + 52224));
-  void* tmask_s = ((void*)((char*)buf_dyn_shmem + 54272));
-  void* n_mem = ((void*)((char*)buf_dyn_shmem + 56320));
+  void* tok_s = ((void*)((char*)buf_dyn_shmem + 17408));
+  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 50240));
+  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 50496));
+  void* n_mem = ((void*)((char*)buf_dyn_shmem + 50752));
+  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 51200));
+  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 59392));
+  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 67584));
+  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 75776));
+  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 83968));
+  void* pT_s = ((void*)((char*)buf_dyn_shmem + 92160));
+  void* flag_s = ((void*)((char*)buf_dyn_shmem + 100352));
   float acc_dk[8];
   float acc_dv[8];
   int my_mask = 0;
+  int my_cnt = 0;
   int lohi[2];
+  int n_put = 0;
+  int n_toks = 0;
   int n_m = 0;
   float acc_sT[8];
   float acc_dpT[8];
@@ -71,26 +78,26 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_sparse_attn_bwd_dk
     condval_3 = 0;
   }
   int len_k = (condval_3 - k0);
-  if ((((int)blockIdx.x) * 64) < len_k) {
+  if ((((int)blockIdx.z) * 64) < len_k) {
     if (((int)threadIdx.x) < 64) {
       int rmod = (((int)threadIdx.x) % groups);
       int rdiv = (((int)threadIdx.x) / groups);
       ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
       int rmod_1 = (((int)threadIdx.x) % groups);
-      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
+      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
     }
     half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
     uint4 condval_4;
-    if ((((((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0)))) {
-      condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+    if ((((((((int)blockIdx.z) * 64) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((((int)blockIdx.z) * 64) + (((int)threadIdx.x) >> 3)) + k0)))) {
+      condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
     } else {
       condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
     }
     *(uint4*)(((half_t*)K_s) + (((((((int)threadIdx.x) >> 3) * 64) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
     half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
     uint4 condval_5;
-    if ((((((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((((int)blockIdx.x) * 64) + (((int)threadIdx.x) >> 3)) + k0)))) {
-      condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+    if ((((((((int)blockIdx.z) * 64) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((((int)blockIdx.z) * 64) + (((int)threadIdx.x) >> 3)) + k0)))) {
+      condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
     } else {
       condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
     }
@@ -107,271 +114,582 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_sparse_attn_bwd_dk
     }
     int rmod_2 = (((len_q + tile_tokens) - 1) % tile_tokens);
     int rdiv_1 = (((len_q + tile_tokens) - 1) / tile_tokens);
-    int rmod_3 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-    int rdiv_2 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+    int rmod_3 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+    int rdiv_2 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
     for (int chunk = 0; chunk < ((max((((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) - ((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1))), 0) + 511) >> 9); ++chunk) {
       my_mask = 0;
-      int rmod_4 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-      int rdiv_3 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+      my_cnt = 0;
+      int rmod_4 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+      int rdiv_3 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
       int rmod_5 = (((len_q + tile_tokens) - 1) % tile_tokens);
       int rdiv_4 = (((len_q + tile_tokens) - 1) / tile_tokens);
       if ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) + ((int)threadIdx.x)) < ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) {
         for (int t = 0; t < 16; ++t) {
-          int rmod_6 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_5 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+          int rmod_6 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+          int rdiv_5 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
           if ((t < tile_tokens) && ((((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_6)) || ((tile_tokens < 0) && (rmod_6 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t) < len_q)) {
             lohi[0] = 0;
             lohi[1] = topk;
             for (int __1 = 0; __1 < 8; ++__1) {
               if (lohi[0] < lohi[1]) {
-                int rmod_7 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_6 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int rmod_8 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_7 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+                int rmod_7 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rdiv_6 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
+                int rmod_8 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rdiv_7 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
                 int condval_6;
                 if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_7)) || ((tile_tokens < 0) && (rmod_7 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_8)) || ((tile_tokens < 0) && (rmod_8 <= 0))) ? rdiv_7 : (rdiv_7 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-                  int64_t rmod_9 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_8 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  int64_t rmod_10 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_9 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_6 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
+                  int64_t rmod_9 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                  int64_t rdiv_8 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+                  int64_t rmod_10 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                  int64_t rdiv_9 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+                  condval_6 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
                 } else {
                   condval_6 = 0;
                 }
-                int rmod_11 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_10 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int rmod_12 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_11 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+                int rmod_11 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rdiv_10 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
+                int rmod_12 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+                int rdiv_11 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
                 int condval_7;
                 if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_11)) || ((tile_tokens < 0) && (rmod_11 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_12)) || ((tile_tokens < 0) && (rmod_12 <= 0))) ? rdiv_11 : (rdiv_11 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-                  int64_t rmod_13 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_12 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  int64_t rmod_14 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_13 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_7 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rdiv_13 : (rdiv_13 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
+                  int64_t rmod_13 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                  int64_t rdiv_12 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+                  int64_t rmod_14 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+                  int64_t rdiv_13 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+                  condval_7 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rdiv_13 : (rdiv_13 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
                 } else {
                   condval_7 = 0;
                 }
-                if ((0 <= condval_6) && (condval_7 < ((int)blockIdx.x))) {
+                if ((0 <= condval_6) && (condval_7 < ((int)blockIdx.z))) {
                   lohi[0] = (((lohi[0] + lohi[1]) >> 1) + 1);
                 } else {
                   lohi[1] = ((lohi[0] + lohi[1]) >> 1);
                 }
               }
             }
-            int rmod_15 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_14 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-            int rmod_16 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_15 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
+            int rmod_15 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+            int rdiv_14 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
+            int rmod_16 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+            int rdiv_15 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
             int condval_8;
             if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_15)) || ((tile_tokens < 0) && (rmod_15 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_16)) || ((tile_tokens < 0) && (rmod_16 <= 0))) ? rdiv_15 : (rdiv_15 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-              int64_t rmod_17 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_16 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              int64_t rmod_18 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_17 = (max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_18)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_18 <= (int64_t)0))) ? rdiv_17 : (rdiv_17 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
+              int64_t rmod_17 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+              int64_t rdiv_16 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+              int64_t rmod_18 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+              int64_t rdiv_17 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_18)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_18 <= (int64_t)0))) ? rdiv_17 : (rdiv_17 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
             } else {
               condval_8 = 0;
             }
-            if ((lohi[0] < topk) && (condval_8 == ((int)blockIdx.x))) {
+            if ((lohi[0] < topk) && (condval_8 == ((int)blockIdx.z))) {
               my_mask = (my_mask | (1 << t));
+            }
+            int rmod_19 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+            int rdiv_18 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
+            int rmod_20 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+            int rdiv_19 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
+            int condval_9;
+            if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_19)) || ((tile_tokens < 0) && (rmod_19 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_20)) || ((tile_tokens < 0) && (rmod_20 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
+              int64_t rmod_21 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+              int64_t rdiv_20 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+              int64_t rmod_22 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
+              int64_t rdiv_21 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
+              condval_9 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)512) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rdiv_21 : (rdiv_21 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
+            } else {
+              condval_9 = 0;
+            }
+            if ((lohi[0] < topk) && (condval_9 == ((int)blockIdx.z))) {
+              my_cnt = (my_cnt + 1);
             }
           }
         }
       }
-      int condval_9;
-      if ((my_mask != 0)) {
-        condval_9 = 1;
-      } else {
-        condval_9 = 0;
-      }
-      ((int*)flag_s)[((int)threadIdx.x)] = condval_9;
+      ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
       __syncthreads();
       tl::CumSum1D<512, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 512);
       __syncthreads();
-      if (my_mask != 0) {
-        int rmod_19 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) % tile_tokens);
-        int rdiv_18 = (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) / tile_tokens);
-        ((int*)tile_s)[(((int64_t)((int*)flag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_19)) || ((tile_tokens < 0) && (rmod_19 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) + ((int)threadIdx.x));
-      }
+      n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
       __syncthreads();
-      if (my_mask != 0) {
-        ((int*)tmask_s)[(((int64_t)((int*)flag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = my_mask;
+      for (int t_1 = 0; t_1 < 16; ++t_1) {
+        if (((my_mask >> t_1) & 1) == 1) {
+          int rmod_23 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
+          int rdiv_22 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
+          ((int*)tok_s)[n_put] = (((((chunk * 512) + ((((0 <= tile_tokens) && (0 <= rmod_23)) || ((tile_tokens < 0) && (rmod_23 <= 0))) ? rdiv_22 : (rdiv_22 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t_1);
+        }
+        if (((my_mask >> t_1) & 1) == 1) {
+          n_put = (n_put + 1);
+        }
       }
       __syncthreads();
       if (((int)threadIdx.x) == 0) {
         ((int*)n_mem)[0] = ((int*)flag_s)[511];
       }
       __syncthreads();
-      n_m = ((int*)n_mem)[0];
-      for (int m = 0; m < n_m; ++m) {
-        int t0 = (((int*)tile_s)[m] * tile_tokens);
+      n_toks = ((int*)n_mem)[0];
+      int rmod_24 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+      int rdiv_23 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+      n_m = ((((0 <= tile_tokens) && (0 <= rmod_24)) || ((tile_tokens < 0) && (rmod_24 <= 0))) ? rdiv_23 : (rdiv_23 - 1));
+      if (0 < n_m) {
+        int condval_10;
+        if (((((int)threadIdx.x) >> 3) < (min(tile_tokens, n_toks) * groups))) {
+          condval_10 = ((int*)tok_s)[((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]];
+        } else {
+          condval_10 = 0;
+        }
+        int row = (q0 + condval_10);
         __syncthreads();
-        half_t broadcast_var_4 = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_10;
-        if (((((((((int)threadIdx.x) >> 3) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[(((int)threadIdx.x) >> 3)]))) && (((q0 + t0) + ((int*)rtok_s)[(((int)threadIdx.x) >> 3)]) < total_q))) {
-          condval_10 = *(uint4*)(Q + (((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-        } else {
-          condval_10 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
-        }
-        *(uint4*)(((half_t*)Q_s) + (((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_10;
-        half_t broadcast_var_5 = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_11;
-        if (((((((((int)threadIdx.x) >> 3) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[(((int)threadIdx.x) >> 3)]))) && (((q0 + t0) + ((int*)rtok_s)[(((int)threadIdx.x) >> 3)]) < total_q))) {
-          condval_11 = *(uint4*)(dO + (((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((((int64_t)q0) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-        } else {
-          condval_11 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
-        }
-        *(uint4*)(((half_t*)dO_s) + (((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_11;
+        tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 3) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])));
+        __syncthreads();
+        tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 3) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])));
+      }
+      __syncthreads();
+      if (0 < n_m) {
         if (((int)threadIdx.x) < 64) {
-          float condval_12;
-          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-            float condval_13;
-            if (((((0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)])) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
-              condval_13 = LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+          int64_t condval_11;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+            condval_11 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+          } else {
+            condval_11 = (int64_t)0;
+          }
+          int64_t condval_12;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+            condval_12 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+          } else {
+            condval_12 = (int64_t)0;
+          }
+                    int condval_13;
+          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+            condval_13 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+          } else {
+            condval_13 = 0;
+          }
+          int condval_14;
+          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+            condval_14 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+          } else {
+            condval_14 = 0;
+          }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_12)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_13) < total_q)) && (0 <= (q0 + condval_14))));
+        }
+      }
+      __syncthreads();
+      if (0 < n_m) {
+        if (((int)threadIdx.x) < 64) {
+          int64_t condval_15;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+            condval_15 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+          } else {
+            condval_15 = (int64_t)0;
+          }
+          int64_t condval_16;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+            condval_16 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+          } else {
+            condval_16 = (int64_t)0;
+          }
+                    int condval_17;
+          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+            condval_17 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+          } else {
+            condval_17 = 0;
+          }
+          int condval_18;
+          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+            condval_18 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+          } else {
+            condval_18 = 0;
+          }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_16)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_17) < total_q)) && (0 <= (q0 + condval_18))));
+        }
+      }
+      if (0 < n_m) {
+        tl::cp_async_commit();
+      }
+      __syncthreads();
+      for (int m = 0; m < n_m; ++m) {
+        if ((m + 1) < n_m) {
+          if ((m % 2) == 0) {
+            int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
+            int condval_19;
+            if (((((int)threadIdx.x) >> 3) < n_rows)) {
+              condval_19 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]))];
             } else {
-              condval_13 = 0x0p+0f/*0.000000e+00*/;
+              condval_19 = 0;
             }
-            condval_12 = (condval_13 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+            int row_1 = (q0 + condval_19);
+            __syncthreads();
+            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s1)[(((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 3) < n_rows) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])));
+            __syncthreads();
+            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s1)[(((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 3) < n_rows) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])));
+            __syncthreads();
+            if (((int)threadIdx.x) < 64) {
+              int64_t condval_20;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows))) {
+                condval_20 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_20 = (int64_t)0;
+              }
+              int64_t condval_21;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows))) {
+                condval_21 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_21 = (int64_t)0;
+              }
+                            int condval_22;
+              if ((((int)threadIdx.x) < n_rows)) {
+                condval_22 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_22 = 0;
+              }
+              int condval_23;
+              if ((((int)threadIdx.x) < n_rows)) {
+                condval_23 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_23 = 0;
+              }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_21)])), (((((((int)threadIdx.x) < n_rows) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_22) < total_q)) && (0 <= (q0 + condval_23))));
+            }
+            __syncthreads();
+            if (((int)threadIdx.x) < 64) {
+              int64_t condval_24;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows))) {
+                condval_24 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_24 = (int64_t)0;
+              }
+              int64_t condval_25;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows))) {
+                condval_25 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_25 = (int64_t)0;
+              }
+                            int condval_26;
+              if ((((int)threadIdx.x) < n_rows)) {
+                condval_26 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_26 = 0;
+              }
+              int condval_27;
+              if ((((int)threadIdx.x) < n_rows)) {
+                condval_27 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_27 = 0;
+              }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_25)])), (((((((int)threadIdx.x) < n_rows) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_26) < total_q)) && (0 <= (q0 + condval_27))));
+            }
           } else {
-            condval_12 = -CUDART_INF_F;
+            int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
+            int condval_28;
+            if (((((int)threadIdx.x) >> 3) < n_rows_1)) {
+              condval_28 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]))];
+            } else {
+              condval_28 = 0;
+            }
+            int row_2 = (q0 + condval_28);
+            __syncthreads();
+            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 3) < n_rows_1) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])));
+            __syncthreads();
+            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((((int)threadIdx.x) & 7) >> 1) * 1024) + ((((int)threadIdx.x) >> 3) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)3)]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 3) < n_rows_1) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[(((int)threadIdx.x) >> 3)] < heads)) && (0 <= ((int*)rhead_s)[(((int)threadIdx.x) >> 3)])));
+            __syncthreads();
+            if (((int)threadIdx.x) < 64) {
+              int64_t condval_29;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows_1))) {
+                condval_29 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_29 = (int64_t)0;
+              }
+              int64_t condval_30;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows_1))) {
+                condval_30 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_30 = (int64_t)0;
+              }
+                            int condval_31;
+              if ((((int)threadIdx.x) < n_rows_1)) {
+                condval_31 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_31 = 0;
+              }
+              int condval_32;
+              if ((((int)threadIdx.x) < n_rows_1)) {
+                condval_32 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_32 = 0;
+              }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_30)])), (((((((int)threadIdx.x) < n_rows_1) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_31) < total_q)) && (0 <= (q0 + condval_32))));
+            }
+            __syncthreads();
+            if (((int)threadIdx.x) < 64) {
+              int64_t condval_33;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows_1))) {
+                condval_33 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_33 = (int64_t)0;
+              }
+              int64_t condval_34;
+              if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows_1))) {
+                condval_34 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_34 = (int64_t)0;
+              }
+                            int condval_35;
+              if ((((int)threadIdx.x) < n_rows_1)) {
+                condval_35 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_35 = 0;
+              }
+              int condval_36;
+              if ((((int)threadIdx.x) < n_rows_1)) {
+                condval_36 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_36 = 0;
+              }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_34)])), (((((((int)threadIdx.x) < n_rows_1) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_35) < total_q)) && (0 <= (q0 + condval_36))));
+            }
           }
-          ((float*)lse_s)[((int)threadIdx.x)] = condval_12;
-          float condval_14;
-          if ((((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (0 <= ((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]))) && (((q0 + t0) + ((int*)rtok_s)[((int)threadIdx.x)]) < total_q)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((int*)rhead_s)[((int)threadIdx.x)] < heads))) {
-            condval_14 = Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-          } else {
-            condval_14 = 0x0p+0f/*0.000000e+00*/;
-          }
-          ((float*)delta_s)[((int)threadIdx.x)] = condval_14;
-        }
-        #pragma unroll
-        for (int i_2 = 0; i_2 < 2; ++i_2) {
-          float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_sT + (i_2 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
-        }
-        {
-          tl::GmmaDescriptor desc_a;
-          tl::GmmaDescriptor desc_b;
+          tl::cp_async_commit();
+          tl::cp_async_wait<1>();
           __syncthreads();
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)K_s)[0])));
-          tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b, (&(((half_t*)Q_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki = 0; ki < 4; ++ki) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + (((ki * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
-        }
-        #pragma unroll
-        for (int i_3 = 0; i_3 < 8; ++i_3) {
-          float condval_15;
-          if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))] != -CUDART_INF_F)) && (((((int*)tmask_s)[m] >> ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))]) & 1) == 1)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_3 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))]) - len_q)))) {
-            condval_15 = exp2f(((acc_sT[i_3] * scale_log2) - ((float*)lse_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))]));
-          } else {
-            condval_15 = 0x0p+0f/*0.000000e+00*/;
-          }
-          acc_sT[i_3] = condval_15;
-        }
-        #pragma unroll
-        for (int i_4 = 0; i_4 < 2; ++i_4) {
-          float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_4 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
-        }
-        {
-          tl::GmmaDescriptor desc_a_1;
-          tl::GmmaDescriptor desc_b_1;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)V_s)[0])));
-          tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b_1, (&(((half_t*)dO_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
-          tl::warpgroup_arrive();
-          #pragma unroll
-          for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + (((ki_1 * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+        } else {
+          tl::cp_async_wait<0>();
         }
         __syncthreads();
-        tl::ptx_stmatrix_m8n8_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((half_t)acc_sT[0]), ((half_t)acc_sT[1])), __pack_half2(((half_t)acc_sT[2]), ((half_t)acc_sT[3])), __pack_half2(((half_t)acc_sT[4]), ((half_t)acc_sT[5])), __pack_half2(((half_t)acc_sT[6]), ((half_t)acc_sT[7])));
+        int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+        if ((m % 2) == 0) {
+          #pragma unroll
+          for (int i_2 = 0; i_2 < 2; ++i_2) {
+            float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_sT + (i_2 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+          }
+          {
+            tl::GmmaDescriptor desc_a;
+            tl::GmmaDescriptor desc_b;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)K_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b, (&(((half_t*)Q_s0)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+            tl::warpgroup_arrive();
+            tl::fence_proxy_async();
+            #pragma unroll
+            for (int ki = 0; ki < 4; ++ki) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + (((ki * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+          }
+          #pragma unroll
+          for (int i_3 = 0; i_3 < 8; ++i_3) {
+            float condval_37;
+            if (((((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) < n_rows_2) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_3 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16) + ((((int64_t)i_3) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_3) & (int64_t)1))]))]) - len_q)))) {
+              condval_37 = exp2f(((acc_sT[i_3] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            } else {
+              condval_37 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_sT[i_3] = condval_37;
+          }
+          #pragma unroll
+          for (int i_4 = 0; i_4 < 2; ++i_4) {
+            float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_dpT + (i_4 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+          }
+          {
+            tl::GmmaDescriptor desc_a_1;
+            tl::GmmaDescriptor desc_b_1;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)V_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b_1, (&(((half_t*)dO_s0)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+            tl::warpgroup_arrive();
+            #pragma unroll
+            for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + (((ki_1 * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+          }
+          __syncthreads();
+          tl::ptx_stmatrix_m8n8_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((half_t)acc_sT[0]), ((half_t)acc_sT[1])), __pack_half2(((half_t)acc_sT[2]), ((half_t)acc_sT[3])), __pack_half2(((half_t)acc_sT[4]), ((half_t)acc_sT[5])), __pack_half2(((half_t)acc_sT[6]), ((half_t)acc_sT[7])));
+          __syncthreads();
+          #pragma unroll
+          for (int i_5 = 0; i_5 < 4; ++i_5) {
+            float delta_s0_local_cast_1[2];
+            half_t dsT_s_local_cast[2];
+            *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            uint1 __2;
+            float2 __3;
+              float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
+              float2 __4;
+                float2 v__1 = *(float2*)(acc_dpT + (i_5 * 2));
+                float2 v__2 = *(float2*)(delta_s0_local_cast_1 + 0);
+                __4.x = (v__1.x-v__2.x);
+                __4.y = (v__1.y-v__2.y);
+              __3.x = (v_.x*__4.x);
+              __3.y = (v_.y*__4.y);
+            ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
+            *(uint1*)(dsT_s_local_cast + 0) = __2;
+            __syncthreads();
+            *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_5 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_5 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
+          }
+          {
+            tl::GmmaDescriptor desc_a_2;
+            tl::GmmaDescriptor desc_b_2;
+            __syncthreads();
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((half_t*)pT_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_2, (&(((half_t*)dO_s0)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
+            tl::warpgroup_arrive();
+            tl::fence_proxy_async();
+            #pragma unroll
+            for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_2 * 512)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
+          }
+          {
+            tl::GmmaDescriptor desc_a_3;
+            tl::GmmaDescriptor desc_b_3;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((half_t*)dsT_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_3, (&(((half_t*)Q_s0)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
+            tl::warpgroup_arrive();
+            #pragma unroll
+            for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((ki_3 * 32) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_3 * 512)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
+          }
+        } else {
+          #pragma unroll
+          for (int i_6 = 0; i_6 < 2; ++i_6) {
+            float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_sT + (i_6 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+          }
+          {
+            tl::GmmaDescriptor desc_a_4;
+            tl::GmmaDescriptor desc_b_4;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_4, (&(((half_t*)K_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b_4, (&(((half_t*)Q_s1)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+            tl::warpgroup_arrive();
+            tl::fence_proxy_async();
+            #pragma unroll
+            for (int ki_4 = 0; ki_4 < 4; ++ki_4) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + (((ki_4 * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+          }
+          #pragma unroll
+          for (int i_7 = 0; i_7 < 8; ++i_7) {
+            float condval_38;
+            if (((((((((((int)threadIdx.x) >> 7) * 16) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) < n_rows_2) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16) + ((((int64_t)i_7) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_7) & (int64_t)1))]))]) - len_q)))) {
+              condval_38 = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            } else {
+              condval_38 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_sT[i_7] = condval_38;
+          }
+          #pragma unroll
+          for (int i_8 = 0; i_8 < 2; ++i_8) {
+            float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_dpT + (i_8 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+          }
+          {
+            tl::GmmaDescriptor desc_a_5;
+            tl::GmmaDescriptor desc_b_5;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_5, (&(((half_t*)V_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 1, 16>(desc_b_5, (&(((half_t*)dO_s1)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+            tl::warpgroup_arrive();
+            #pragma unroll
+            for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_5 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + (((ki_5 * 2048) + ((((int)threadIdx.x) >> 7) * 512)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+          }
+          __syncthreads();
+          tl::ptx_stmatrix_m8n8_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((half_t)acc_sT[0]), ((half_t)acc_sT[1])), __pack_half2(((half_t)acc_sT[2]), ((half_t)acc_sT[3])), __pack_half2(((half_t)acc_sT[4]), ((half_t)acc_sT[5])), __pack_half2(((half_t)acc_sT[6]), ((half_t)acc_sT[7])));
+          __syncthreads();
+          #pragma unroll
+          for (int i_9 = 0; i_9 < 4; ++i_9) {
+            float delta_s1_local_cast_3[2];
+            half_t dsT_s_local_cast_2[2];
+            *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            uint1 __5;
+            float2 __6;
+              float2 v__3 = *(float2*)(acc_sT + (i_9 * 2));
+              float2 __7;
+                float2 v__4 = *(float2*)(acc_dpT + (i_9 * 2));
+                float2 v__5 = *(float2*)(delta_s1_local_cast_3 + 0);
+                __7.x = (v__4.x-v__5.x);
+                __7.y = (v__4.y-v__5.y);
+              __6.x = (v__3.x*__7.x);
+              __6.y = (v__3.y*__7.y);
+            ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
+            *(uint1*)(dsT_s_local_cast_2 + 0) = __5;
+            *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_9 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_9 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
+          }
+          {
+            tl::GmmaDescriptor desc_a_6;
+            tl::GmmaDescriptor desc_b_6;
+            __syncthreads();
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_6, (&(((half_t*)pT_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_6, (&(((half_t*)dO_s1)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
+            tl::warpgroup_arrive();
+            tl::fence_proxy_async();
+            #pragma unroll
+            for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_6 + ((ki_6 * 32) >> 4)), uint64_t(desc_b_6 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_6 * 512)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
+          }
+          {
+            tl::GmmaDescriptor desc_a_7;
+            tl::GmmaDescriptor desc_b_7;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_7, (&(((half_t*)dsT_s)[0])));
+            tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_7, (&(((half_t*)Q_s1)[0])));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
+            tl::warpgroup_arrive();
+            #pragma unroll
+            for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
+              tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_7 + ((ki_7 * 32) >> 4)), uint64_t(desc_b_7 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_7 * 512)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_wait<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
+          }
+        }
         __syncthreads();
-        #pragma unroll
-        for (int i_5 = 0; i_5 < 4; ++i_5) {
-          float delta_s_local_cast_1[2];
-          half_t dsT_s_local_cast[2];
-          *(float2*)(delta_s_local_cast_1 + 0) = *(float2*)(((float*)delta_s) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __2;
-          float2 __3;
-            float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
-            float2 __4;
-              float2 v__1 = *(float2*)(acc_dpT + (i_5 * 2));
-              float2 v__2 = *(float2*)(delta_s_local_cast_1 + 0);
-              __4.x = (v__1.x-v__2.x);
-              __4.y = (v__1.y-v__2.y);
-            __3.x = (v_.x*__4.x);
-            __3.y = (v_.y*__4.y);
-          ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
-          *(uint1*)(dsT_s_local_cast + 0) = __2;
-          __syncthreads();
-          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_5 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_5 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
-        }
-        {
-          tl::GmmaDescriptor desc_a_2;
-          tl::GmmaDescriptor desc_b_2;
-          __syncthreads();
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((half_t*)pT_s)[0])));
-          tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_2, (&(((half_t*)dO_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_2 * 512)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 8);
-        }
-        {
-          tl::GmmaDescriptor desc_a_3;
-          tl::GmmaDescriptor desc_b_3;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((half_t*)dsT_s)[0])));
-          tl::initialize_wgmma_descriptor<3, 128, 16>(desc_b_3, (&(((half_t*)Q_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
-          tl::warpgroup_arrive();
-          #pragma unroll
-          for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 16, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((ki_3 * 32) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 2048) + (ki_3 * 512)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 8);
-        }
       }
       __syncthreads();
     }
     #pragma unroll
-    for (int i_6 = 0; i_6 < 4; ++i_6) {
-      if (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_6 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_6 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_6 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __5;
-            float2 __6;
-              float2 v__3 = *(float2*)(acc_dk + (i_6 * 2));
-              float2 v__4 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __6.x = (v__3.x*v__4.x);
-              __6.y = (v__3.y*v__4.y);
-            ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_6) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_6) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
-            uint1 __7;
-            float2 v__5 = *(float2*)(acc_dv + (i_6 * 2));
-            ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&v__5))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_6) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_6) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __7;
+    for (int i_10 = 0; i_10 < 4; ++i_10) {
+      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+            uint1 __8;
+            float2 __9;
+              float2 v__6 = *(float2*)(acc_dk + (i_10 * 2));
+              float2 v__7 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __9.x = (v__6.x*v__7.x);
+              __9.y = (v__6.y*v__7.y);
+            ((half2*)(&__8))[0] = __float22half2_rn(((float2*)(&__9))[0]);
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __8;
+            uint1 __10;
+            float2 v__8 = *(float2*)(acc_dv + (i_10 * 2));
+            ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&v__8))[0]);
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
           }
         }
       }
@@ -397,9 +715,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error()
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 56336);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 102400);
     if (result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 56336, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 102400, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel));
         return -1;
     }
 
@@ -416,9 +734,9 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(half_t* __restr
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_kblocks, batch, heads_k);
+		config.gridDim = dim3(heads_k, batch, max_kblocks);
 		config.blockDim = dim3(512, 1, 1);
-		config.dynamicSmemBytes = 56336;
+		config.dynamicSmemBytes = 102400;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_kernel");
