@@ -14,7 +14,7 @@
 
 namespace infllmv2 {
 
-// The largest grid y and z dimension (batch, KV heads, sparse_attn_bwd's key blocks).
+// The largest grid y and z dimension (batch, KV heads, the backward dK/dV kernels' key blocks).
 constexpr int kMaxGridYZ = 65535;
 
 // Records the message for infllmv2_last_error() and returns the status, so that wrappers
