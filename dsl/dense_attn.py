@@ -45,7 +45,14 @@ VARIANTS = [
 
 
 def pass_configs(kernel, dtype, head_dim, arch):
-    return {}
+    # Warp specialisation (TileLang's default on sm_90a) gives the forward and dQ kernels a TMA
+    # producer warpgroup and 240 registers per consumer thread, so one block fills an SM and
+    # the softmax never overlaps another block's GEMMs. Without it (as sparse_attn) two or
+    # three blocks share an SM: measured on an H100 at 4K x 8, G = 16, the forward went from
+    # 5.36 to 3.50 ms and dQ from 7.45 to 6.01 ms. bwd_dkdv loads by hand and is not affected.
+    from tilelang import PassConfigKey
+
+    return {PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True} if kernel in ("fwd", "bwd_dq") else {}
 
 
 def unit_constants(kernel, dtype, head_dim, arch):
@@ -58,11 +65,10 @@ def variant_name(kernel, dtype, head_dim):
     return f"{OP}_{kernel}_{short}_d{head_dim}"
 
 
-def _stages(arch):
-    # sm_80/sm_89: TileLang 0.1.15 aborts codegen when it pipelines a run-time trip count
-    # (see ../shared/TILELANG.md); sm_90a pipelines through TMA and mbarriers (warp
-    # specialisation, on by default there).
-    return 2 if arch.startswith("sm_90") else 1
+# Without warp specialisation TileLang 0.1.15 aborts codegen when it pipelines a run-time trip
+# count with more than one stage (see ../shared/TILELANG.md), on every arch; one stage still
+# issues the next K/V loads before the current block's GEMMs.
+STAGES = 1
 
 
 def program(kernel, dtype, head_dim, arch):
@@ -78,13 +84,19 @@ def _dyn():
 def _row_limits(rowlim, n_rows, groups, p0, len_k, causal):
     """rowlim[r]: the last key row r may see (-1: none; rows past the tile's tokens see none).
 
-    rowlim lives in shared memory, written before the key loop by all threads: as a fragment,
-    warp specialisation (TileLang 0.1.15) moves its computation into the consumer branch but
-    declares len_k only in the producer's, which does not compile."""
+    rowlim lives in shared memory, written before the key loop by all threads. (It had to: as a
+    fragment under warp specialisation, which these kernels no longer use, TileLang 0.1.15 did
+    not compile it. A fragment has not been measured since.)"""
     for r in T.Parallel(BLOCK_M):
         rowlim[r] = T.if_then_else(
             r < n_rows, T.if_then_else(causal != 0, T.min(p0 + r // groups, len_k - 1), len_k - 1), -1
         )
+
+
+def _unmasked(blk, p0, len_k, causal):
+    """Whether key block blk is wholly visible to every row of a tile whose first token sits at
+    p0: such blocks (all but the last few of a causal row) skip the per-element mask."""
+    return (blk + 1) * BLOCK_N <= T.if_then_else(causal != 0, T.min(p0 + 1, len_k), len_k)
 
 
 def _n_key_blocks(p_last, len_k, causal):
@@ -148,11 +160,14 @@ def _fwd(dtype, D, arch):
                 T.fill(acc_o, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, NEG_INF)
-                for blk in T.Pipelined(_n_key_blocks(p0 + n_tok - 1, len_k, causal), num_stages=_stages(arch)):
+                for blk in T.Pipelined(_n_key_blocks(p0 + n_tok - 1, len_k, causal), num_stages=STAGES):
                     T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
                     T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
-                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                        acc_s[r, c] = T.if_then_else(blk * BLOCK_N + c <= rowlim[r], 0, NEG_INF)
+                    if _unmasked(blk, p0, len_k, causal):
+                        T.clear(acc_s)
+                    else:
+                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                            acc_s[r, c] = T.if_then_else(blk * BLOCK_N + c <= rowlim[r], 0, NEG_INF)
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m_cur, m_prev)
                     T.reduce_max(acc_s, m_cur, dim=1, clear=False)
@@ -245,17 +260,23 @@ def _bwd_dq(dtype, D, arch):
                     delta_r[r] = T.if_then_else(r < n_rows, Delta[hk * groups + r % groups, q0 + t0 + r // groups], 0)
                 _row_limits(rowlim, n_rows, groups, p0, len_k, causal)
                 T.fill(acc_dq, 0)
-                for blk in T.Pipelined(_n_key_blocks(p0 + n_tok - 1, len_k, causal), num_stages=_stages(arch)):
+                for blk in T.Pipelined(_n_key_blocks(p0 + n_tok - 1, len_k, causal), num_stages=STAGES):
                     T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
                     T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
                     T.clear(acc_s)
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                        acc_s[r, c] = T.if_then_else(
-                            blk * BLOCK_N + c <= rowlim[r] and lse_r[r] != NEG_INF,
-                            T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
-                            0,
-                        )
+                    if _unmasked(blk, p0, len_k, causal):
+                        # every row of the tile sees this block, so its LSE is finite (rows past
+                        # the tile's tokens get garbage here, confined to rows never written)
+                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                            acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse_r[r])
+                    else:
+                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                            acc_s[r, c] = T.if_then_else(
+                                blk * BLOCK_N + c <= rowlim[r] and lse_r[r] != NEG_INF,
+                                T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
+                                0,
+                            )
                     T.clear(acc_dp)
                     T.gemm(dO_s, V_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     for r, c in T.Parallel(BLOCK_M, BLOCK_N):
@@ -315,15 +336,21 @@ def _bwd_dkdv(dtype, D, arch):
                 acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
         T.clear(acc_sT)
         T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
-            acc_sT[c, r] = T.if_then_else(
-                r < n_rows
-                and lse_s[r] != NEG_INF
-                and kb * BLOCK_N + c < len_k
-                and (causal == 0 or kb * BLOCK_N + c <= shift + t0 + rtok_s[r]),
-                T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
-                0,
-            )
+        if n_rows == BLOCK_M and (kb + 1) * BLOCK_N <= len_k and (causal == 0 or (kb + 1) * BLOCK_N <= shift + t0 + 1):
+            # a full tile whose first token sees the whole key block: no mask, and every row's
+            # LSE is finite
+            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E)
+        else:
+            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+                acc_sT[c, r] = T.if_then_else(
+                    r < n_rows
+                    and lse_s[r] != NEG_INF
+                    and kb * BLOCK_N + c < len_k
+                    and (causal == 0 or kb * BLOCK_N + c <= shift + t0 + rtok_s[r]),
+                    T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
+                    0,
+                )
         T.clear(acc_dpT)
         T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.copy(acc_sT, pT_s)

@@ -187,6 +187,14 @@ def _make_tile_union(topk, threads, T_MAX):
     return tile_union
 
 
+def _whole_block(umask, n_tok, blk, p0):
+    """Whether every token of a tile (the first at position p0) picked block blk and sees all of
+    it: such blocks (most of a tile's union when neighbouring tokens' selections agree) skip the
+    per-element mask. Rows past the tile's tokens then get unmasked scores, confined to rows
+    that are never written. (T.And: outside a prim_func body Python's `and` would drop a term.)"""
+    return T.And(umask == (1 << n_tok) - 1, (blk + 1) * BLOCK_N <= p0 + 1)
+
+
 def _dyn():
     return dict(
         total_q=T.dynamic("total_q"),
@@ -277,11 +285,14 @@ def _fwd(dtype, D, arch):
                     blk = ublk_s[it]
                     T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
                     T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
-                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                        # rows past the tile's tokens have rtok 31, a token bit no mask sets (T <= 16)
-                        acc_s[r, c] = T.if_then_else(
-                            ((umask_s[it] >> rtok[r]) & 1) == 1 and blk * BLOCK_N + c <= p0 + rtok[r], 0, NEG_INF
-                        )
+                    if _whole_block(umask_s[it], n_tok, blk, p0):
+                        T.clear(acc_s)
+                    else:
+                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                            # rows past the tile's tokens have rtok 31, a token bit no mask sets (T <= 16)
+                            acc_s[r, c] = T.if_then_else(
+                                ((umask_s[it] >> rtok[r]) & 1) == 1 and blk * BLOCK_N + c <= p0 + rtok[r], 0, NEG_INF
+                            )
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m_cur, m_prev)
                     T.reduce_max(acc_s, m_cur, dim=1, clear=False)
@@ -427,14 +438,19 @@ def _bwd_dq(dtype, D, arch):
                     T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
                     T.clear(acc_s)
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                        acc_s[r, c] = T.if_then_else(
-                            lse_r[r] != NEG_INF
-                            and ((umask_s[it] >> rtok[r]) & 1) == 1
-                            and blk * BLOCK_N + c <= p0 + rtok[r],
-                            T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
-                            0,
-                        )
+                    if _whole_block(umask_s[it], n_tok, blk, p0):
+                        # every token picked and sees the block, so its rows' LSEs are finite
+                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                            acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse_r[r])
+                    else:
+                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                            acc_s[r, c] = T.if_then_else(
+                                lse_r[r] != NEG_INF
+                                and ((umask_s[it] >> rtok[r]) & 1) == 1
+                                and blk * BLOCK_N + c <= p0 + rtok[r],
+                                T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
+                                0,
+                            )
                     T.clear(acc_dp)
                     T.gemm(dO_s, V_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     for r, c in T.Parallel(BLOCK_M, BLOCK_N):
@@ -508,14 +524,20 @@ def _bwd_dkdv(dtype, D, arch):
                 acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
         T.clear(acc_sT)
         T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
-            acc_sT[c, r] = T.if_then_else(
-                r < n_rows
-                and lse_s[r] != NEG_INF
-                and kb * BLOCK_N + c <= shift + tok_s[base + rtok_s[r]],
-                T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
-                0,
-            )
+        if n_rows == BLOCK_M and (kb + 1) * BLOCK_N <= shift + tok_s[base] + 1:
+            # a full group whose first (earliest) token sees the whole key block: no mask, and
+            # every row's LSE is finite
+            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E)
+        else:
+            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+                acc_sT[c, r] = T.if_then_else(
+                    r < n_rows
+                    and lse_s[r] != NEG_INF
+                    and kb * BLOCK_N + c <= shift + tok_s[base + rtok_s[r]],
+                    T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
+                    0,
+                )
         T.clear(acc_dpT)
         T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.copy(acc_sT, pT_s)

@@ -441,7 +441,7 @@ static const infllmv2_dense_attn_bwd_dq_unit infllmv2_dense_attn_bwd_dq_units[] 
   {"dense_attn_bwd_dq_bf16_d128", "sm_89", 89, 73984, 128, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_bf16_d128", "sm_90a", 90, 106752, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dq_bf16_d128", "sm_90a", 90, 74752, 128, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq_bf16_d64", "sm_80", 80, 41216, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_last_error},
@@ -450,7 +450,7 @@ static const infllmv2_dense_attn_bwd_dq_unit infllmv2_dense_attn_bwd_dq_units[] 
   {"dense_attn_bwd_dq_bf16_d64", "sm_89", 89, 41216, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_bf16_d64", "sm_90a", 90, 57600, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dq_bf16_d64", "sm_90a", 90, 41984, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq_fp16_d128", "sm_80", 80, 73984, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_last_error},
@@ -459,7 +459,7 @@ static const infllmv2_dense_attn_bwd_dq_unit infllmv2_dense_attn_bwd_dq_units[] 
   {"dense_attn_bwd_dq_fp16_d128", "sm_89", 89, 73984, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_fp16_d128", "sm_90a", 90, 106752, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dq_fp16_d128", "sm_90a", 90, 74752, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq_fp16_d64", "sm_80", 80, 41216, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_last_error},
@@ -468,7 +468,7 @@ static const infllmv2_dense_attn_bwd_dq_unit infllmv2_dense_attn_bwd_dq_units[] 
   {"dense_attn_bwd_dq_fp16_d64", "sm_89", 89, 41216, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_fp16_d64", "sm_90a", 90, 57600, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dq_fp16_d64", "sm_90a", 90, 41984, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -550,7 +550,7 @@ static const infllmv2_dense_attn_fwd_unit infllmv2_dense_attn_fwd_units[] = {
   {"dense_attn_fwd_bf16_d128", "sm_89", 89, 49408, 128, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm89_init, infllmv2_dense_attn_fwd_bf16_d128_sm89_call, infllmv2_dense_attn_fwd_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_bf16_d128", "sm_90a", 90, 82176, 256, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm90a_init, infllmv2_dense_attn_fwd_bf16_d128_sm90a_call, infllmv2_dense_attn_fwd_bf16_d128_sm90a_last_error},
+  {"dense_attn_fwd_bf16_d128", "sm_90a", 90, 50176, 128, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm90a_init, infllmv2_dense_attn_fwd_bf16_d128_sm90a_call, infllmv2_dense_attn_fwd_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_fwd_bf16_d64", "sm_80", 80, 24832, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm80_init, infllmv2_dense_attn_fwd_bf16_d64_sm80_call, infllmv2_dense_attn_fwd_bf16_d64_sm80_last_error},
@@ -559,7 +559,7 @@ static const infllmv2_dense_attn_fwd_unit infllmv2_dense_attn_fwd_units[] = {
   {"dense_attn_fwd_bf16_d64", "sm_89", 89, 24832, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm89_init, infllmv2_dense_attn_fwd_bf16_d64_sm89_call, infllmv2_dense_attn_fwd_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_bf16_d64", "sm_90a", 90, 41216, 256, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm90a_init, infllmv2_dense_attn_fwd_bf16_d64_sm90a_call, infllmv2_dense_attn_fwd_bf16_d64_sm90a_last_error},
+  {"dense_attn_fwd_bf16_d64", "sm_90a", 90, 25600, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm90a_init, infllmv2_dense_attn_fwd_bf16_d64_sm90a_call, infllmv2_dense_attn_fwd_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_fwd_fp16_d128", "sm_80", 80, 49408, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm80_init, infllmv2_dense_attn_fwd_fp16_d128_sm80_call, infllmv2_dense_attn_fwd_fp16_d128_sm80_last_error},
@@ -568,7 +568,7 @@ static const infllmv2_dense_attn_fwd_unit infllmv2_dense_attn_fwd_units[] = {
   {"dense_attn_fwd_fp16_d128", "sm_89", 89, 49408, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm89_init, infllmv2_dense_attn_fwd_fp16_d128_sm89_call, infllmv2_dense_attn_fwd_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_fp16_d128", "sm_90a", 90, 82176, 256, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm90a_init, infllmv2_dense_attn_fwd_fp16_d128_sm90a_call, infllmv2_dense_attn_fwd_fp16_d128_sm90a_last_error},
+  {"dense_attn_fwd_fp16_d128", "sm_90a", 90, 50176, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm90a_init, infllmv2_dense_attn_fwd_fp16_d128_sm90a_call, infllmv2_dense_attn_fwd_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_fwd_fp16_d64", "sm_80", 80, 24832, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm80_init, infllmv2_dense_attn_fwd_fp16_d64_sm80_call, infllmv2_dense_attn_fwd_fp16_d64_sm80_last_error},
@@ -577,7 +577,7 @@ static const infllmv2_dense_attn_fwd_unit infllmv2_dense_attn_fwd_units[] = {
   {"dense_attn_fwd_fp16_d64", "sm_89", 89, 24832, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm89_init, infllmv2_dense_attn_fwd_fp16_d64_sm89_call, infllmv2_dense_attn_fwd_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_fp16_d64", "sm_90a", 90, 41216, 256, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm90a_init, infllmv2_dense_attn_fwd_fp16_d64_sm90a_call, infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error},
+  {"dense_attn_fwd_fp16_d64", "sm_90a", 90, 25600, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm90a_init, infllmv2_dense_attn_fwd_fp16_d64_sm90a_call, infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1418,7 +1418,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_89", 73984, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_90a", 106752, 256},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_90a", 74752, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_80", 41216, 128},
@@ -1427,7 +1427,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_89", 41216, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_90a", 57600, 256},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_90a", 41984, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_80", 73984, 128},
@@ -1436,7 +1436,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_89", 73984, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_90a", 106752, 256},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_90a", 74752, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_80", 41216, 128},
@@ -1445,7 +1445,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_89", 41216, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_90a", 57600, 256},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_90a", 41984, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_80", 49408, 128},
@@ -1454,7 +1454,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_89", 49408, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_90a", 82176, 256},
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_90a", 50176, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_80", 24832, 128},
@@ -1463,7 +1463,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_89", 24832, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_90a", 41216, 256},
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_90a", 25600, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_80", 49408, 128},
@@ -1472,7 +1472,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_89", 49408, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_90a", 82176, 256},
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_90a", 50176, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_80", 24832, 128},
@@ -1481,7 +1481,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_89", 24832, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_90a", 41216, 256},
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_90a", 25600, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"group_scores", "group_scores_bf16_d128", "sm_80", 69696, 128},

@@ -223,20 +223,45 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
           }
         }
       }
-      #pragma unroll
-      for (int i_7 = 0; i_7 < 32; ++i_7) {
-        float condval_13;
-        if (((((((blk * 64) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))]) && (lse_r[((i_7 & 3) >> 1)] != -CUDART_INF_F))) {
-          condval_13 = exp2f(((acc_s[i_7] * scale_log2) - lse_r[((i_7 & 3) >> 1)]));
-        } else {
-          condval_13 = 0x0p+0f/*0.000000e+00*/;
+      int condval_13;
+      if ((causal != 0)) {
+        condval_13 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
+      } else {
+        condval_13 = len_k;
+      }
+      if (((blk * 64) + 64) <= condval_13) {
+        #pragma unroll
+        for (int i_7 = 0; i_7 < 16; ++i_7) {
+          float2 __1;
+          float2 __2;
+            float2 __3;
+              float2 v_ = *(float2*)(acc_s + (i_7 * 2));
+              float2 v__1 = make_float2(scale_log2, scale_log2);
+              __3.x = (v_.x*v__1.x);
+              __3.y = (v_.y*v__1.y);
+            float2 v__2 = make_float2(lse_r[(i_7 & 1)], lse_r[(i_7 & 1)]);
+            __2.x = (__3.x-v__2.x);
+            __2.y = (__3.y-v__2.y);
+          __1.x = exp2f(__2.x);
+          __1.y = exp2f(__2.y);
+          *(float2*)(acc_s + (i_7 * 2)) = __1;
         }
-        acc_s[i_7] = condval_13;
+      } else {
+        #pragma unroll
+        for (int i_8 = 0; i_8 < 32; ++i_8) {
+          float condval_14;
+          if (((((((blk * 64) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))]) && (lse_r[((i_8 & 3) >> 1)] != -CUDART_INF_F))) {
+            condval_14 = exp2f(((acc_s[i_8] * scale_log2) - lse_r[((i_8 & 3) >> 1)]));
+          } else {
+            condval_14 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_s[i_8] = condval_14;
+        }
       }
       #pragma unroll
-      for (int i_8 = 0; i_8 < 8; ++i_8) {
+      for (int i_9 = 0; i_9 < 8; ++i_9) {
         float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_8 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+        *(float4*)(acc_dp + (i_9 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -246,8 +271,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
         for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[(((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_9 = 0; i_9 < 4; ++i_9) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_1 >> 2) * 4096) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_9 * 8)])));
+          for (int i_10 = 0; i_10 < 4; ++i_10) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_1 >> 2) * 4096) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
           }
           for (int j_1 = 0; j_1 < 4; ++j_1) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -257,27 +282,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
       }
       __syncthreads();
       #pragma unroll
-      for (int i_10 = 0; i_10 < 8; ++i_10) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_10 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_10) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((blk * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && ((((((blk * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_11 = 0; i_11 < 8; ++i_11) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_11) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && ((((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
       __syncthreads();
       #pragma unroll
-      for (int i_11 = 0; i_11 < 16; ++i_11) {
+      for (int i_12 = 0; i_12 < 16; ++i_12) {
         bfloat16_t dS_s_local_cast[2];
-        uint1 __1;
-        float2 __2;
-          float2 v_ = *(float2*)(acc_s + (i_11 * 2));
-          float2 __3;
-            float2 v__1 = *(float2*)(acc_dp + (i_11 * 2));
-            float2 v__2 = make_float2(delta_r[(i_11 & 1)], delta_r[(i_11 & 1)]);
-            __3.x = (v__1.x-v__2.x);
-            __3.y = (v__1.y-v__2.y);
-          __2.x = (v_.x*__3.x);
-          __2.y = (v_.y*__3.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&__2))[0]);
-        *(uint1*)(dS_s_local_cast + 0) = __1;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_11 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_11 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
+        uint1 __4;
+        float2 __5;
+          float2 v__3 = *(float2*)(acc_s + (i_12 * 2));
+          float2 __6;
+            float2 v__4 = *(float2*)(acc_dp + (i_12 * 2));
+            float2 v__5 = make_float2(delta_r[(i_12 & 1)], delta_r[(i_12 & 1)]);
+            __6.x = (v__4.x-v__5.x);
+            __6.y = (v__4.y-v__5.y);
+          __5.x = (v__3.x*__6.x);
+          __5.y = (v__3.y*__6.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
+        *(uint1*)(dS_s_local_cast + 0) = __4;
+        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_12 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_12 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
       }
       {
         bfloat16_t A_local_2[8];
@@ -286,8 +311,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dS_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
-          for (int i_12 = 0; i_12 < 8; ++i_12) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_12 >> 2) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_12 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_12 * 8)])));
+          for (int i_13 = 0; i_13 < 8; ++i_13) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_13 >> 2) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
           }
           for (int j_2 = 0; j_2 < 8; ++j_2) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -297,26 +322,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
       }
       __syncthreads();
       #pragma unroll
-      for (int i_13 = 0; i_13 < 8; ++i_13) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_13 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_13) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((blk * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && ((((((blk * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_14 = 0; i_14 < 8; ++i_14) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && ((((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
     }
-    int condval_14;
-    if ((causal != 0)) {
-      condval_14 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_14 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_14) {
-      #pragma unroll
-      for (int i_14 = 0; i_14 < 8; ++i_14) {
-        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_14 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
-      }
-    }
-    tl::cp_async_wait<0>();
-    __syncthreads();
     int condval_15;
     if ((causal != 0)) {
       condval_15 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
@@ -324,14 +334,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
       condval_15 = ((len_k + 63) >> 6);
     }
     if (1 <= condval_15) {
+      #pragma unroll
+      for (int i_15 = 0; i_15 < 8; ++i_15) {
+        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_s + (i_15 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+      }
+    }
+    tl::cp_async_wait<0>();
+    __syncthreads();
+    int condval_16;
+    if ((causal != 0)) {
+      condval_16 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+    } else {
+      condval_16 = ((len_k + 63) >> 6);
+    }
+    if (1 <= condval_16) {
       {
         bfloat16_t A_local_3[8];
         bfloat16_t B_local_3[32];
         for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((ki_3 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
           #pragma unroll
-          for (int i_15 = 0; i_15 < 4; ++i_15) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki_3 >> 2) * 4096) + (i_15 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
+          for (int i_16 = 0; i_16 < 4; ++i_16) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki_3 >> 2) * 4096) + (i_16 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_16 * 8)])));
           }
           for (int j_3 = 0; j_3 < 4; ++j_3) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
@@ -339,45 +364,76 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
           }
         }
       }
-      #pragma unroll
-      for (int i_16 = 0; i_16 < 32; ++i_16) {
-        int condval_17;
-        if ((causal != 0)) {
-          condval_17 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-        } else {
-          condval_17 = ((len_k + 63) >> 6);
+      int condval_17;
+      if ((causal != 0)) {
+        condval_17 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      } else {
+        condval_17 = ((len_k + 63) >> 6);
+      }
+      int condval_18;
+      if ((causal != 0)) {
+        condval_18 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
+      } else {
+        condval_18 = len_k;
+      }
+      if ((condval_17 * 64) <= condval_18) {
+        #pragma unroll
+        for (int i_17 = 0; i_17 < 16; ++i_17) {
+          float2 __7;
+          float2 __8;
+            float2 __9;
+              float2 v__6 = *(float2*)(acc_s + (i_17 * 2));
+              float2 v__7 = make_float2(scale_log2, scale_log2);
+              __9.x = (v__6.x*v__7.x);
+              __9.y = (v__6.y*v__7.y);
+            float2 v__8 = make_float2(lse_r[(i_17 & 1)], lse_r[(i_17 & 1)]);
+            __8.x = (__9.x-v__8.x);
+            __8.y = (__9.y-v__8.y);
+          __7.x = exp2f(__8.x);
+          __7.y = exp2f(__8.y);
+          *(float2*)(acc_s + (i_17 * 2)) = __7;
         }
-        float condval_16;
-        if (((((((condval_17 * 64) + ((i_16 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_16 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_16 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64)) && (lse_r[((i_16 & 3) >> 1)] != -CUDART_INF_F))) {
-          condval_16 = exp2f(((acc_s[i_16] * scale_log2) - lse_r[((i_16 & 3) >> 1)]));
-        } else {
-          condval_16 = 0x0p+0f/*0.000000e+00*/;
+      } else {
+        #pragma unroll
+        for (int i_18 = 0; i_18 < 32; ++i_18) {
+          int condval_20;
+          if ((causal != 0)) {
+            condval_20 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+          } else {
+            condval_20 = ((len_k + 63) >> 6);
+          }
+          float condval_19;
+          if (((((((condval_20 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_18 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64)) && (lse_r[((i_18 & 3) >> 1)] != -CUDART_INF_F))) {
+            condval_19 = exp2f(((acc_s[i_18] * scale_log2) - lse_r[((i_18 & 3) >> 1)]));
+          } else {
+            condval_19 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_s[i_18] = condval_19;
         }
-        acc_s[i_16] = condval_16;
       }
       #pragma unroll
-      for (int i_17 = 0; i_17 < 8; ++i_17) {
+      for (int i_19 = 0; i_19 < 8; ++i_19) {
         float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_17 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+        *(float4*)(acc_dp + (i_19 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
       }
     }
     tl::cp_async_wait<1>();
     __syncthreads();
-    int condval_18;
+    int condval_21;
     if ((causal != 0)) {
-      condval_18 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      condval_21 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
     } else {
-      condval_18 = ((len_k + 63) >> 6);
+      condval_21 = ((len_k + 63) >> 6);
     }
-    if (1 <= condval_18) {
+    if (1 <= condval_21) {
       {
         bfloat16_t A_local_4[8];
         bfloat16_t B_local_4[32];
         for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[(((((((ki_4 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_4[0])));
           #pragma unroll
-          for (int i_18 = 0; i_18 < 4; ++i_18) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_4 >> 2) * 4096) + (i_18 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_18 * 8)])));
+          for (int i_20 = 0; i_20 < 4; ++i_20) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_4 >> 2) * 4096) + (i_20 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_20 * 8)])));
           }
           for (int j_4 = 0; j_4 < 4; ++j_4) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_4 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_4 * 8)));
@@ -387,47 +443,47 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
       }
     }
     __syncthreads();
-    int condval_19;
+    int condval_22;
     if ((causal != 0)) {
-      condval_19 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      condval_22 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
     } else {
-      condval_19 = ((len_k + 63) >> 6);
+      condval_22 = ((len_k + 63) >> 6);
     }
-    if (1 <= condval_19) {
+    if (1 <= condval_22) {
       #pragma unroll
-      for (int i_19 = 0; i_19 < 16; ++i_19) {
+      for (int i_21 = 0; i_21 < 16; ++i_21) {
         bfloat16_t dS_s_local_cast_1[2];
-        uint1 __4;
-        float2 __5;
-          float2 v__3 = *(float2*)(acc_s + (i_19 * 2));
-          float2 __6;
-            float2 v__4 = *(float2*)(acc_dp + (i_19 * 2));
-            float2 v__5 = make_float2(delta_r[(i_19 & 1)], delta_r[(i_19 & 1)]);
-            __6.x = (v__4.x-v__5.x);
-            __6.y = (v__4.y-v__5.y);
-          __5.x = (v__3.x*__6.x);
-          __5.y = (v__3.y*__6.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_s_local_cast_1 + 0) = __4;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_19 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_19 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_19 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_19 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
+        uint1 __10;
+        float2 __11;
+          float2 v__9 = *(float2*)(acc_s + (i_21 * 2));
+          float2 __12;
+            float2 v__10 = *(float2*)(acc_dp + (i_21 * 2));
+            float2 v__11 = make_float2(delta_r[(i_21 & 1)], delta_r[(i_21 & 1)]);
+            __12.x = (v__10.x-v__11.x);
+            __12.y = (v__10.y-v__11.y);
+          __11.x = (v__9.x*__12.x);
+          __11.y = (v__9.y*__12.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
+        *(uint1*)(dS_s_local_cast_1 + 0) = __10;
+        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_21 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_21 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_21 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_21 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
       }
     }
     __syncthreads();
-    int condval_20;
+    int condval_23;
     if ((causal != 0)) {
-      condval_20 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      condval_23 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
     } else {
-      condval_20 = ((len_k + 63) >> 6);
+      condval_23 = ((len_k + 63) >> 6);
     }
-    if (1 <= condval_20) {
+    if (1 <= condval_23) {
       {
         bfloat16_t A_local_5[8];
         bfloat16_t B_local_5[64];
         for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dS_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_5 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_5 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_5[0])));
           #pragma unroll
-          for (int i_20 = 0; i_20 < 8; ++i_20) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_20 >> 2) * 4096) + (ki_5 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_20 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_20 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_20 * 8)])));
+          for (int i_22 = 0; i_22 < 8; ++i_22) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_22 >> 2) * 4096) + (ki_5 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_22 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_22 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_22 * 8)])));
           }
           for (int j_5 = 0; j_5 < 8; ++j_5) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_5 + 0), reinterpret_cast<const unsigned*>(B_local_5 + (j_5 * 8)));
@@ -437,34 +493,34 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
       }
     }
     #pragma unroll
-    for (int i_21 = 0; i_21 < 32; ++i_21) {
+    for (int i_23 = 0; i_23 < 32; ++i_23) {
       bfloat16_t dQ_local_cast_2[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        uint1 __7;
-        float2 __8;
-          float2 v__6 = *(float2*)(acc_dq + (i_21 * 2));
-          float2 v__7 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-          __8.x = (v__6.x*v__7.x);
-          __8.y = (v__6.y*v__7.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__7))[0] = __float22bfloat162_rn(((float2*)(&__8))[0]);
-        *(uint1*)(dQ_local_cast_2 + 0) = __7;
-        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+        uint1 __13;
+        float2 __14;
+          float2 v__12 = *(float2*)(acc_dq + (i_23 * 2));
+          float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+          __14.x = (v__12.x*v__13.x);
+          __14.y = (v__12.y*v__13.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
+        *(uint1*)(dQ_local_cast_2 + 0) = __13;
+        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
           if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_21) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
               }
             }
           }

@@ -301,20 +301,44 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
         }
       }
-      #pragma unroll
-      for (int i_8 = 0; i_8 < 16; ++i_8) {
-        float condval_25;
-        if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))]) - len_q))))) {
-          condval_25 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-        } else {
-          condval_25 = 0x0p+0f/*0.000000e+00*/;
+      if ((((min(tile_tokens, (len_q - t0)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0) - len_q)))) {
+        #pragma unroll
+        for (int i_8 = 0; i_8 < 8; ++i_8) {
+          float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+          float2 __1;
+          float2 __2;
+            float2 __3;
+              float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
+              float2 v__1 = make_float2(scale_log2, scale_log2);
+              __3.x = (v_.x*v__1.x);
+              __3.y = (v_.y*v__1.y);
+            float2 __4;
+              float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+              float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
+              __4.x = (v__2.x*v__3.x);
+              __4.y = (v__2.y*v__3.y);
+            __2.x = (__3.x-__4.x);
+            __2.y = (__3.y-__4.y);
+          __1.x = exp2f(__2.x);
+          __1.y = exp2f(__2.y);
+          *(float2*)(acc_sT + (i_8 * 2)) = __1;
         }
-        acc_sT[i_8] = condval_25;
+      } else {
+        #pragma unroll
+        for (int i_9 = 0; i_9 < 16; ++i_9) {
+          float condval_25;
+          if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
+            condval_25 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+          } else {
+            condval_25 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_sT[i_9] = condval_25;
+        }
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 4; ++i_9) {
-        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dpT + (i_9 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+      for (int i_10 = 0; i_10 < 4; ++i_10) {
+        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
       }
       {
         half_t A_local_1[8];
@@ -322,8 +346,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
           tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_10 = 0; i_10 < 2; ++i_10) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
+          for (int i_11 = 0; i_11 < 2; ++i_11) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_11 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_11 * 8)])));
           }
           for (int j_2 = 0; j_2 < 2; ++j_2) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_2 * 8)));
@@ -333,32 +357,32 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       }
       __syncthreads();
       #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
+      for (int i_12 = 0; i_12 < 8; ++i_12) {
         half_t pT_s_local_cast[2];
-        uint1 __1;
-        float2 v_ = *(float2*)(acc_sT + (i_11 * 2));
-        ((half2*)(&__1))[0] = __float22half2_rn(((float2*)(&v_))[0]);
-        *(uint1*)(pT_s_local_cast + 0) = __1;
-        *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
+        uint1 __5;
+        float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
+        ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
+        *(uint1*)(pT_s_local_cast + 0) = __5;
+        *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
       }
       #pragma unroll
-      for (int i_12 = 0; i_12 < 8; ++i_12) {
+      for (int i_13 = 0; i_13 < 8; ++i_13) {
         float delta_s0_local_cast_2[2];
         half_t dsT_s_local_cast_1[2];
-        *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_12 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-        uint1 __2;
-        float2 __3;
-          float2 v__1 = *(float2*)(acc_sT + (i_12 * 2));
-          float2 __4;
-            float2 v__2 = *(float2*)(acc_dpT + (i_12 * 2));
-            float2 v__3 = *(float2*)(delta_s0_local_cast_2 + 0);
-            __4.x = (v__2.x-v__3.x);
-            __4.y = (v__2.y-v__3.y);
-          __3.x = (v__1.x*__4.x);
-          __3.y = (v__1.y*__4.y);
-        ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
-        *(uint1*)(dsT_s_local_cast_1 + 0) = __2;
-        *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
+        *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+        uint1 __6;
+        float2 __7;
+          float2 v__5 = *(float2*)(acc_sT + (i_13 * 2));
+          float2 __8;
+            float2 v__6 = *(float2*)(acc_dpT + (i_13 * 2));
+            float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
+            __8.x = (v__6.x-v__7.x);
+            __8.y = (v__6.y-v__7.y);
+          __7.x = (v__5.x*__8.x);
+          __7.y = (v__5.y*__8.y);
+        ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
+        *(uint1*)(dsT_s_local_cast_1 + 0) = __6;
+        *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
       }
       {
         half_t A_local_2[8];
@@ -367,8 +391,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
           tl::ptx_ldmatrix_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
-          for (int i_13 = 0; i_13 < 2; ++i_13) {
-            tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_13) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
+          for (int i_14 = 0; i_14 < 2; ++i_14) {
+            tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_14) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
           }
           for (int j_3 = 0; j_3 < 2; ++j_3) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_3 * 8)));
@@ -382,8 +406,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
           tl::ptx_ldmatrix_x4((&(((half_t*)dsT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
           #pragma unroll
-          for (int i_14 = 0; i_14 < 2; ++i_14) {
-            tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_14) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_14 * 8)])));
+          for (int i_15 = 0; i_15 < 2; ++i_15) {
+            tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_15) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
           }
           for (int j_4 = 0; j_4 < 2; ++j_4) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_4 * 8)));
@@ -394,22 +418,22 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       __syncthreads();
     }
     #pragma unroll
-    for (int i_15 = 0; i_15 < 8; ++i_15) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __5;
-            float2 __6;
-              float2 v__4 = *(float2*)(acc_dk + (i_15 * 2));
-              float2 v__5 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __6.x = (v__4.x*v__5.x);
-              __6.y = (v__4.y*v__5.y);
-            ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
-            uint1 __7;
-            float2 v__6 = *(float2*)(acc_dv + (i_15 * 2));
-            ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __7;
+    for (int i_16 = 0; i_16 < 8; ++i_16) {
+      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+            uint1 __9;
+            float2 __10;
+              float2 v__8 = *(float2*)(acc_dk + (i_16 * 2));
+              float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __10.x = (v__8.x*v__9.x);
+              __10.y = (v__8.y*v__9.y);
+            ((half2*)(&__9))[0] = __float22half2_rn(((float2*)(&__10))[0]);
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+            uint1 __11;
+            float2 v__10 = *(float2*)(acc_dv + (i_16 * 2));
+            ((half2*)(&__11))[0] = __float22half2_rn(((float2*)(&v__10))[0]);
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __11;
           }
         }
       }

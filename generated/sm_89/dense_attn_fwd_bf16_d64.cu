@@ -143,15 +143,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
     }
     for (int blk = 0; blk < (condval_8 - 1); ++blk) {
       __syncthreads();
-      #pragma unroll
-      for (int i_4 = 0; i_4 < 32; ++i_4) {
-        float condval_9;
-        if ((((((blk * 64) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_4 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))])) {
-          condval_9 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_9 = -CUDART_INF_F;
+      int condval_9;
+      if ((causal != 0)) {
+        condval_9 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
+      } else {
+        condval_9 = len_k;
+      }
+      if (((blk * 64) + 64) <= condval_9) {
+        #pragma unroll
+        for (int i_4 = 0; i_4 < 8; ++i_4) {
+          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_4 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
         }
-        acc_s[i_4] = condval_9;
+      } else {
+        #pragma unroll
+        for (int i_5 = 0; i_5 < 32; ++i_5) {
+          float condval_10;
+          if ((((((blk * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))])) {
+            condval_10 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_10 = -CUDART_INF_F;
+          }
+          acc_s[i_5] = condval_10;
+        }
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -161,8 +175,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
         for (int ki = 0; ki < 4; ++ki) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
           #pragma unroll
-          for (int i_5 = 0; i_5 < 4; ++i_5) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((i_5 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
+          for (int i_6 = 0; i_6 < 4; ++i_6) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((i_6 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_6 * 8)])));
           }
           for (int j = 0; j < 4; ++j) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
@@ -172,39 +186,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
       }
       __syncthreads();
       #pragma unroll
-      for (int i_6 = 0; i_6 < 4; ++i_6) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[(((((i_6 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_6) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_7 = 0; i_7 < 4; ++i_7) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[(((((i_7 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_7) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
-      for (int i_7 = 0; i_7 < 2; ++i_7) {
-        m_cur_clear[i_7] = -CUDART_INF_F;
+      for (int i_8 = 0; i_8 < 2; ++i_8) {
+        m_cur_clear[i_8] = -CUDART_INF_F;
         #pragma unroll
         for (int rv = 0; rv < 16; ++rv) {
-          m_cur_clear[i_7] = max(m_cur_clear[i_7], acc_s[((((rv & 7) * 4) + (i_7 * 2)) + (rv >> 3))]);
+          m_cur_clear[i_8] = max(m_cur_clear[i_8], acc_s[((((rv & 7) * 4) + (i_8 * 2)) + (rv >> 3))]);
         }
-        m_cur_clear[i_7] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_7]);
-        m_cur[i_7] = max(m_cur[i_7], m_cur_clear[i_7]);
+        m_cur_clear[i_8] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_8]);
+        m_cur[i_8] = max(m_cur[i_8], m_cur_clear[i_8]);
       }
       #pragma unroll
-      for (int i_8 = 0; i_8 < 2; ++i_8) {
-        float condval_10;
-        if ((m_cur[i_8] == -CUDART_INF_F)) {
-          condval_10 = 0x0p+0f/*0.000000e+00*/;
+      for (int i_9 = 0; i_9 < 2; ++i_9) {
+        float condval_11;
+        if ((m_cur[i_9] == -CUDART_INF_F)) {
+          condval_11 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_10 = m_cur[i_8];
+          condval_11 = m_cur[i_9];
         }
-        m_safe[i_8] = condval_10;
-        r_scale[i_8] = exp2f(((m_prev[i_8] - m_safe[i_8]) * scale_log2));
+        m_safe[i_9] = condval_11;
+        r_scale[i_9] = exp2f(((m_prev[i_9] - m_safe[i_9]) * scale_log2));
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 16; ++i_9) {
+      for (int i_10 = 0; i_10 < 16; ++i_10) {
         float2 __1;
         float2 __2;
           float2 __3;
-            float2 v_ = *(float2*)(acc_s + (i_9 * 2));
-            float2 v__1 = make_float2(m_safe[(i_9 & 1)], m_safe[(i_9 & 1)]);
+            float2 v_ = *(float2*)(acc_s + (i_10 * 2));
+            float2 v__1 = make_float2(m_safe[(i_10 & 1)], m_safe[(i_10 & 1)]);
             __3.x = (v_.x-v__1.x);
             __3.y = (v_.y-v__1.y);
           float2 v__2 = make_float2(scale_log2, scale_log2);
@@ -212,16 +226,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
           __2.y = (__3.y*v__2.y);
         __1.x = exp2f(__2.x);
         __1.y = exp2f(__2.y);
-        *(float2*)(acc_s + (i_9 * 2)) = __1;
+        *(float2*)(acc_s + (i_10 * 2)) = __1;
       }
       #pragma unroll
-      for (int i_10 = 0; i_10 < 2; ++i_10) {
-        r_sum[i_10] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_11 = 0; i_11 < 2; ++i_11) {
+        r_sum[i_11] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-          r_sum[i_10] = (r_sum[i_10] + acc_s[((((rv_1 & 7) * 4) + (i_10 * 2)) + (rv_1 >> 3))]);
+          r_sum[i_11] = (r_sum[i_11] + acc_s[((((rv_1 & 7) * 4) + (i_11 * 2)) + (rv_1 >> 3))]);
         }
-        r_sum[i_10] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_10]);
+        r_sum[i_11] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_11]);
       }
       float2 __4;
         float2 __5;
@@ -234,21 +248,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
         __4.y = (__5.y+v__5.y);
       *(float2*)(l_sum + 0) = __4;
       #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
+      for (int i_12 = 0; i_12 < 8; ++i_12) {
         uint2 __6;
-        float4 v__6 = *(float4*)(acc_s + (i_11 * 4));
+        float4 v__6 = *(float4*)(acc_s + (i_12 * 4));
         (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__6))[1] = __float22bfloat162_rn(((float2*)(&v__6))[1]);
-        *(uint2*)(acc_s_cast + (i_11 * 4)) = __6;
+        *(uint2*)(acc_s_cast + (i_12 * 4)) = __6;
       }
       #pragma unroll
-      for (int i_12 = 0; i_12 < 16; ++i_12) {
+      for (int i_13 = 0; i_13 < 16; ++i_13) {
         float2 __7;
-          float2 v__7 = *(float2*)(acc_o + (i_12 * 2));
-          float2 v__8 = make_float2(r_scale[(i_12 & 1)], r_scale[(i_12 & 1)]);
+          float2 v__7 = *(float2*)(acc_o + (i_13 * 2));
+          float2 v__8 = make_float2(r_scale[(i_13 & 1)], r_scale[(i_13 & 1)]);
           __7.x = (v__7.x*v__8.x);
           __7.y = (v__7.y*v__8.y);
-        *(float2*)(acc_o + (i_12 * 2)) = __7;
+        *(float2*)(acc_o + (i_13 * 2)) = __7;
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -256,8 +270,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
         bfloat16_t B_local_1[32];
         for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
           #pragma unroll
-          for (int i_13 = 0; i_13 < 4; ++i_13) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)V_s)[(((((ki_1 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_13 * 8)])));
+          for (int i_14 = 0; i_14 < 4; ++i_14) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)V_s)[(((((ki_1 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_14 * 8)])));
           }
           for (int j_1 = 0; j_1 < 4; ++j_1) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_o + (j_1 * 8)), reinterpret_cast<const unsigned*>(acc_s_cast + (ki_1 * 8)), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -267,53 +281,73 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
       }
       __syncthreads();
       #pragma unroll
-      for (int i_14 = 0; i_14 < 4; ++i_14) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[(((((i_14 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_14) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_15 = 0; i_15 < 4; ++i_15) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[(((((i_15 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_15) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
     }
     __syncthreads();
-    int condval_11;
+    int condval_12;
     if ((causal != 0)) {
-      condval_11 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      condval_12 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
     } else {
-      condval_11 = ((len_k + 63) >> 6);
+      condval_12 = ((len_k + 63) >> 6);
     }
-    if (1 <= condval_11) {
-      #pragma unroll
-      for (int i_15 = 0; i_15 < 32; ++i_15) {
-        int condval_13;
-        if ((causal != 0)) {
-          condval_13 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-        } else {
-          condval_13 = ((len_k + 63) >> 6);
+    if (1 <= condval_12) {
+      int condval_13;
+      if ((causal != 0)) {
+        condval_13 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      } else {
+        condval_13 = ((len_k + 63) >> 6);
+      }
+      int condval_14;
+      if ((causal != 0)) {
+        condval_14 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
+      } else {
+        condval_14 = len_k;
+      }
+      if ((condval_13 * 64) <= condval_14) {
+        #pragma unroll
+        for (int i_16 = 0; i_16 < 8; ++i_16) {
+          float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_16 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
         }
-        float condval_12;
-        if ((((((condval_13 * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64))) {
-          condval_12 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_12 = -CUDART_INF_F;
+      } else {
+        #pragma unroll
+        for (int i_17 = 0; i_17 < 32; ++i_17) {
+          int condval_16;
+          if ((causal != 0)) {
+            condval_16 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+          } else {
+            condval_16 = ((len_k + 63) >> 6);
+          }
+          float condval_15;
+          if ((((((condval_16 * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_17 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64))) {
+            condval_15 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_15 = -CUDART_INF_F;
+          }
+          acc_s[i_17] = condval_15;
         }
-        acc_s[i_15] = condval_12;
       }
     }
     tl::cp_async_wait<1>();
     __syncthreads();
-    int condval_14;
+    int condval_17;
     if ((causal != 0)) {
-      condval_14 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      condval_17 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
     } else {
-      condval_14 = ((len_k + 63) >> 6);
+      condval_17 = ((len_k + 63) >> 6);
     }
-    if (1 <= condval_14) {
+    if (1 <= condval_17) {
       {
         bfloat16_t A_local_1[8];
         bfloat16_t B_local_2[32];
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_16 = 0; i_16 < 4; ++i_16) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((i_16 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_16 * 8)])));
+          for (int i_18 = 0; i_18 < 4; ++i_18) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((i_18 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_18 * 8)])));
           }
           for (int j_2 = 0; j_2 < 4; ++j_2) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -323,33 +357,33 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
       }
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
-      for (int i_17 = 0; i_17 < 2; ++i_17) {
-        m_cur_clear_1[i_17] = -CUDART_INF_F;
+      for (int i_19 = 0; i_19 < 2; ++i_19) {
+        m_cur_clear_1[i_19] = -CUDART_INF_F;
         #pragma unroll
         for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-          m_cur_clear_1[i_17] = max(m_cur_clear_1[i_17], acc_s[((((rv_2 & 7) * 4) + (i_17 * 2)) + (rv_2 >> 3))]);
+          m_cur_clear_1[i_19] = max(m_cur_clear_1[i_19], acc_s[((((rv_2 & 7) * 4) + (i_19 * 2)) + (rv_2 >> 3))]);
         }
-        m_cur_clear_1[i_17] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_17]);
-        m_cur[i_17] = max(m_cur[i_17], m_cur_clear_1[i_17]);
+        m_cur_clear_1[i_19] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_19]);
+        m_cur[i_19] = max(m_cur[i_19], m_cur_clear_1[i_19]);
       }
       #pragma unroll
-      for (int i_18 = 0; i_18 < 2; ++i_18) {
-        float condval_15;
-        if ((m_cur[i_18] == -CUDART_INF_F)) {
-          condval_15 = 0x0p+0f/*0.000000e+00*/;
+      for (int i_20 = 0; i_20 < 2; ++i_20) {
+        float condval_18;
+        if ((m_cur[i_20] == -CUDART_INF_F)) {
+          condval_18 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_15 = m_cur[i_18];
+          condval_18 = m_cur[i_20];
         }
-        m_safe[i_18] = condval_15;
-        r_scale[i_18] = exp2f(((m_prev[i_18] - m_safe[i_18]) * scale_log2));
+        m_safe[i_20] = condval_18;
+        r_scale[i_20] = exp2f(((m_prev[i_20] - m_safe[i_20]) * scale_log2));
       }
       #pragma unroll
-      for (int i_19 = 0; i_19 < 16; ++i_19) {
+      for (int i_21 = 0; i_21 < 16; ++i_21) {
         float2 __8;
         float2 __9;
           float2 __10;
-            float2 v__9 = *(float2*)(acc_s + (i_19 * 2));
-            float2 v__10 = make_float2(m_safe[(i_19 & 1)], m_safe[(i_19 & 1)]);
+            float2 v__9 = *(float2*)(acc_s + (i_21 * 2));
+            float2 v__10 = make_float2(m_safe[(i_21 & 1)], m_safe[(i_21 & 1)]);
             __10.x = (v__9.x-v__10.x);
             __10.y = (v__9.y-v__10.y);
           float2 v__11 = make_float2(scale_log2, scale_log2);
@@ -357,16 +391,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
           __9.y = (__10.y*v__11.y);
         __8.x = exp2f(__9.x);
         __8.y = exp2f(__9.y);
-        *(float2*)(acc_s + (i_19 * 2)) = __8;
+        *(float2*)(acc_s + (i_21 * 2)) = __8;
       }
       #pragma unroll
-      for (int i_20 = 0; i_20 < 2; ++i_20) {
-        r_sum[i_20] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_22 = 0; i_22 < 2; ++i_22) {
+        r_sum[i_22] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-          r_sum[i_20] = (r_sum[i_20] + acc_s[((((rv_3 & 7) * 4) + (i_20 * 2)) + (rv_3 >> 3))]);
+          r_sum[i_22] = (r_sum[i_22] + acc_s[((((rv_3 & 7) * 4) + (i_22 * 2)) + (rv_3 >> 3))]);
         }
-        r_sum[i_20] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_20]);
+        r_sum[i_22] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_22]);
       }
       float2 __11;
         float2 __12;
@@ -379,38 +413,38 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
         __11.y = (__12.y+v__14.y);
       *(float2*)(l_sum + 0) = __11;
       #pragma unroll
-      for (int i_21 = 0; i_21 < 8; ++i_21) {
+      for (int i_23 = 0; i_23 < 8; ++i_23) {
         uint2 __13;
-        float4 v__15 = *(float4*)(acc_s + (i_21 * 4));
+        float4 v__15 = *(float4*)(acc_s + (i_23 * 4));
         (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__15))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_21 * 4)) = __13;
+        *(uint2*)(acc_s_cast + (i_23 * 4)) = __13;
       }
       #pragma unroll
-      for (int i_22 = 0; i_22 < 16; ++i_22) {
+      for (int i_24 = 0; i_24 < 16; ++i_24) {
         float2 __14;
-          float2 v__16 = *(float2*)(acc_o + (i_22 * 2));
-          float2 v__17 = make_float2(r_scale[(i_22 & 1)], r_scale[(i_22 & 1)]);
+          float2 v__16 = *(float2*)(acc_o + (i_24 * 2));
+          float2 v__17 = make_float2(r_scale[(i_24 & 1)], r_scale[(i_24 & 1)]);
           __14.x = (v__16.x*v__17.x);
           __14.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_22 * 2)) = __14;
+        *(float2*)(acc_o + (i_24 * 2)) = __14;
       }
     }
     tl::cp_async_wait<0>();
     __syncthreads();
-    int condval_16;
+    int condval_19;
     if ((causal != 0)) {
-      condval_16 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+      condval_19 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
     } else {
-      condval_16 = ((len_k + 63) >> 6);
+      condval_19 = ((len_k + 63) >> 6);
     }
-    if (1 <= condval_16) {
+    if (1 <= condval_19) {
       {
         bfloat16_t B_local_3[32];
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
           #pragma unroll
-          for (int i_23 = 0; i_23 < 4; ++i_23) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)V_s)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_23 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_23 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_23 * 8)])));
+          for (int i_25 = 0; i_25 < 4; ++i_25) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)V_s)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_25 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_25 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_25 * 8)])));
           }
           for (int j_3 = 0; j_3 < 4; ++j_3) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_o + (j_3 * 8)), reinterpret_cast<const unsigned*>(acc_s_cast + (ki_3 * 8)), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
@@ -420,41 +454,41 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
       }
     }
     #pragma unroll
-    for (int i_24 = 0; i_24 < 16; ++i_24) {
+    for (int i_26 = 0; i_26 < 16; ++i_26) {
       bfloat16_t O_local_cast[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_24 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
         uint1 __15;
-        float2 condval_17;
-        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_24 & 1)])) {
+        float2 condval_20;
+        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_26 & 1)])) {
           float2 __16;
-            float2 v__18 = *(float2*)(acc_o + (i_24 * 2));
-            float2 v__19 = make_float2(l_sum[(i_24 & 1)], l_sum[(i_24 & 1)]);
+            float2 v__18 = *(float2*)(acc_o + (i_26 * 2));
+            float2 v__19 = make_float2(l_sum[(i_26 & 1)], l_sum[(i_26 & 1)]);
             __16.x = (v__18.x/v__19.x);
             __16.y = (v__18.y/v__19.y);
-          condval_17 = __16;
+          condval_20 = __16;
         } else {
-          condval_17 = make_float2(broadcast_var_4, broadcast_var_4);
+          condval_20 = make_float2(broadcast_var_6, broadcast_var_6);
         }
-        (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&condval_17))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&condval_20))[0]);
         *(uint1*)(O_local_cast + 0) = __15;
-        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_24 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_24 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
           if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_24 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_24 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_24 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_24 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_24) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_24) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_24) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_24) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_24) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_24) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_24) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
+                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
               }
             }
           }
@@ -463,31 +497,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_bf1
     }
     if ((((int)threadIdx.x) % 4) == 0) {
       #pragma unroll
-      for (int i_25 = 0; i_25 < 2; ++i_25) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_25 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_25 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_25 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      for (int i_27 = 0; i_27 < 2; ++i_27) {
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_25 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_25 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_25 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_25 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
-                  float condval_18;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_25])) {
-                    condval_18 = (((m_cur[i_25] * scale_log2) + log2f(l_sum[i_25])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  float condval_21;
+                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_27])) {
+                    condval_21 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_18 = -CUDART_INF_F;
+                    condval_21 = -CUDART_INF_F;
                   }
-                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_25) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_25) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_25) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_25) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_25) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_25) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_18;
+                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_21;
                 }
               }
             }

@@ -409,20 +409,44 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             }
           }
         }
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 16; ++i_8) {
-          float condval_28;
-          if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_8) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_8) & (int64_t)1))]))]) - len_q)))) {
-            condval_28 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-          } else {
-            condval_28 = 0x0p+0f/*0.000000e+00*/;
+        if ((n_rows == 64) && (((((int)blockIdx.z) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+          #pragma unroll
+          for (int i_8 = 0; i_8 < 8; ++i_8) {
+            float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+            float2 __2;
+            float2 __3;
+              float2 __4;
+                float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
+                float2 v__1 = make_float2(scale_log2, scale_log2);
+                __4.x = (v_.x*v__1.x);
+                __4.y = (v_.y*v__1.y);
+              float2 __5;
+                float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
+                __5.x = (v__2.x*v__3.x);
+                __5.y = (v__2.y*v__3.y);
+              __3.x = (__4.x-__5.x);
+              __3.y = (__4.y-__5.y);
+            __2.x = exp2f(__3.x);
+            __2.y = exp2f(__3.y);
+            *(float2*)(acc_sT + (i_8 * 2)) = __2;
           }
-          acc_sT[i_8] = condval_28;
+        } else {
+          #pragma unroll
+          for (int i_9 = 0; i_9 < 16; ++i_9) {
+            float condval_28;
+            if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+              condval_28 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            } else {
+              condval_28 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_sT[i_9] = condval_28;
+          }
         }
         #pragma unroll
-        for (int i_9 = 0; i_9 < 4; ++i_9) {
-          float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_9 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+        for (int i_10 = 0; i_10 < 4; ++i_10) {
+          float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
         }
         {
           bfloat16_t A_local_1[8];
@@ -430,8 +454,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
             tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[(((((((ki_1 >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
             #pragma unroll
-            for (int i_10 = 0; i_10 < 2; ++i_10) {
-              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s0)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
+            for (int i_11 = 0; i_11 < 2; ++i_11) {
+              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s0)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_11 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_11 * 8)])));
             }
             for (int j_1 = 0; j_1 < 2; ++j_1) {
               tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -441,33 +465,33 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         }
         __syncthreads();
         #pragma unroll
-        for (int i_11 = 0; i_11 < 8; ++i_11) {
+        for (int i_12 = 0; i_12 < 8; ++i_12) {
           bfloat16_t pT_s_local_cast[2];
-          uint1 __2;
-          float2 v_ = *(float2*)(acc_sT + (i_11 * 2));
-          (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
-          *(uint1*)(pT_s_local_cast + 0) = __2;
-          *(uint1*)(((bfloat16_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
+          uint1 __6;
+          float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
+          (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
+          *(uint1*)(pT_s_local_cast + 0) = __6;
+          *(uint1*)(((bfloat16_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
         }
         #pragma unroll
-        for (int i_12 = 0; i_12 < 8; ++i_12) {
+        for (int i_13 = 0; i_13 < 8; ++i_13) {
           float delta_s0_local_cast_2[2];
           bfloat16_t dsT_s_local_cast_1[2];
-          *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_12 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __3;
-          float2 __4;
-            float2 v__1 = *(float2*)(acc_sT + (i_12 * 2));
-            float2 __5;
-              float2 v__2 = *(float2*)(acc_dpT + (i_12 * 2));
-              float2 v__3 = *(float2*)(delta_s0_local_cast_2 + 0);
-              __5.x = (v__2.x-v__3.x);
-              __5.y = (v__2.y-v__3.y);
-            __4.x = (v__1.x*__5.x);
-            __4.y = (v__1.y*__5.y);
-          (reinterpret_cast<__nv_bfloat162*>(&__3))[0] = __float22bfloat162_rn(((float2*)(&__4))[0]);
-          *(uint1*)(dsT_s_local_cast_1 + 0) = __3;
+          *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+          uint1 __7;
+          float2 __8;
+            float2 v__5 = *(float2*)(acc_sT + (i_13 * 2));
+            float2 __9;
+              float2 v__6 = *(float2*)(acc_dpT + (i_13 * 2));
+              float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
+              __9.x = (v__6.x-v__7.x);
+              __9.y = (v__6.y-v__7.y);
+            __8.x = (v__5.x*__9.x);
+            __8.y = (v__5.y*__9.y);
+          (reinterpret_cast<__nv_bfloat162*>(&__7))[0] = __float22bfloat162_rn(((float2*)(&__8))[0]);
+          *(uint1*)(dsT_s_local_cast_1 + 0) = __7;
           __syncthreads();
-          *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
+          *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
         }
         {
           bfloat16_t A_local_2[8];
@@ -476,8 +500,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
             tl::ptx_ldmatrix_x4((&(((bfloat16_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
             #pragma unroll
-            for (int i_13 = 0; i_13 < 4; ++i_13) {
-              tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
+            for (int i_14 = 0; i_14 < 4; ++i_14) {
+              tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
             }
             for (int j_2 = 0; j_2 < 4; ++j_2) {
               tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -491,8 +515,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
             tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dsT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
             #pragma unroll
-            for (int i_14 = 0; i_14 < 4; ++i_14) {
-              tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_14 * 8)])));
+            for (int i_15 = 0; i_15 < 4; ++i_15) {
+              tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_15 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_15 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
             }
             for (int j_3 = 0; j_3 < 4; ++j_3) {
               tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
@@ -505,22 +529,22 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       __syncthreads();
     }
     #pragma unroll
-    for (int i_15 = 0; i_15 < 16; ++i_15) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __6;
-            float2 __7;
-              float2 v__4 = *(float2*)(acc_dk + (i_15 * 2));
-              float2 v__5 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __7.x = (v__4.x*v__5.x);
-              __7.y = (v__4.y*v__5.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __6;
-            uint1 __8;
-            float2 v__6 = *(float2*)(acc_dv + (i_15 * 2));
-            (reinterpret_cast<__nv_bfloat162*>(&__8))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __8;
+    for (int i_16 = 0; i_16 < 16; ++i_16) {
+      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+            uint1 __10;
+            float2 __11;
+              float2 v__8 = *(float2*)(acc_dk + (i_16 * 2));
+              float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __11.x = (v__8.x*v__9.x);
+              __11.y = (v__8.y*v__9.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
+            uint1 __12;
+            float2 v__10 = *(float2*)(acc_dv + (i_16 * 2));
+            (reinterpret_cast<__nv_bfloat162*>(&__12))[0] = __float22bfloat162_rn(((float2*)(&v__10))[0]);
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
           }
         }
       }

@@ -232,15 +232,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     for (int it = 0; it < (n_it - 1); ++it) {
       __syncthreads();
       int blk_2 = ((int*)ublk_s)[it];
-      #pragma unroll
-      for (int i_5 = 0; i_5 < 32; ++i_5) {
-        float condval_10;
-        if (((((((int*)umask_s)[it] >> rtok[((i_5 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_5 & 3) >> 1)]) - len_q)))) {
-          condval_10 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_10 = -CUDART_INF_F;
+      if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        #pragma unroll
+        for (int i_5 = 0; i_5 < 8; ++i_5) {
+          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
         }
-        acc_s[i_5] = condval_10;
+      } else {
+        #pragma unroll
+        for (int i_6 = 0; i_6 < 32; ++i_6) {
+          float condval_10;
+          if (((((((int*)umask_s)[it] >> rtok[((i_6 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_6 & 3) >> 1)]) - len_q)))) {
+            condval_10 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_10 = -CUDART_INF_F;
+          }
+          acc_s[i_6] = condval_10;
+        }
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -250,8 +258,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         for (int ki = 0; ki < 4; ++ki) {
           tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
           #pragma unroll
-          for (int i_6 = 0; i_6 < 4; ++i_6) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((i_6 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_6 * 8)])));
+          for (int i_7 = 0; i_7 < 4; ++i_7) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((i_7 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
           }
           for (int j = 0; j < 4; ++j) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
@@ -262,39 +270,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       int blk_3 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_7 = 0; i_7 < 4; ++i_7) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_7 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_7) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_3 * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_8 = 0; i_8 < 4; ++i_8) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_8 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_8) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
-      for (int i_8 = 0; i_8 < 2; ++i_8) {
-        m_cur_clear[i_8] = -CUDART_INF_F;
+      for (int i_9 = 0; i_9 < 2; ++i_9) {
+        m_cur_clear[i_9] = -CUDART_INF_F;
         #pragma unroll
         for (int rv = 0; rv < 16; ++rv) {
-          m_cur_clear[i_8] = max(m_cur_clear[i_8], acc_s[((((rv & 7) * 4) + (i_8 * 2)) + (rv >> 3))]);
+          m_cur_clear[i_9] = max(m_cur_clear[i_9], acc_s[((((rv & 7) * 4) + (i_9 * 2)) + (rv >> 3))]);
         }
-        m_cur_clear[i_8] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_8]);
-        m_cur[i_8] = max(m_cur[i_8], m_cur_clear[i_8]);
+        m_cur_clear[i_9] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_9]);
+        m_cur[i_9] = max(m_cur[i_9], m_cur_clear[i_9]);
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 2; ++i_9) {
+      for (int i_10 = 0; i_10 < 2; ++i_10) {
         float condval_11;
-        if ((m_cur[i_9] == -CUDART_INF_F)) {
+        if ((m_cur[i_10] == -CUDART_INF_F)) {
           condval_11 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_11 = m_cur[i_9];
+          condval_11 = m_cur[i_10];
         }
-        m_safe[i_9] = condval_11;
-        r_scale[i_9] = exp2f(((m_prev[i_9] - m_safe[i_9]) * scale_log2));
+        m_safe[i_10] = condval_11;
+        r_scale[i_10] = exp2f(((m_prev[i_10] - m_safe[i_10]) * scale_log2));
       }
       #pragma unroll
-      for (int i_10 = 0; i_10 < 16; ++i_10) {
+      for (int i_11 = 0; i_11 < 16; ++i_11) {
         float2 __2;
         float2 __3;
           float2 __4;
-            float2 v_ = *(float2*)(acc_s + (i_10 * 2));
-            float2 v__1 = make_float2(m_safe[(i_10 & 1)], m_safe[(i_10 & 1)]);
+            float2 v_ = *(float2*)(acc_s + (i_11 * 2));
+            float2 v__1 = make_float2(m_safe[(i_11 & 1)], m_safe[(i_11 & 1)]);
             __4.x = (v_.x-v__1.x);
             __4.y = (v_.y-v__1.y);
           float2 v__2 = make_float2(scale_log2, scale_log2);
@@ -302,16 +310,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
           __3.y = (__4.y*v__2.y);
         __2.x = exp2f(__3.x);
         __2.y = exp2f(__3.y);
-        *(float2*)(acc_s + (i_10 * 2)) = __2;
+        *(float2*)(acc_s + (i_11 * 2)) = __2;
       }
       #pragma unroll
-      for (int i_11 = 0; i_11 < 2; ++i_11) {
-        r_sum[i_11] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_12 = 0; i_12 < 2; ++i_12) {
+        r_sum[i_12] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-          r_sum[i_11] = (r_sum[i_11] + acc_s[((((rv_1 & 7) * 4) + (i_11 * 2)) + (rv_1 >> 3))]);
+          r_sum[i_12] = (r_sum[i_12] + acc_s[((((rv_1 & 7) * 4) + (i_12 * 2)) + (rv_1 >> 3))]);
         }
-        r_sum[i_11] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_11]);
+        r_sum[i_12] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_12]);
       }
       float2 __5;
         float2 __6;
@@ -324,21 +332,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         __5.y = (__6.y+v__5.y);
       *(float2*)(l_sum + 0) = __5;
       #pragma unroll
-      for (int i_12 = 0; i_12 < 8; ++i_12) {
+      for (int i_13 = 0; i_13 < 8; ++i_13) {
         uint2 __7;
-        float4 v__6 = *(float4*)(acc_s + (i_12 * 4));
+        float4 v__6 = *(float4*)(acc_s + (i_13 * 4));
         ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
         ((half2*)(&__7))[1] = __float22half2_rn(((float2*)(&v__6))[1]);
-        *(uint2*)(acc_s_cast + (i_12 * 4)) = __7;
+        *(uint2*)(acc_s_cast + (i_13 * 4)) = __7;
       }
       #pragma unroll
-      for (int i_13 = 0; i_13 < 16; ++i_13) {
+      for (int i_14 = 0; i_14 < 16; ++i_14) {
         float2 __8;
-          float2 v__7 = *(float2*)(acc_o + (i_13 * 2));
-          float2 v__8 = make_float2(r_scale[(i_13 & 1)], r_scale[(i_13 & 1)]);
+          float2 v__7 = *(float2*)(acc_o + (i_14 * 2));
+          float2 v__8 = make_float2(r_scale[(i_14 & 1)], r_scale[(i_14 & 1)]);
           __8.x = (v__7.x*v__8.x);
           __8.y = (v__7.y*v__8.y);
-        *(float2*)(acc_o + (i_13 * 2)) = __8;
+        *(float2*)(acc_o + (i_14 * 2)) = __8;
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -346,8 +354,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         half_t B_local_1[32];
         for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
           #pragma unroll
-          for (int i_14 = 0; i_14 < 4; ++i_14) {
-            tl::ptx_ldmatrix_x4_trans((&(((half_t*)V_s)[(((((ki_1 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_14 * 8)])));
+          for (int i_15 = 0; i_15 < 4; ++i_15) {
+            tl::ptx_ldmatrix_x4_trans((&(((half_t*)V_s)[(((((ki_1 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_15 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_15 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_15 * 8)])));
           }
           for (int j_1 = 0; j_1 < 4; ++j_1) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_o + (j_1 * 8)), reinterpret_cast<const unsigned*>(acc_s_cast + (ki_1 * 8)), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -358,23 +366,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_15 = 0; i_15 < 4; ++i_15) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_15 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_15) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_4 * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_16 = 0; i_16 < 4; ++i_16) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_16 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_16) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_4 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
     }
     __syncthreads();
     if (1 <= n_it) {
       int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-      #pragma unroll
-      for (int i_16 = 0; i_16 < 32; ++i_16) {
-        float condval_12;
-        if (((((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_16 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_16 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_16 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_16 & 3) >> 1)]) - len_q)))) {
-          condval_12 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_12 = -CUDART_INF_F;
+      if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        #pragma unroll
+        for (int i_17 = 0; i_17 < 8; ++i_17) {
+          float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_17 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
         }
-        acc_s[i_16] = condval_12;
+      } else {
+        #pragma unroll
+        for (int i_18 = 0; i_18 < 32; ++i_18) {
+          float condval_12;
+          if (((((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_18 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_18 & 3) >> 1)]) - len_q)))) {
+            condval_12 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_12 = -CUDART_INF_F;
+          }
+          acc_s[i_18] = condval_12;
+        }
       }
     }
     tl::cp_async_wait<1>();
@@ -386,8 +402,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
           tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_17 = 0; i_17 < 4; ++i_17) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((i_17 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_17 * 8)])));
+          for (int i_19 = 0; i_19 < 4; ++i_19) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((i_19 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_19 * 8)])));
           }
           for (int j_2 = 0; j_2 < 4; ++j_2) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -401,37 +417,37 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_18 = 0; i_18 < 2; ++i_18) {
-        m_cur_clear_1[i_18] = -CUDART_INF_F;
+      for (int i_20 = 0; i_20 < 2; ++i_20) {
+        m_cur_clear_1[i_20] = -CUDART_INF_F;
         #pragma unroll
         for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-          m_cur_clear_1[i_18] = max(m_cur_clear_1[i_18], acc_s[((((rv_2 & 7) * 4) + (i_18 * 2)) + (rv_2 >> 3))]);
+          m_cur_clear_1[i_20] = max(m_cur_clear_1[i_20], acc_s[((((rv_2 & 7) * 4) + (i_20 * 2)) + (rv_2 >> 3))]);
         }
-        m_cur_clear_1[i_18] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_18]);
-        m_cur[i_18] = max(m_cur[i_18], m_cur_clear_1[i_18]);
+        m_cur_clear_1[i_20] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_20]);
+        m_cur[i_20] = max(m_cur[i_20], m_cur_clear_1[i_20]);
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_19 = 0; i_19 < 2; ++i_19) {
+      for (int i_21 = 0; i_21 < 2; ++i_21) {
         float condval_13;
-        if ((m_cur[i_19] == -CUDART_INF_F)) {
+        if ((m_cur[i_21] == -CUDART_INF_F)) {
           condval_13 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_13 = m_cur[i_19];
+          condval_13 = m_cur[i_21];
         }
-        m_safe[i_19] = condval_13;
-        r_scale[i_19] = exp2f(((m_prev[i_19] - m_safe[i_19]) * scale_log2));
+        m_safe[i_21] = condval_13;
+        r_scale[i_21] = exp2f(((m_prev[i_21] - m_safe[i_21]) * scale_log2));
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_20 = 0; i_20 < 16; ++i_20) {
+      for (int i_22 = 0; i_22 < 16; ++i_22) {
         float2 __9;
         float2 __10;
           float2 __11;
-            float2 v__9 = *(float2*)(acc_s + (i_20 * 2));
-            float2 v__10 = make_float2(m_safe[(i_20 & 1)], m_safe[(i_20 & 1)]);
+            float2 v__9 = *(float2*)(acc_s + (i_22 * 2));
+            float2 v__10 = make_float2(m_safe[(i_22 & 1)], m_safe[(i_22 & 1)]);
             __11.x = (v__9.x-v__10.x);
             __11.y = (v__9.y-v__10.y);
           float2 v__11 = make_float2(scale_log2, scale_log2);
@@ -439,18 +455,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
           __10.y = (__11.y*v__11.y);
         __9.x = exp2f(__10.x);
         __9.y = exp2f(__10.y);
-        *(float2*)(acc_s + (i_20 * 2)) = __9;
+        *(float2*)(acc_s + (i_22 * 2)) = __9;
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_21 = 0; i_21 < 2; ++i_21) {
-        r_sum[i_21] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_23 = 0; i_23 < 2; ++i_23) {
+        r_sum[i_23] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-          r_sum[i_21] = (r_sum[i_21] + acc_s[((((rv_3 & 7) * 4) + (i_21 * 2)) + (rv_3 >> 3))]);
+          r_sum[i_23] = (r_sum[i_23] + acc_s[((((rv_3 & 7) * 4) + (i_23 * 2)) + (rv_3 >> 3))]);
         }
-        r_sum[i_21] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_21]);
+        r_sum[i_23] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_23]);
       }
     }
     if (1 <= n_it) {
@@ -467,23 +483,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_22 = 0; i_22 < 8; ++i_22) {
+      for (int i_24 = 0; i_24 < 8; ++i_24) {
         uint2 __14;
-        float4 v__15 = *(float4*)(acc_s + (i_22 * 4));
+        float4 v__15 = *(float4*)(acc_s + (i_24 * 4));
         ((half2*)(&__14))[0] = __float22half2_rn(((float2*)(&v__15))[0]);
         ((half2*)(&__14))[1] = __float22half2_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_22 * 4)) = __14;
+        *(uint2*)(acc_s_cast + (i_24 * 4)) = __14;
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_23 = 0; i_23 < 16; ++i_23) {
+      for (int i_25 = 0; i_25 < 16; ++i_25) {
         float2 __15;
-          float2 v__16 = *(float2*)(acc_o + (i_23 * 2));
-          float2 v__17 = make_float2(r_scale[(i_23 & 1)], r_scale[(i_23 & 1)]);
+          float2 v__16 = *(float2*)(acc_o + (i_25 * 2));
+          float2 v__17 = make_float2(r_scale[(i_25 & 1)], r_scale[(i_25 & 1)]);
           __15.x = (v__16.x*v__17.x);
           __15.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_23 * 2)) = __15;
+        *(float2*)(acc_o + (i_25 * 2)) = __15;
       }
     }
     tl::cp_async_wait<0>();
@@ -493,8 +509,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         half_t B_local_3[32];
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
           #pragma unroll
-          for (int i_24 = 0; i_24 < 4; ++i_24) {
-            tl::ptx_ldmatrix_x4_trans((&(((half_t*)V_s)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_24 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_24 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_24 * 8)])));
+          for (int i_26 = 0; i_26 < 4; ++i_26) {
+            tl::ptx_ldmatrix_x4_trans((&(((half_t*)V_s)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_26 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_26 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_26 * 8)])));
           }
           for (int j_3 = 0; j_3 < 4; ++j_3) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_o + (j_3 * 8)), reinterpret_cast<const unsigned*>(acc_s_cast + (ki_3 * 8)), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
@@ -504,41 +520,41 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       }
     }
     #pragma unroll
-    for (int i_25 = 0; i_25 < 16; ++i_25) {
+    for (int i_27 = 0; i_27 < 16; ++i_27) {
       half_t O_local_cast[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
         uint1 __16;
         float2 condval_14;
-        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_25 & 1)])) {
+        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_27 & 1)])) {
           float2 __17;
-            float2 v__18 = *(float2*)(acc_o + (i_25 * 2));
-            float2 v__19 = make_float2(l_sum[(i_25 & 1)], l_sum[(i_25 & 1)]);
+            float2 v__18 = *(float2*)(acc_o + (i_27 * 2));
+            float2 v__19 = make_float2(l_sum[(i_27 & 1)], l_sum[(i_27 & 1)]);
             __17.x = (v__18.x/v__19.x);
             __17.y = (v__18.y/v__19.y);
           condval_14 = __17;
         } else {
-          condval_14 = make_float2(broadcast_var_4, broadcast_var_4);
+          condval_14 = make_float2(broadcast_var_6, broadcast_var_6);
         }
         ((half2*)(&__16))[0] = __float22half2_rn(((float2*)(&condval_14))[0]);
         *(uint1*)(O_local_cast + 0) = __16;
-        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
           if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_25) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
+                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_27) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_27) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_27) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_27) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_27) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_27) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_27) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
               }
             }
           }
@@ -547,30 +563,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     }
     if ((((int)threadIdx.x) % 4) == 0) {
       #pragma unroll
-      for (int i_26 = 0; i_26 < 2; ++i_26) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_26 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_26 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_26 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      for (int i_28 = 0; i_28 < 2; ++i_28) {
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_26 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_26 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_26 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_26 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
                   float condval_15;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_26])) {
-                    condval_15 = (((m_cur[i_26] * scale_log2) + log2f(l_sum[i_26])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_28])) {
+                    condval_15 = (((m_cur[i_28] * scale_log2) + log2f(l_sum[i_28])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
                     condval_15 = -CUDART_INF_F;
                   }
-                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_26) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_26) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_26) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_26) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_26) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_26) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
                   LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_15;
                 }
               }

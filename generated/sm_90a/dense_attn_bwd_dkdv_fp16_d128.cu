@@ -382,20 +382,44 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
         }
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 8; ++i_8) {
-          float condval_34;
-          if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))]) - len_q))))) {
-            condval_34 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-          } else {
-            condval_34 = 0x0p+0f/*0.000000e+00*/;
+        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
+          #pragma unroll
+          for (int i_8 = 0; i_8 < 4; ++i_8) {
+            float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+            float2 __1;
+            float2 __2;
+              float2 __3;
+                float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
+                float2 v__1 = make_float2(scale_log2, scale_log2);
+                __3.x = (v_.x*v__1.x);
+                __3.y = (v_.y*v__1.y);
+              float2 __4;
+                float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
+                __4.x = (v__2.x*v__3.x);
+                __4.y = (v__2.y*v__3.y);
+              __2.x = (__3.x-__4.x);
+              __2.y = (__3.y-__4.y);
+            __1.x = exp2f(__2.x);
+            __1.y = exp2f(__2.y);
+            *(float2*)(acc_sT + (i_8 * 2)) = __1;
           }
-          acc_sT[i_8] = condval_34;
+        } else {
+          #pragma unroll
+          for (int i_9 = 0; i_9 < 8; ++i_9) {
+            float condval_34;
+            if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
+              condval_34 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            } else {
+              condval_34 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_sT[i_9] = condval_34;
+          }
         }
         #pragma unroll
-        for (int i_9 = 0; i_9 < 2; ++i_9) {
-          float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_9 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+        for (int i_10 = 0; i_10 < 2; ++i_10) {
+          float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
         }
         {
           tl::GmmaDescriptor desc_a_1;
@@ -416,23 +440,23 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         tl::ptx_stmatrix_m8n8_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((half_t)acc_sT[0]), ((half_t)acc_sT[1])), __pack_half2(((half_t)acc_sT[2]), ((half_t)acc_sT[3])), __pack_half2(((half_t)acc_sT[4]), ((half_t)acc_sT[5])), __pack_half2(((half_t)acc_sT[6]), ((half_t)acc_sT[7])));
         __syncthreads();
         #pragma unroll
-        for (int i_10 = 0; i_10 < 4; ++i_10) {
+        for (int i_11 = 0; i_11 < 4; ++i_11) {
           float delta_s0_local_cast_1[2];
           half_t dsT_s_local_cast[2];
-          *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_10 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __1;
-          float2 __2;
-            float2 v_ = *(float2*)(acc_sT + (i_10 * 2));
-            float2 __3;
-              float2 v__1 = *(float2*)(acc_dpT + (i_10 * 2));
-              float2 v__2 = *(float2*)(delta_s0_local_cast_1 + 0);
-              __3.x = (v__1.x-v__2.x);
-              __3.y = (v__1.y-v__2.y);
-            __2.x = (v_.x*__3.x);
-            __2.y = (v_.y*__3.y);
-          ((half2*)(&__1))[0] = __float22half2_rn(((float2*)(&__2))[0]);
-          *(uint1*)(dsT_s_local_cast + 0) = __1;
-          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_10 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_10 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
+          *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+          uint1 __5;
+          float2 __6;
+            float2 v__4 = *(float2*)(acc_sT + (i_11 * 2));
+            float2 __7;
+              float2 v__5 = *(float2*)(acc_dpT + (i_11 * 2));
+              float2 v__6 = *(float2*)(delta_s0_local_cast_1 + 0);
+              __7.x = (v__5.x-v__6.x);
+              __7.y = (v__5.y-v__6.y);
+            __6.x = (v__4.x*__7.x);
+            __6.y = (v__4.y*__7.y);
+          ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
+          *(uint1*)(dsT_s_local_cast + 0) = __5;
+          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_11 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_11 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
         }
         {
           tl::GmmaDescriptor desc_a_2;
@@ -468,9 +492,9 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         }
       } else {
         #pragma unroll
-        for (int i_11 = 0; i_11 < 2; ++i_11) {
-          float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_sT + (i_11 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+        for (int i_12 = 0; i_12 < 2; ++i_12) {
+          float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_sT + (i_12 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
         }
         {
           tl::GmmaDescriptor desc_a_4;
@@ -488,20 +512,44 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
         }
-        #pragma unroll
-        for (int i_12 = 0; i_12 < 8; ++i_12) {
-          float condval_35;
-          if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))]) - len_q))))) {
-            condval_35 = exp2f(((acc_sT[i_12] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-          } else {
-            condval_35 = 0x0p+0f/*0.000000e+00*/;
+        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
+          #pragma unroll
+          for (int i_13 = 0; i_13 < 4; ++i_13) {
+            float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+            float2 __8;
+            float2 __9;
+              float2 __10;
+                float2 v__7 = *(float2*)(acc_sT + (i_13 * 2));
+                float2 v__8 = make_float2(scale_log2, scale_log2);
+                __10.x = (v__7.x*v__8.x);
+                __10.y = (v__7.y*v__8.y);
+              float2 __11;
+                float2 v__9 = *(float2*)(((float*)lse_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                float2 v__10 = make_float2(broadcast_var_8, broadcast_var_8);
+                __11.x = (v__9.x*v__10.x);
+                __11.y = (v__9.y*v__10.y);
+              __9.x = (__10.x-__11.x);
+              __9.y = (__10.y-__11.y);
+            __8.x = exp2f(__9.x);
+            __8.y = exp2f(__9.y);
+            *(float2*)(acc_sT + (i_13 * 2)) = __8;
           }
-          acc_sT[i_12] = condval_35;
+        } else {
+          #pragma unroll
+          for (int i_14 = 0; i_14 < 8; ++i_14) {
+            float condval_35;
+            if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_14 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_14 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1))]) - len_q))))) {
+              condval_35 = exp2f(((acc_sT[i_14] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            } else {
+              condval_35 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_sT[i_14] = condval_35;
+          }
         }
         #pragma unroll
-        for (int i_13 = 0; i_13 < 2; ++i_13) {
-          float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_13 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+        for (int i_15 = 0; i_15 < 2; ++i_15) {
+          float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_dpT + (i_15 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
         }
         {
           tl::GmmaDescriptor desc_a_5;
@@ -522,23 +570,23 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         tl::ptx_stmatrix_m8n8_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((half_t)acc_sT[0]), ((half_t)acc_sT[1])), __pack_half2(((half_t)acc_sT[2]), ((half_t)acc_sT[3])), __pack_half2(((half_t)acc_sT[4]), ((half_t)acc_sT[5])), __pack_half2(((half_t)acc_sT[6]), ((half_t)acc_sT[7])));
         __syncthreads();
         #pragma unroll
-        for (int i_14 = 0; i_14 < 4; ++i_14) {
+        for (int i_16 = 0; i_16 < 4; ++i_16) {
           float delta_s1_local_cast_3[2];
           half_t dsT_s_local_cast_2[2];
-          *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __4;
-          float2 __5;
-            float2 v__3 = *(float2*)(acc_sT + (i_14 * 2));
-            float2 __6;
-              float2 v__4 = *(float2*)(acc_dpT + (i_14 * 2));
-              float2 v__5 = *(float2*)(delta_s1_local_cast_3 + 0);
-              __6.x = (v__4.x-v__5.x);
-              __6.y = (v__4.y-v__5.y);
-            __5.x = (v__3.x*__6.x);
-            __5.y = (v__3.y*__6.y);
-          ((half2*)(&__4))[0] = __float22half2_rn(((float2*)(&__5))[0]);
-          *(uint1*)(dsT_s_local_cast_2 + 0) = __4;
-          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_14 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
+          *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_16 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+          uint1 __12;
+          float2 __13;
+            float2 v__11 = *(float2*)(acc_sT + (i_16 * 2));
+            float2 __14;
+              float2 v__12 = *(float2*)(acc_dpT + (i_16 * 2));
+              float2 v__13 = *(float2*)(delta_s1_local_cast_3 + 0);
+              __14.x = (v__12.x-v__13.x);
+              __14.y = (v__12.y-v__13.y);
+            __13.x = (v__11.x*__14.x);
+            __13.y = (v__11.y*__14.y);
+          ((half2*)(&__12))[0] = __float22half2_rn(((float2*)(&__13))[0]);
+          *(uint1*)(dsT_s_local_cast_2 + 0) = __12;
+          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_16 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_16 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_16 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
         }
         {
           tl::GmmaDescriptor desc_a_6;
@@ -576,22 +624,22 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       __syncthreads();
     }
     #pragma unroll
-    for (int i_15 = 0; i_15 < 8; ++i_15) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __7;
-            float2 __8;
-              float2 v__6 = *(float2*)(acc_dk + (i_15 * 2));
-              float2 v__7 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __8.x = (v__6.x*v__7.x);
-              __8.y = (v__6.y*v__7.y);
-            ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&__8))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __7;
-            uint1 __9;
-            float2 v__8 = *(float2*)(acc_dv + (i_15 * 2));
-            ((half2*)(&__9))[0] = __float22half2_rn(((float2*)(&v__8))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+    for (int i_17 = 0; i_17 < 8; ++i_17) {
+      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+            uint1 __15;
+            float2 __16;
+              float2 v__14 = *(float2*)(acc_dk + (i_17 * 2));
+              float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __16.x = (v__14.x*v__15.x);
+              __16.y = (v__14.y*v__15.y);
+            ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&__16))[0]);
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __15;
+            uint1 __17;
+            float2 v__16 = *(float2*)(acc_dv + (i_17 * 2));
+            ((half2*)(&__17))[0] = __float22half2_rn(((float2*)(&v__16))[0]);
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
           }
         }
       }

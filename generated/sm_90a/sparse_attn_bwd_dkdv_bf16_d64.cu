@@ -477,20 +477,44 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             tl::warpgroup_wait<0>();
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
           }
-          #pragma unroll
-          for (int i_3 = 0; i_3 < 8; ++i_3) {
-            float condval_37;
-            if (((((((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1)) < n_rows_2) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_3 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16) + ((((int64_t)i_3) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_3) & (int64_t)1))]))]) - len_q)))) {
-              condval_37 = exp2f(((acc_sT[i_3] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_3 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-            } else {
-              condval_37 = 0x0p+0f/*0.000000e+00*/;
+          if ((n_rows_2 == 64) && (((((int)blockIdx.z) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+            #pragma unroll
+            for (int i_3 = 0; i_3 < 4; ++i_3) {
+              float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+              float2 __2;
+              float2 __3;
+                float2 __4;
+                  float2 v_ = *(float2*)(acc_sT + (i_3 * 2));
+                  float2 v__1 = make_float2(scale_log2, scale_log2);
+                  __4.x = (v_.x*v__1.x);
+                  __4.y = (v_.y*v__1.y);
+                float2 __5;
+                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_3 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                  float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
+                  __5.x = (v__2.x*v__3.x);
+                  __5.y = (v__2.y*v__3.y);
+                __3.x = (__4.x-__5.x);
+                __3.y = (__4.y-__5.y);
+              __2.x = exp2f(__3.x);
+              __2.y = exp2f(__3.y);
+              *(float2*)(acc_sT + (i_3 * 2)) = __2;
             }
-            acc_sT[i_3] = condval_37;
+          } else {
+            #pragma unroll
+            for (int i_4 = 0; i_4 < 8; ++i_4) {
+              float condval_37;
+              if (((((((((((int)threadIdx.x) >> 7) * 16) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_4 & 1)) < n_rows_2) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_4 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_4 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16) + ((((int64_t)i_4) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_4) & (int64_t)1))]))]) - len_q)))) {
+                condval_37 = exp2f(((acc_sT[i_4] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_4 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              } else {
+                condval_37 = 0x0p+0f/*0.000000e+00*/;
+              }
+              acc_sT[i_4] = condval_37;
+            }
           }
           #pragma unroll
-          for (int i_4 = 0; i_4 < 2; ++i_4) {
-            float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_dpT + (i_4 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+          for (int i_5 = 0; i_5 < 2; ++i_5) {
+            float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_dpT + (i_5 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
           }
           {
             tl::GmmaDescriptor desc_a_1;
@@ -511,24 +535,24 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[0]), ((bfloat16_t)acc_sT[1])), __pack_half2(((bfloat16_t)acc_sT[2]), ((bfloat16_t)acc_sT[3])), __pack_half2(((bfloat16_t)acc_sT[4]), ((bfloat16_t)acc_sT[5])), __pack_half2(((bfloat16_t)acc_sT[6]), ((bfloat16_t)acc_sT[7])));
           __syncthreads();
           #pragma unroll
-          for (int i_5 = 0; i_5 < 4; ++i_5) {
+          for (int i_6 = 0; i_6 < 4; ++i_6) {
             float delta_s0_local_cast_1[2];
             bfloat16_t dsT_s_local_cast[2];
-            *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-            uint1 __2;
-            float2 __3;
-              float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
-              float2 __4;
-                float2 v__1 = *(float2*)(acc_dpT + (i_5 * 2));
-                float2 v__2 = *(float2*)(delta_s0_local_cast_1 + 0);
-                __4.x = (v__1.x-v__2.x);
-                __4.y = (v__1.y-v__2.y);
-              __3.x = (v_.x*__4.x);
-              __3.y = (v_.y*__4.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&__3))[0]);
-            *(uint1*)(dsT_s_local_cast + 0) = __2;
+            *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_6 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            uint1 __6;
+            float2 __7;
+              float2 v__4 = *(float2*)(acc_sT + (i_6 * 2));
+              float2 __8;
+                float2 v__5 = *(float2*)(acc_dpT + (i_6 * 2));
+                float2 v__6 = *(float2*)(delta_s0_local_cast_1 + 0);
+                __8.x = (v__5.x-v__6.x);
+                __8.y = (v__5.y-v__6.y);
+              __7.x = (v__4.x*__8.x);
+              __7.y = (v__4.y*__8.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+            *(uint1*)(dsT_s_local_cast + 0) = __6;
             __syncthreads();
-            *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_5 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_5 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_5 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
+            *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_6 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_6 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_6 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
           }
           {
             tl::GmmaDescriptor desc_a_2;
@@ -564,9 +588,9 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
         } else {
           #pragma unroll
-          for (int i_6 = 0; i_6 < 2; ++i_6) {
-            float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_sT + (i_6 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+          for (int i_7 = 0; i_7 < 2; ++i_7) {
+            float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_sT + (i_7 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
           }
           {
             tl::GmmaDescriptor desc_a_4;
@@ -584,20 +608,44 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             tl::warpgroup_wait<0>();
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
           }
-          #pragma unroll
-          for (int i_7 = 0; i_7 < 8; ++i_7) {
-            float condval_38;
-            if (((((((((((int)threadIdx.x) >> 7) * 16) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) < n_rows_2) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16) + ((((int64_t)i_7) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_7) & (int64_t)1))]))]) - len_q)))) {
-              condval_38 = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-            } else {
-              condval_38 = 0x0p+0f/*0.000000e+00*/;
+          if ((n_rows_2 == 64) && (((((int)blockIdx.z) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+            #pragma unroll
+            for (int i_8 = 0; i_8 < 4; ++i_8) {
+              float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+              float2 __9;
+              float2 __10;
+                float2 __11;
+                  float2 v__7 = *(float2*)(acc_sT + (i_8 * 2));
+                  float2 v__8 = make_float2(scale_log2, scale_log2);
+                  __11.x = (v__7.x*v__8.x);
+                  __11.y = (v__7.y*v__8.y);
+                float2 __12;
+                  float2 v__9 = *(float2*)(((float*)lse_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                  float2 v__10 = make_float2(broadcast_var_8, broadcast_var_8);
+                  __12.x = (v__9.x*v__10.x);
+                  __12.y = (v__9.y*v__10.y);
+                __10.x = (__11.x-__12.x);
+                __10.y = (__11.y-__12.y);
+              __9.x = exp2f(__10.x);
+              __9.y = exp2f(__10.y);
+              *(float2*)(acc_sT + (i_8 * 2)) = __9;
             }
-            acc_sT[i_7] = condval_38;
+          } else {
+            #pragma unroll
+            for (int i_9 = 0; i_9 < 8; ++i_9) {
+              float condval_38;
+              if (((((((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+                condval_38 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              } else {
+                condval_38 = 0x0p+0f/*0.000000e+00*/;
+              }
+              acc_sT[i_9] = condval_38;
+            }
           }
           #pragma unroll
-          for (int i_8 = 0; i_8 < 2; ++i_8) {
-            float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_dpT + (i_8 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+          for (int i_10 = 0; i_10 < 2; ++i_10) {
+            float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
           }
           {
             tl::GmmaDescriptor desc_a_5;
@@ -618,23 +666,23 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[0]), ((bfloat16_t)acc_sT[1])), __pack_half2(((bfloat16_t)acc_sT[2]), ((bfloat16_t)acc_sT[3])), __pack_half2(((bfloat16_t)acc_sT[4]), ((bfloat16_t)acc_sT[5])), __pack_half2(((bfloat16_t)acc_sT[6]), ((bfloat16_t)acc_sT[7])));
           __syncthreads();
           #pragma unroll
-          for (int i_9 = 0; i_9 < 4; ++i_9) {
+          for (int i_11 = 0; i_11 < 4; ++i_11) {
             float delta_s1_local_cast_3[2];
             bfloat16_t dsT_s_local_cast_2[2];
-            *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-            uint1 __5;
-            float2 __6;
-              float2 v__3 = *(float2*)(acc_sT + (i_9 * 2));
-              float2 __7;
-                float2 v__4 = *(float2*)(acc_dpT + (i_9 * 2));
-                float2 v__5 = *(float2*)(delta_s1_local_cast_3 + 0);
-                __7.x = (v__4.x-v__5.x);
-                __7.y = (v__4.y-v__5.y);
-              __6.x = (v__3.x*__7.x);
-              __6.y = (v__3.y*__7.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
-            *(uint1*)(dsT_s_local_cast_2 + 0) = __5;
-            *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_9 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_9 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
+            *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            uint1 __13;
+            float2 __14;
+              float2 v__11 = *(float2*)(acc_sT + (i_11 * 2));
+              float2 __15;
+                float2 v__12 = *(float2*)(acc_dpT + (i_11 * 2));
+                float2 v__13 = *(float2*)(delta_s1_local_cast_3 + 0);
+                __15.x = (v__12.x-v__13.x);
+                __15.y = (v__12.y-v__13.y);
+              __14.x = (v__11.x*__15.x);
+              __14.y = (v__11.y*__15.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
+            *(uint1*)(dsT_s_local_cast_2 + 0) = __13;
+            *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_11 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_11 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
           }
           {
             tl::GmmaDescriptor desc_a_6;
@@ -674,22 +722,22 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       __syncthreads();
     }
     #pragma unroll
-    for (int i_10 = 0; i_10 < 4; ++i_10) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __8;
-            float2 __9;
-              float2 v__6 = *(float2*)(acc_dk + (i_10 * 2));
-              float2 v__7 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __9.x = (v__6.x*v__7.x);
-              __9.y = (v__6.y*v__7.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__8))[0] = __float22bfloat162_rn(((float2*)(&__9))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __8;
-            uint1 __10;
-            float2 v__8 = *(float2*)(acc_dv + (i_10 * 2));
-            (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&v__8))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
+    for (int i_12 = 0; i_12 < 4; ++i_12) {
+      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_12 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_12 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_12 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+            uint1 __16;
+            float2 __17;
+              float2 v__14 = *(float2*)(acc_dk + (i_12 * 2));
+              float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __17.x = (v__14.x*v__15.x);
+              __17.y = (v__14.y*v__15.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__16))[0] = __float22bfloat162_rn(((float2*)(&__17))[0]);
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __16;
+            uint1 __18;
+            float2 v__16 = *(float2*)(acc_dv + (i_12 * 2));
+            (reinterpret_cast<__nv_bfloat162*>(&__18))[0] = __float22bfloat162_rn(((float2*)(&v__16))[0]);
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)16)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
           }
         }
       }

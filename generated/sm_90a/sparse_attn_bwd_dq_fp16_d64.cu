@@ -312,20 +312,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
       }
       int blk_2 = ((int*)ublk_s)[it];
-      #pragma unroll
-      for (int i_6 = 0; i_6 < 32; ++i_6) {
-        float condval_14;
-        if ((((lse_r[((i_6 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_6 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_6 & 3) >> 1)]) - len_q)))) {
-          condval_14 = exp2f(((acc_s[i_6] * scale_log2) - lse_r[((i_6 & 3) >> 1)]));
-        } else {
-          condval_14 = 0x0p+0f/*0.000000e+00*/;
+      if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        #pragma unroll
+        for (int i_6 = 0; i_6 < 16; ++i_6) {
+          float2 __2;
+          float2 __3;
+            float2 __4;
+              float2 v_ = *(float2*)(acc_s + (i_6 * 2));
+              float2 v__1 = make_float2(scale_log2, scale_log2);
+              __4.x = (v_.x*v__1.x);
+              __4.y = (v_.y*v__1.y);
+            float2 v__2 = make_float2(lse_r[(i_6 & 1)], lse_r[(i_6 & 1)]);
+            __3.x = (__4.x-v__2.x);
+            __3.y = (__4.y-v__2.y);
+          __2.x = exp2f(__3.x);
+          __2.y = exp2f(__3.y);
+          *(float2*)(acc_s + (i_6 * 2)) = __2;
         }
-        acc_s[i_6] = condval_14;
+      } else {
+        #pragma unroll
+        for (int i_7 = 0; i_7 < 32; ++i_7) {
+          float condval_14;
+          if ((((lse_r[((i_7 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_7 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_7 & 3) >> 1)]) - len_q)))) {
+            condval_14 = exp2f(((acc_s[i_7] * scale_log2) - lse_r[((i_7 & 3) >> 1)]));
+          } else {
+            condval_14 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_s[i_7] = condval_14;
+        }
       }
       #pragma unroll
-      for (int i_7 = 0; i_7 < 8; ++i_7) {
+      for (int i_8 = 0; i_8 < 8; ++i_8) {
         float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_7 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+        *(float4*)(acc_dp + (i_8 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -347,27 +366,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_3 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_8 = 0; i_8 < 4; ++i_8) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_8 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_8) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_9 = 0; i_9 < 4; ++i_9) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_9 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_9) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
       __syncthreads();
       #pragma unroll
-      for (int i_9 = 0; i_9 < 16; ++i_9) {
+      for (int i_10 = 0; i_10 < 16; ++i_10) {
         half_t dS_s_local_cast[2];
-        uint1 __2;
-        float2 __3;
-          float2 v_ = *(float2*)(acc_s + (i_9 * 2));
-          float2 __4;
-            float2 v__1 = *(float2*)(acc_dp + (i_9 * 2));
-            float2 v__2 = make_float2(delta_r[(i_9 & 1)], delta_r[(i_9 & 1)]);
-            __4.x = (v__1.x-v__2.x);
-            __4.y = (v__1.y-v__2.y);
-          __3.x = (v_.x*__4.x);
-          __3.y = (v_.y*__4.y);
-        ((half2*)(&__2))[0] = __float22half2_rn(((float2*)(&__3))[0]);
-        *(uint1*)(dS_s_local_cast + 0) = __2;
-        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_9 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_9 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_9 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_9 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
+        uint1 __5;
+        float2 __6;
+          float2 v__3 = *(float2*)(acc_s + (i_10 * 2));
+          float2 __7;
+            float2 v__4 = *(float2*)(acc_dp + (i_10 * 2));
+            float2 v__5 = make_float2(delta_r[(i_10 & 1)], delta_r[(i_10 & 1)]);
+            __7.x = (v__4.x-v__5.x);
+            __7.y = (v__4.y-v__5.y);
+          __6.x = (v__3.x*__7.x);
+          __6.y = (v__3.y*__7.y);
+        ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
+        *(uint1*)(dS_s_local_cast + 0) = __5;
+        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_10 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_10 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_10 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
       }
       {
         tl::GmmaDescriptor desc_a_2;
@@ -389,16 +408,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_10 = 0; i_10 < 4; ++i_10) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_10 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_10) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_10 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_10 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_4 * 64) + (i_10 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_10 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_11 = 0; i_11 < 4; ++i_11) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_11 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_11) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_4 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
+      for (int i_12 = 0; i_12 < 8; ++i_12) {
         float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_11 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+        *(float4*)(acc_s + (i_12 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
       }
     }
     tl::cp_async_wait<0>();
@@ -423,22 +442,41 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     }
     if (1 <= n_it) {
       int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-      #pragma unroll
-      for (int i_12 = 0; i_12 < 32; ++i_12) {
-        float condval_15;
-        if ((((lse_r[((i_12 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_12 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_12 & 3) >> 1)]) - len_q)))) {
-          condval_15 = exp2f(((acc_s[i_12] * scale_log2) - lse_r[((i_12 & 3) >> 1)]));
-        } else {
-          condval_15 = 0x0p+0f/*0.000000e+00*/;
+      if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        #pragma unroll
+        for (int i_13 = 0; i_13 < 16; ++i_13) {
+          float2 __8;
+          float2 __9;
+            float2 __10;
+              float2 v__6 = *(float2*)(acc_s + (i_13 * 2));
+              float2 v__7 = make_float2(scale_log2, scale_log2);
+              __10.x = (v__6.x*v__7.x);
+              __10.y = (v__6.y*v__7.y);
+            float2 v__8 = make_float2(lse_r[(i_13 & 1)], lse_r[(i_13 & 1)]);
+            __9.x = (__10.x-v__8.x);
+            __9.y = (__10.y-v__8.y);
+          __8.x = exp2f(__9.x);
+          __8.y = exp2f(__9.y);
+          *(float2*)(acc_s + (i_13 * 2)) = __8;
         }
-        acc_s[i_12] = condval_15;
+      } else {
+        #pragma unroll
+        for (int i_14 = 0; i_14 < 32; ++i_14) {
+          float condval_15;
+          if ((((lse_r[((i_14 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_14 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_14 & 3) >> 1)]) - len_q)))) {
+            condval_15 = exp2f(((acc_s[i_14] * scale_log2) - lse_r[((i_14 & 3) >> 1)]));
+          } else {
+            condval_15 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_s[i_14] = condval_15;
+        }
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_13 = 0; i_13 < 8; ++i_13) {
+      for (int i_15 = 0; i_15 < 8; ++i_15) {
         float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_13 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+        *(float4*)(acc_dp + (i_15 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
       }
     }
     tl::cp_async_wait<1>();
@@ -464,21 +502,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_14 = 0; i_14 < 16; ++i_14) {
+      for (int i_16 = 0; i_16 < 16; ++i_16) {
         half_t dS_s_local_cast_1[2];
-        uint1 __5;
-        float2 __6;
-          float2 v__3 = *(float2*)(acc_s + (i_14 * 2));
-          float2 __7;
-            float2 v__4 = *(float2*)(acc_dp + (i_14 * 2));
-            float2 v__5 = make_float2(delta_r[(i_14 & 1)], delta_r[(i_14 & 1)]);
-            __7.x = (v__4.x-v__5.x);
-            __7.y = (v__4.y-v__5.y);
-          __6.x = (v__3.x*__7.x);
-          __6.y = (v__3.y*__7.y);
-        ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&__6))[0]);
-        *(uint1*)(dS_s_local_cast_1 + 0) = __5;
-        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_14 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_14 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_14 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_14 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
+        uint1 __11;
+        float2 __12;
+          float2 v__9 = *(float2*)(acc_s + (i_16 * 2));
+          float2 __13;
+            float2 v__10 = *(float2*)(acc_dp + (i_16 * 2));
+            float2 v__11 = make_float2(delta_r[(i_16 & 1)], delta_r[(i_16 & 1)]);
+            __13.x = (v__10.x-v__11.x);
+            __13.y = (v__10.y-v__11.y);
+          __12.x = (v__9.x*__13.x);
+          __12.y = (v__9.y*__13.y);
+        ((half2*)(&__11))[0] = __float22half2_rn(((float2*)(&__12))[0]);
+        *(uint1*)(dS_s_local_cast_1 + 0) = __11;
+        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_16 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_16 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_16 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_16 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
       }
     }
     __syncthreads();
@@ -501,34 +539,34 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       }
     }
     #pragma unroll
-    for (int i_15 = 0; i_15 < 16; ++i_15) {
+    for (int i_17 = 0; i_17 < 16; ++i_17) {
       half_t dQ_local_cast_2[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        uint1 __8;
-        float2 __9;
-          float2 v__6 = *(float2*)(acc_dq + (i_15 * 2));
-          float2 v__7 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-          __9.x = (v__6.x*v__7.x);
-          __9.y = (v__6.y*v__7.y);
-        ((half2*)(&__8))[0] = __float22half2_rn(((float2*)(&__9))[0]);
-        *(uint1*)(dQ_local_cast_2 + 0) = __8;
-        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+        uint1 __14;
+        float2 __15;
+          float2 v__12 = *(float2*)(acc_dq + (i_17 * 2));
+          float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+          __15.x = (v__12.x*v__13.x);
+          __15.y = (v__12.y*v__13.y);
+        ((half2*)(&__14))[0] = __float22half2_rn(((float2*)(&__15))[0]);
+        *(uint1*)(dQ_local_cast_2 + 0) = __14;
+        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
           if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
               }
             }
           }

@@ -234,15 +234,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     for (int it = 0; it < (n_it - 1); ++it) {
       __syncthreads();
       int blk_2 = ((int*)ublk_s)[it];
-      #pragma unroll
-      for (int i_5 = 0; i_5 < 32; ++i_5) {
-        float condval_10;
-        if (((((((int*)umask_s)[it] >> rtok[((i_5 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_5 & 3) >> 1)]) - len_q)))) {
-          condval_10 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_10 = -CUDART_INF_F;
+      if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        #pragma unroll
+        for (int i_5 = 0; i_5 < 8; ++i_5) {
+          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
         }
-        acc_s[i_5] = condval_10;
+      } else {
+        #pragma unroll
+        for (int i_6 = 0; i_6 < 32; ++i_6) {
+          float condval_10;
+          if (((((((int*)umask_s)[it] >> rtok[((i_6 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_6 & 3) >> 1)]) - len_q)))) {
+            condval_10 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_10 = -CUDART_INF_F;
+          }
+          acc_s[i_6] = condval_10;
+        }
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -265,39 +273,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       int blk_3 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_6 = 0; i_6 < 8; ++i_6) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_6 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_6) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_6 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_6 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_6 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_6 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_7 = 0; i_7 < 8; ++i_7) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_7 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_7) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
-      for (int i_7 = 0; i_7 < 2; ++i_7) {
-        m_cur_clear[i_7] = -CUDART_INF_F;
+      for (int i_8 = 0; i_8 < 2; ++i_8) {
+        m_cur_clear[i_8] = -CUDART_INF_F;
         #pragma unroll
         for (int rv = 0; rv < 16; ++rv) {
-          m_cur_clear[i_7] = max(m_cur_clear[i_7], acc_s[((((rv & 7) * 4) + (i_7 * 2)) + (rv >> 3))]);
+          m_cur_clear[i_8] = max(m_cur_clear[i_8], acc_s[((((rv & 7) * 4) + (i_8 * 2)) + (rv >> 3))]);
         }
-        m_cur_clear[i_7] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_7]);
-        m_cur[i_7] = max(m_cur[i_7], m_cur_clear[i_7]);
+        m_cur_clear[i_8] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_8]);
+        m_cur[i_8] = max(m_cur[i_8], m_cur_clear[i_8]);
       }
       #pragma unroll
-      for (int i_8 = 0; i_8 < 2; ++i_8) {
+      for (int i_9 = 0; i_9 < 2; ++i_9) {
         float condval_11;
-        if ((m_cur[i_8] == -CUDART_INF_F)) {
+        if ((m_cur[i_9] == -CUDART_INF_F)) {
           condval_11 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_11 = m_cur[i_8];
+          condval_11 = m_cur[i_9];
         }
-        m_safe[i_8] = condval_11;
-        r_scale[i_8] = exp2f(((m_prev[i_8] - m_safe[i_8]) * scale_log2));
+        m_safe[i_9] = condval_11;
+        r_scale[i_9] = exp2f(((m_prev[i_9] - m_safe[i_9]) * scale_log2));
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 16; ++i_9) {
+      for (int i_10 = 0; i_10 < 16; ++i_10) {
         float2 __2;
         float2 __3;
           float2 __4;
-            float2 v_ = *(float2*)(acc_s + (i_9 * 2));
-            float2 v__1 = make_float2(m_safe[(i_9 & 1)], m_safe[(i_9 & 1)]);
+            float2 v_ = *(float2*)(acc_s + (i_10 * 2));
+            float2 v__1 = make_float2(m_safe[(i_10 & 1)], m_safe[(i_10 & 1)]);
             __4.x = (v_.x-v__1.x);
             __4.y = (v_.y-v__1.y);
           float2 v__2 = make_float2(scale_log2, scale_log2);
@@ -305,16 +313,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
           __3.y = (__4.y*v__2.y);
         __2.x = exp2f(__3.x);
         __2.y = exp2f(__3.y);
-        *(float2*)(acc_s + (i_9 * 2)) = __2;
+        *(float2*)(acc_s + (i_10 * 2)) = __2;
       }
       #pragma unroll
-      for (int i_10 = 0; i_10 < 2; ++i_10) {
-        r_sum[i_10] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_11 = 0; i_11 < 2; ++i_11) {
+        r_sum[i_11] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-          r_sum[i_10] = (r_sum[i_10] + acc_s[((((rv_1 & 7) * 4) + (i_10 * 2)) + (rv_1 >> 3))]);
+          r_sum[i_11] = (r_sum[i_11] + acc_s[((((rv_1 & 7) * 4) + (i_11 * 2)) + (rv_1 >> 3))]);
         }
-        r_sum[i_10] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_10]);
+        r_sum[i_11] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_11]);
       }
       float2 __5;
         float2 __6;
@@ -327,21 +335,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
         __5.y = (__6.y+v__5.y);
       *(float2*)(l_sum + 0) = __5;
       #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
+      for (int i_12 = 0; i_12 < 8; ++i_12) {
         uint2 __7;
-        float4 v__6 = *(float4*)(acc_s + (i_11 * 4));
+        float4 v__6 = *(float4*)(acc_s + (i_12 * 4));
         (reinterpret_cast<__nv_bfloat162*>(&__7))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__7))[1] = __float22bfloat162_rn(((float2*)(&v__6))[1]);
-        *(uint2*)(acc_s_cast + (i_11 * 4)) = __7;
+        *(uint2*)(acc_s_cast + (i_12 * 4)) = __7;
       }
       #pragma unroll
-      for (int i_12 = 0; i_12 < 32; ++i_12) {
+      for (int i_13 = 0; i_13 < 32; ++i_13) {
         float2 __8;
-          float2 v__7 = *(float2*)(acc_o + (i_12 * 2));
-          float2 v__8 = make_float2(r_scale[(i_12 & 1)], r_scale[(i_12 & 1)]);
+          float2 v__7 = *(float2*)(acc_o + (i_13 * 2));
+          float2 v__8 = make_float2(r_scale[(i_13 & 1)], r_scale[(i_13 & 1)]);
           __8.x = (v__7.x*v__8.x);
           __8.y = (v__7.y*v__8.y);
-        *(float2*)(acc_o + (i_12 * 2)) = __8;
+        *(float2*)(acc_o + (i_13 * 2)) = __8;
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -364,23 +372,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_13 = 0; i_13 < 8; ++i_13) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_13 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_13) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_13 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_14 = 0; i_14 < 8; ++i_14) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
     }
     __syncthreads();
     if (1 <= n_it) {
       int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-      #pragma unroll
-      for (int i_14 = 0; i_14 < 32; ++i_14) {
-        float condval_12;
-        if (((((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_14 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_14 & 3) >> 1)]) - len_q)))) {
-          condval_12 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_12 = -CUDART_INF_F;
+      if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        #pragma unroll
+        for (int i_15 = 0; i_15 < 8; ++i_15) {
+          float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_15 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
         }
-        acc_s[i_14] = condval_12;
+      } else {
+        #pragma unroll
+        for (int i_16 = 0; i_16 < 32; ++i_16) {
+          float condval_12;
+          if (((((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_16 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_16 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_16 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_16 & 3) >> 1)]) - len_q)))) {
+            condval_12 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_12 = -CUDART_INF_F;
+          }
+          acc_s[i_16] = condval_12;
+        }
       }
     }
     tl::cp_async_wait<1>();
@@ -408,37 +424,37 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_15 = 0; i_15 < 2; ++i_15) {
-        m_cur_clear_1[i_15] = -CUDART_INF_F;
+      for (int i_17 = 0; i_17 < 2; ++i_17) {
+        m_cur_clear_1[i_17] = -CUDART_INF_F;
         #pragma unroll
         for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-          m_cur_clear_1[i_15] = max(m_cur_clear_1[i_15], acc_s[((((rv_2 & 7) * 4) + (i_15 * 2)) + (rv_2 >> 3))]);
+          m_cur_clear_1[i_17] = max(m_cur_clear_1[i_17], acc_s[((((rv_2 & 7) * 4) + (i_17 * 2)) + (rv_2 >> 3))]);
         }
-        m_cur_clear_1[i_15] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_15]);
-        m_cur[i_15] = max(m_cur[i_15], m_cur_clear_1[i_15]);
+        m_cur_clear_1[i_17] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_17]);
+        m_cur[i_17] = max(m_cur[i_17], m_cur_clear_1[i_17]);
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_16 = 0; i_16 < 2; ++i_16) {
+      for (int i_18 = 0; i_18 < 2; ++i_18) {
         float condval_13;
-        if ((m_cur[i_16] == -CUDART_INF_F)) {
+        if ((m_cur[i_18] == -CUDART_INF_F)) {
           condval_13 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_13 = m_cur[i_16];
+          condval_13 = m_cur[i_18];
         }
-        m_safe[i_16] = condval_13;
-        r_scale[i_16] = exp2f(((m_prev[i_16] - m_safe[i_16]) * scale_log2));
+        m_safe[i_18] = condval_13;
+        r_scale[i_18] = exp2f(((m_prev[i_18] - m_safe[i_18]) * scale_log2));
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_17 = 0; i_17 < 16; ++i_17) {
+      for (int i_19 = 0; i_19 < 16; ++i_19) {
         float2 __9;
         float2 __10;
           float2 __11;
-            float2 v__9 = *(float2*)(acc_s + (i_17 * 2));
-            float2 v__10 = make_float2(m_safe[(i_17 & 1)], m_safe[(i_17 & 1)]);
+            float2 v__9 = *(float2*)(acc_s + (i_19 * 2));
+            float2 v__10 = make_float2(m_safe[(i_19 & 1)], m_safe[(i_19 & 1)]);
             __11.x = (v__9.x-v__10.x);
             __11.y = (v__9.y-v__10.y);
           float2 v__11 = make_float2(scale_log2, scale_log2);
@@ -446,18 +462,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
           __10.y = (__11.y*v__11.y);
         __9.x = exp2f(__10.x);
         __9.y = exp2f(__10.y);
-        *(float2*)(acc_s + (i_17 * 2)) = __9;
+        *(float2*)(acc_s + (i_19 * 2)) = __9;
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_18 = 0; i_18 < 2; ++i_18) {
-        r_sum[i_18] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_20 = 0; i_20 < 2; ++i_20) {
+        r_sum[i_20] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-          r_sum[i_18] = (r_sum[i_18] + acc_s[((((rv_3 & 7) * 4) + (i_18 * 2)) + (rv_3 >> 3))]);
+          r_sum[i_20] = (r_sum[i_20] + acc_s[((((rv_3 & 7) * 4) + (i_20 * 2)) + (rv_3 >> 3))]);
         }
-        r_sum[i_18] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_18]);
+        r_sum[i_20] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_20]);
       }
     }
     if (1 <= n_it) {
@@ -474,23 +490,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_19 = 0; i_19 < 8; ++i_19) {
+      for (int i_21 = 0; i_21 < 8; ++i_21) {
         uint2 __14;
-        float4 v__15 = *(float4*)(acc_s + (i_19 * 4));
+        float4 v__15 = *(float4*)(acc_s + (i_21 * 4));
         (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&v__15))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__14))[1] = __float22bfloat162_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_19 * 4)) = __14;
+        *(uint2*)(acc_s_cast + (i_21 * 4)) = __14;
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_20 = 0; i_20 < 32; ++i_20) {
+      for (int i_22 = 0; i_22 < 32; ++i_22) {
         float2 __15;
-          float2 v__16 = *(float2*)(acc_o + (i_20 * 2));
-          float2 v__17 = make_float2(r_scale[(i_20 & 1)], r_scale[(i_20 & 1)]);
+          float2 v__16 = *(float2*)(acc_o + (i_22 * 2));
+          float2 v__17 = make_float2(r_scale[(i_22 & 1)], r_scale[(i_22 & 1)]);
           __15.x = (v__16.x*v__17.x);
           __15.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_20 * 2)) = __15;
+        *(float2*)(acc_o + (i_22 * 2)) = __15;
       }
     }
     tl::cp_async_wait<0>();
@@ -514,41 +530,41 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       }
     }
     #pragma unroll
-    for (int i_21 = 0; i_21 < 32; ++i_21) {
+    for (int i_23 = 0; i_23 < 32; ++i_23) {
       bfloat16_t O_local_cast[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
         uint1 __16;
         float2 condval_14;
-        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_21 & 1)])) {
+        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_23 & 1)])) {
           float2 __17;
-            float2 v__18 = *(float2*)(acc_o + (i_21 * 2));
-            float2 v__19 = make_float2(l_sum[(i_21 & 1)], l_sum[(i_21 & 1)]);
+            float2 v__18 = *(float2*)(acc_o + (i_23 * 2));
+            float2 v__19 = make_float2(l_sum[(i_23 & 1)], l_sum[(i_23 & 1)]);
             __17.x = (v__18.x/v__19.x);
             __17.y = (v__18.y/v__19.y);
           condval_14 = __17;
         } else {
-          condval_14 = make_float2(broadcast_var_4, broadcast_var_4);
+          condval_14 = make_float2(broadcast_var_6, broadcast_var_6);
         }
         (reinterpret_cast<__nv_bfloat162*>(&__16))[0] = __float22bfloat162_rn(((float2*)(&condval_14))[0]);
         *(uint1*)(O_local_cast + 0) = __16;
-        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
           if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_21) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
+                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
               }
             }
           }
@@ -557,30 +573,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     }
     if ((((int)threadIdx.x) % 4) == 0) {
       #pragma unroll
-      for (int i_22 = 0; i_22 < 2; ++i_22) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_22 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_22 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_22 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      for (int i_24 = 0; i_24 < 2; ++i_24) {
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_22 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_22 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_22 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_22 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
                   float condval_15;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_22])) {
-                    condval_15 = (((m_cur[i_22] * scale_log2) + log2f(l_sum[i_22])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_24])) {
+                    condval_15 = (((m_cur[i_24] * scale_log2) + log2f(l_sum[i_24])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
                     condval_15 = -CUDART_INF_F;
                   }
-                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_22) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_22) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_22) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_22) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_22) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_22) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
                   LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_15;
                 }
               }
