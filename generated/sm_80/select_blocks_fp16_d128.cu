@@ -22,13 +22,14 @@
 extern "C" __global__ void infllmv2_select_blocks_fp16_d128_sm80_kernel(const half_t* __restrict__ CK, const half_t* __restrict__ NK, const half_t* __restrict__ Q, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int init_blocks, int local_blocks, int max_tiles, int norm_stride, int norm_window, float scale_log2, int score_stride, int tile_tokens, int topk, int total_c, int total_n, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16_d128_sm80_kernel(const half_t* __restrict__ CK, const half_t* __restrict__ NK, const half_t* __restrict__ Q, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int init_blocks, int local_blocks, int max_tiles, int norm_stride, int norm_window, float scale_log2, int score_stride, int tile_tokens, int topk, int total_c, int total_n, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* SC_s = ((void*)((char*)buf_dyn_shmem + 49152));
-  void* GS_s = ((void*)((char*)buf_dyn_shmem + 73728));
-  void* hist_s = ((void*)((char*)buf_dyn_shmem + 73728));
-  void* st_s = ((void*)((char*)buf_dyn_shmem + 77824));
-  void* P_s = ((void*)((char*)buf_dyn_shmem + 77888));
+  void* hist_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* st_s = ((void*)((char*)buf_dyn_shmem + 4096));
+  void* SC_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* GS_s = ((void*)((char*)buf_dyn_shmem + 40960));
+  void* P_s = ((void*)((char*)buf_dyn_shmem + 45120));
+  half_t Q_f[64];
   int rowpos[2];
   float m_run[2];
   float l_run[2];
@@ -124,27 +125,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       } else {
         condval_8 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
+      *(uint4*)(((half_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
     }
+  }
+  __syncthreads();
+  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
+    for (int i_1 = 0; i_1 < 8; ++i_1) {
+      tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[(((((((int)threadIdx.x) >> 5) * 2048) + ((((int)threadIdx.x) & 15) * 128)) + (i_1 * 16)) + (((((int)threadIdx.x) & 31) >> 4) * 8))])), (&(Q_f[(i_1 * 8)])));
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int i_2 = 0; i_2 < 2; ++i_2) {
       int condval_9;
-      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
+        int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
         condval_9 = (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) - len_q);
       } else {
         condval_9 = -1;
       }
-      rowpos[i_1] = condval_9;
+      rowpos[i_2] = condval_9;
     }
     float broadcast_var_1 = -CUDART_INF_F;
     *(float2*)(m_run + 0) = make_float2(broadcast_var_1, broadcast_var_1);
     float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
     *(float2*)(l_run + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     int condval_10;
     if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
       int rmod_9 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
@@ -153,41 +159,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
     } else {
       condval_10 = 0;
     }
-    if (0 < condval_10) {
+    for (int ch = 0; ch < ((condval_10 + 63) >> 6); ++ch) {
       #pragma unroll
-      for (int i_2 = 0; i_2 < 8; ++i_2) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_2 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_2) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_2 * 8) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= (((i_2 * 8) + (((int)threadIdx.x) >> 4)) + key0_1))) && ((((i_2 * 8) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= (((i_2 * 8) + (((int)threadIdx.x) >> 4)) + key0_1))));
+      for (int i_3 = 0; i_3 < 8; ++i_3) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && (((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
       }
       tl::cp_async_commit();
-    }
-    int condval_11;
-    if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-      int rmod_10 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
-      int rdiv_6 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
-      condval_11 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_10)) || ((norm_stride < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) + 1));
-    } else {
-      condval_11 = 0;
-    }
-    for (int ch = 0; ch < ((condval_11 + 63) >> 6); ++ch) {
-      int condval_12;
-      if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        int rmod_11 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
-        int rdiv_7 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
-        condval_12 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_11)) || ((norm_stride < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
-      } else {
-        condval_12 = 0;
-      }
-      if ((ch + 1) < ((condval_12 + 63) >> 6)) {
-        #pragma unroll
-        for (int i_3 = 0; i_3 < 8; ++i_3) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((((((ch + 1) & 1) * 8192) + (((((int)threadIdx.x) & 15) >> 3) * 4096)) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) + 64) < total_n) && (-64 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && ((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) + 64) < total_n)) && (-64 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
-        }
-        tl::cp_async_commit();
-        tl::cp_async_wait<1>();
-        __syncthreads();
-      } else {
-        tl::cp_async_wait<0>();
-      }
+      tl::cp_async_wait<0>();
       __syncthreads();
       #pragma unroll
       for (int i_4 = 0; i_4 < 8; ++i_4) {
@@ -195,37 +173,45 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         *(float4*)(acc_s + (i_4 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
       }
       {
-        half_t A_local[8];
         half_t B_local[32];
         for (int ki = 0; ki < 8; ++ki) {
-          tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[(((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
           #pragma unroll
           for (int i_5 = 0; i_5 < 4; ++i_5) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((ch & 1) * 8192) + ((ki >> 2) * 4096)) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
+            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((((ki >> 2) * 4096) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
           }
           for (int j = 0; j < 4; ++j) {
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j * 8) + 4)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki * 8)), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j * 8) + 4)), reinterpret_cast<const unsigned*>(Q_f + (ki * 8)), reinterpret_cast<const unsigned*>(B_local + ((j * 8) + 4)));
           }
         }
       }
-      #pragma unroll
-      for (int i_6 = 0; i_6 < 32; ++i_6) {
-        int condval_14;
-        if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          int rmod_12 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
-          int rdiv_8 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
-          condval_14 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_12)) || ((norm_stride < 0) && (rmod_12 <= 0))) ? rdiv_8 : (rdiv_8 - 1)) + 1));
-        } else {
-          condval_14 = 0;
+      int condval_11;
+      if ((norm_window <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q))) {
+        int rmod_10 = (((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q) - norm_window) % norm_stride);
+        int rdiv_6 = (((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q) - norm_window) / norm_stride);
+        condval_11 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_10)) || ((norm_stride < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) + 1));
+      } else {
+        condval_11 = 0;
+      }
+      if (condval_11 < ((ch * 64) + 64)) {
+        #pragma unroll
+        for (int i_6 = 0; i_6 < 32; ++i_6) {
+          int condval_13;
+          if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+            int rmod_11 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
+            int rdiv_7 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
+            condval_13 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_11)) || ((norm_stride < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
+          } else {
+            condval_13 = 0;
+          }
+          float condval_12;
+          if (((((((ch * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < condval_13) && (((((((ch * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) * norm_stride) + norm_window) <= (rowpos[((i_6 & 3) >> 1)] + 1)))) {
+            condval_12 = acc_s[i_6];
+          } else {
+            condval_12 = -CUDART_INF_F;
+          }
+          acc_s[i_6] = condval_12;
         }
-        float condval_13;
-        if (((((((ch * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < condval_14) && (((((((ch * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) * norm_stride) + norm_window) <= (rowpos[((i_6 & 3) >> 1)] + 1)))) {
-          condval_13 = acc_s[i_6];
-        } else {
-          condval_13 = -CUDART_INF_F;
-        }
-        acc_s[i_6] = condval_13;
       }
       *(float2*)(m_prev + 0) = *(float2*)(m_run + 0);
       #pragma unroll
@@ -240,13 +226,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       }
       #pragma unroll
       for (int i_8 = 0; i_8 < 2; ++i_8) {
-        float condval_15;
+        float condval_14;
         if ((m_run[i_8] == -CUDART_INF_F)) {
-          condval_15 = 0x0p+0f/*0.000000e+00*/;
+          condval_14 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_15 = m_run[i_8];
+          condval_14 = m_run[i_8];
         }
-        m_safe[i_8] = condval_15;
+        m_safe[i_8] = condval_14;
         r_scale[i_8] = exp2f(((m_prev[i_8] - m_safe[i_8]) * scale_log2));
       }
       #pragma unroll
@@ -304,109 +290,91 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       *(float2*)(m_fine + 0) = make_float2(broadcast_var_4, broadcast_var_4);
       float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
       *(float2*)(l_fine + 0) = make_float2(broadcast_var_5, broadcast_var_5);
-      int condval_16;
+      int condval_15;
       if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-        condval_16 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
+        condval_15 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
       } else {
-        condval_16 = 0;
+        condval_15 = 0;
       }
-      if (0 < condval_16) {
+      for (int ch_1 = 0; ch_1 < ((condval_15 + 63) >> 6); ++ch_1) {
         #pragma unroll
         for (int i_11 = 0; i_11 < 8; ++i_11) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_11) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_11 * 8) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= (((i_11 * 8) + (((int)threadIdx.x) >> 4)) + key0))) && ((((i_11 * 8) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= (((i_11 * 8) + (((int)threadIdx.x) >> 4)) + key0))));
+          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_11) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
         }
         tl::cp_async_commit();
-      }
-      int condval_17;
-      if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-        condval_17 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
-      } else {
-        condval_17 = 0;
-      }
-      for (int ch_1 = 0; ch_1 < ((condval_17 + 63) >> 6); ++ch_1) {
-        int condval_18;
-        if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-          condval_18 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
-        } else {
-          condval_18 = 0;
-        }
-        if ((ch_1 + 1) < ((condval_18 + 63) >> 6)) {
-          #pragma unroll
-          for (int i_12 = 0; i_12 < 8; ++i_12) {
-            tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((((((ch_1 + 1) & 1) * 8192) + (((((int)threadIdx.x) & 15) >> 3) * 4096)) + (i_12 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_12) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((ch_1 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + key0) + 64) < total_c) && (-64 <= ((((ch_1 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && ((((((ch_1 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + key0) + 64) < total_c)) && (-64 <= ((((ch_1 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
-          }
-          tl::cp_async_commit();
-          tl::cp_async_wait<1>();
-          __syncthreads();
-        } else {
-          tl::cp_async_wait<0>();
-        }
+        tl::cp_async_wait<0>();
         __syncthreads();
         #pragma unroll
-        for (int i_13 = 0; i_13 < 8; ++i_13) {
+        for (int i_12 = 0; i_12 < 8; ++i_12) {
           float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_13 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+          *(float4*)(acc_s + (i_12 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
         }
         {
-          half_t A_local_1[8];
           half_t B_local_1[32];
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[(((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
             #pragma unroll
-            for (int i_14 = 0; i_14 < 4; ++i_14) {
-              tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((ch_1 & 1) * 8192) + ((ki_1 >> 2) * 4096)) + (i_14 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_14 * 8)])));
+            for (int i_13 = 0; i_13 < 4; ++i_13) {
+              tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((((ki_1 >> 2) * 4096) + (i_13 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_13 * 8)])));
             }
             for (int j_1 = 0; j_1 < 4; ++j_1) {
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_1 * 8) + 4)));
+              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_1 * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki_1 * 8)), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
+              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(Q_f + (ki_1 * 8)), reinterpret_cast<const unsigned*>(B_local_1 + ((j_1 * 8) + 4)));
             }
           }
         }
-        #pragma unroll
-        for (int i_15 = 0; i_15 < 32; ++i_15) {
-          int condval_20;
-          if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-            condval_20 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
-          } else {
-            condval_20 = 0;
+        int condval_16;
+        if (((31 <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
+          condval_16 = min(n_c, (((min(((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), (norm_window - 2)) - 31) >> 4) + 1));
+        } else {
+          condval_16 = 0;
+        }
+        if (condval_16 < ((ch_1 * 64) + 64)) {
+          #pragma unroll
+          for (int i_14 = 0; i_14 < 32; ++i_14) {
+            int condval_18;
+            if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
+              condval_18 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
+            } else {
+              condval_18 = 0;
+            }
+            float condval_17;
+            if (((((((ch_1 * 64) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) < condval_18) && ((((((ch_1 * 1024) + ((i_14 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_14 & 1) * 16)) + 31) <= rowpos[((i_14 & 3) >> 1)]))) {
+              condval_17 = acc_s[i_14];
+            } else {
+              condval_17 = -CUDART_INF_F;
+            }
+            acc_s[i_14] = condval_17;
           }
-          float condval_19;
-          if (((((((ch_1 * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < condval_20) && ((((((ch_1 * 1024) + ((i_15 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_15 & 1) * 16)) + 31) <= rowpos[((i_15 & 3) >> 1)]))) {
-            condval_19 = acc_s[i_15];
-          } else {
-            condval_19 = -CUDART_INF_F;
-          }
-          acc_s[i_15] = condval_19;
         }
         *(float2*)(m_prev + 0) = *(float2*)(m_fine + 0);
         #pragma unroll
-        for (int i_16 = 0; i_16 < 2; ++i_16) {
-          m_fine_clear[i_16] = -CUDART_INF_F;
+        for (int i_15 = 0; i_15 < 2; ++i_15) {
+          m_fine_clear[i_15] = -CUDART_INF_F;
           #pragma unroll
           for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-            m_fine_clear[i_16] = max(m_fine_clear[i_16], acc_s[((((rv_2 & 7) * 4) + (i_16 * 2)) + (rv_2 >> 3))]);
+            m_fine_clear[i_15] = max(m_fine_clear[i_15], acc_s[((((rv_2 & 7) * 4) + (i_15 * 2)) + (rv_2 >> 3))]);
           }
-          m_fine_clear[i_16] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_fine_clear[i_16]);
-          m_fine[i_16] = max(m_fine[i_16], m_fine_clear[i_16]);
+          m_fine_clear[i_15] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_fine_clear[i_15]);
+          m_fine[i_15] = max(m_fine[i_15], m_fine_clear[i_15]);
         }
         #pragma unroll
-        for (int i_17 = 0; i_17 < 2; ++i_17) {
-          float condval_21;
-          if ((m_fine[i_17] == -CUDART_INF_F)) {
-            condval_21 = 0x0p+0f/*0.000000e+00*/;
+        for (int i_16 = 0; i_16 < 2; ++i_16) {
+          float condval_19;
+          if ((m_fine[i_16] == -CUDART_INF_F)) {
+            condval_19 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_21 = m_fine[i_17];
+            condval_19 = m_fine[i_16];
           }
-          m_safe[i_17] = condval_21;
-          r_scale[i_17] = exp2f(((m_prev[i_17] - m_safe[i_17]) * scale_log2));
+          m_safe[i_16] = condval_19;
+          r_scale[i_16] = exp2f(((m_prev[i_16] - m_safe[i_16]) * scale_log2));
         }
         #pragma unroll
-        for (int i_18 = 0; i_18 < 16; ++i_18) {
+        for (int i_17 = 0; i_17 < 16; ++i_17) {
           float2 __9;
           float2 __10;
             float2 __11;
-              float2 v__9 = *(float2*)(acc_s + (i_18 * 2));
-              float2 v__10 = make_float2(m_safe[(i_18 & 1)], m_safe[(i_18 & 1)]);
+              float2 v__9 = *(float2*)(acc_s + (i_17 * 2));
+              float2 v__10 = make_float2(m_safe[(i_17 & 1)], m_safe[(i_17 & 1)]);
               __11.x = (v__9.x-v__10.x);
               __11.y = (v__9.y-v__10.y);
             float2 v__11 = make_float2(scale_log2, scale_log2);
@@ -414,16 +382,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
             __10.y = (__11.y*v__11.y);
           __9.x = exp2f(__10.x);
           __9.y = exp2f(__10.y);
-          *(float2*)(acc_s + (i_18 * 2)) = __9;
+          *(float2*)(acc_s + (i_17 * 2)) = __9;
         }
         #pragma unroll
-        for (int i_19 = 0; i_19 < 2; ++i_19) {
-          r_sum[i_19] = 0x0p+0f/*0.000000e+00*/;
+        for (int i_18 = 0; i_18 < 2; ++i_18) {
+          r_sum[i_18] = 0x0p+0f/*0.000000e+00*/;
           #pragma unroll
           for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-            r_sum[i_19] = (r_sum[i_19] + acc_s[((((rv_3 & 7) * 4) + (i_19 * 2)) + (rv_3 >> 3))]);
+            r_sum[i_18] = (r_sum[i_18] + acc_s[((((rv_3 & 7) * 4) + (i_18 * 2)) + (rv_3 >> 3))]);
           }
-          r_sum[i_19] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_19]);
+          r_sum[i_18] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_18]);
         }
         float2 __12;
           float2 __13;
@@ -438,9 +406,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         __syncthreads();
       }
       #pragma unroll
-      for (int i_20 = 0; i_20 < 2; ++i_20) {
-        if (l_run[i_20] == 0x0p+0f/*0.000000e+00*/) {
-          lse2[i_20] = ((m_fine[i_20] * scale_log2) + log2f(l_fine[i_20]));
+      for (int i_19 = 0; i_19 < 2; ++i_19) {
+        if (l_run[i_19] == 0x0p+0f/*0.000000e+00*/) {
+          lse2[i_19] = ((m_fine[i_19] * scale_log2) + log2f(l_fine[i_19]));
         }
       }
     }
@@ -460,115 +428,113 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
   }
   __syncthreads();
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    int condval_22;
+    int condval_20;
     if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-      condval_22 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+      condval_20 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
     } else {
-      condval_22 = 0;
+      condval_20 = 0;
     }
-    if (0 < condval_22) {
+    for (int ch_2 = 0; ch_2 < ((condval_20 + 63) >> 6); ++ch_2) {
       #pragma unroll
-      for (int i_21 = 0; i_21 < 8; ++i_21) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_21 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_21) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_21 * 8) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= (((i_21 * 8) + (((int)threadIdx.x) >> 4)) + key0))) && ((((i_21 * 8) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= (((i_21 * 8) + (((int)threadIdx.x) >> 4)) + key0))));
+      for (int i_20 = 0; i_20 < 8; ++i_20) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_20 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_20) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
       }
       tl::cp_async_commit();
-    }
-    int condval_23;
-    if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-      condval_23 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
-    } else {
-      condval_23 = 0;
-    }
-    for (int ch_2 = 0; ch_2 < ((condval_23 + 63) >> 6); ++ch_2) {
-      int condval_24;
-      if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_24 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
-      } else {
-        condval_24 = 0;
-      }
-      if ((ch_2 + 1) < ((condval_24 + 63) >> 6)) {
-        #pragma unroll
-        for (int i_22 = 0; i_22 < 8; ++i_22) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((((((ch_2 + 1) & 1) * 8192) + (((((int)threadIdx.x) & 15) >> 3) * 4096)) + (i_22 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_22) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((ch_2 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + key0) + 64) < total_c) && (-64 <= ((((ch_2 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && ((((((ch_2 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + key0) + 64) < total_c)) && (-64 <= ((((ch_2 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
-        }
-        tl::cp_async_commit();
-        tl::cp_async_wait<1>();
-        __syncthreads();
-      } else {
-        tl::cp_async_wait<0>();
-      }
+      tl::cp_async_wait<0>();
       __syncthreads();
       #pragma unroll
-      for (int i_23 = 0; i_23 < 8; ++i_23) {
+      for (int i_21 = 0; i_21 < 8; ++i_21) {
         float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_23 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+        *(float4*)(acc_s + (i_21 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
       }
       {
-        half_t A_local_2[8];
         half_t B_local_2[32];
         for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
-          tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[(((((((ki_2 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_2 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
-          for (int i_24 = 0; i_24 < 4; ++i_24) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((ch_2 & 1) * 8192) + ((ki_2 >> 2) * 4096)) + (i_24 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_2 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_24 * 8)])));
+          for (int i_22 = 0; i_22 < 4; ++i_22) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((((ki_2 >> 2) * 4096) + (i_22 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_2 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_22 * 8)])));
           }
           for (int j_2 = 0; j_2 < 4; ++j_2) {
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_2 * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(Q_f + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
           }
         }
       }
       __syncthreads();
-      #pragma unroll
-      for (int i_25 = 0; i_25 < 32; ++i_25) {
-        int condval_26;
-        if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          condval_26 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
-        } else {
-          condval_26 = 0;
+      int condval_21;
+      if ((31 <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        condval_21 = min(n_c, (((((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q) - 31) >> 4) + 1));
+      } else {
+        condval_21 = 0;
+      }
+      if (((ch_2 * 64) + 64) <= condval_21) {
+        #pragma unroll
+        for (int i_23 = 0; i_23 < 16; ++i_23) {
+          float2 __14;
+          float2 __15;
+            float2 __16;
+              float2 v__15 = *(float2*)(acc_s + (i_23 * 2));
+              float2 v__16 = make_float2(scale_log2, scale_log2);
+              __16.x = (v__15.x*v__16.x);
+              __16.y = (v__15.y*v__16.y);
+            float2 v__17 = make_float2(lse2[(i_23 & 1)], lse2[(i_23 & 1)]);
+            __15.x = (__16.x-v__17.x);
+            __15.y = (__16.y-v__17.y);
+          __14.x = exp2f(__15.x);
+          __14.y = exp2f(__15.y);
+          *(float2*)(((float*)P_s) + ((((((((int)threadIdx.x) >> 5) * 1152) + ((i_23 & 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_23 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = __14;
         }
-        float condval_25;
-        if (((((((ch_2 * 64) + ((i_25 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_25 & 1)) < condval_26) && ((((((ch_2 * 1024) + ((i_25 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_25 & 1) * 16)) + 31) <= rowpos[((i_25 & 3) >> 1)]))) {
-          condval_25 = exp2f(((acc_s[i_25] * scale_log2) - lse2[((i_25 & 3) >> 1)]));
-        } else {
-          condval_25 = -CUDART_INF_F;
+      } else {
+        #pragma unroll
+        for (int i_24 = 0; i_24 < 32; ++i_24) {
+          int condval_23;
+          if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+            condval_23 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+          } else {
+            condval_23 = 0;
+          }
+          float condval_22;
+          if (((((((ch_2 * 64) + ((i_24 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_24 & 1)) < condval_23) && ((((((ch_2 * 1024) + ((i_24 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_24 & 1) * 16)) + 31) <= rowpos[((i_24 & 3) >> 1)]))) {
+            condval_22 = exp2f(((acc_s[i_24] * scale_log2) - lse2[((i_24 & 3) >> 1)]));
+          } else {
+            condval_22 = -CUDART_INF_F;
+          }
+          ((float*)P_s)[(((((((((int)threadIdx.x) >> 5) * 1152) + (((i_24 & 3) >> 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_24 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_24 & 1))] = condval_22;
         }
-        ((float*)P_s)[(((((((((int)threadIdx.x) >> 5) * 1024) + (((i_25 & 3) >> 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((i_25 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_25 & 1))] = condval_25;
       }
       __syncthreads();
       if (groups == 16) {
         for (int e_2 = 0; e_2 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_2) {
           if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-            ((float*)GS_s)[((((((int64_t)e_2) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((((float*)P_s)[(((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)64)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)128)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)192)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)256)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)320)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)384)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)448)]))) + (((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)512)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)576)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)640)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)704)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)768)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)832)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)896)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2048) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1024)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)960)]))));
+            ((float*)GS_s)[((((((int64_t)e_2) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((((float*)P_s)[(((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)]))) + (((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)576)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)648)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)720)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)792)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)864)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)936)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1008)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1080)]))));
           }
         }
       } else {
         if (groups == 8) {
           for (int e_3 = 0; e_3 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_3) {
             if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-              ((float*)GS_s)[((((((int64_t)e_3) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((((float*)P_s)[(((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)64)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)128)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)192)])) + ((((float*)P_s)[((((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)256)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)320)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)384)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1024) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)448)])));
+              ((float*)GS_s)[((((((int64_t)e_3) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((((float*)P_s)[(((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)])));
             }
           }
         } else {
           if (groups == 4) {
             for (int e_4 = 0; e_4 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_4) {
               if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                ((float*)GS_s)[((((((int64_t)e_4) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((float*)P_s)[(((((int64_t)e_4) * (int64_t)512) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)256)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)512) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)256)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)64)]) + (((float*)P_s)[((((((int64_t)e_4) * (int64_t)512) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)256)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)128)] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)512) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)256)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)192)]));
+                ((float*)GS_s)[((((((int64_t)e_4) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((float*)P_s)[(((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)]));
               }
             }
           } else {
             if (groups == 2) {
               for (int e_5 = 0; e_5 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_5) {
                 if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                  ((float*)GS_s)[((((((int64_t)e_5) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((float*)P_s)[(((((int64_t)e_5) * (int64_t)256) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_5) * (int64_t)256) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)64)]);
+                  ((float*)GS_s)[((((((int64_t)e_5) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((float*)P_s)[(((((int64_t)e_5) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_5) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]);
                 }
               }
             } else {
               if (groups == 1) {
                 for (int e_6 = 0; e_6 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_6) {
-                  __syncthreads();
                   if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((((((int64_t)e_6) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((float*)P_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))];
+                    ((float*)GS_s)[((((((int64_t)e_6) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((float*)P_s)[(((((int64_t)e_6) * (int64_t)144) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))];
                   }
                 }
               } else {
@@ -579,10 +545,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
                   __syncthreads();
                   if (((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
                     for (int h4 = 0; h4 < (groups >> 2); ++h4) {
-                      gsum = (gsum + ((((float*)P_s)[(((((int64_t)h4) * (int64_t)256) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)256) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)64)]) + (((float*)P_s)[((((((int64_t)h4) * (int64_t)256) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)128)] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)256) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)192)])));
+                      gsum = (gsum + ((((float*)P_s)[(((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])));
                     }
                     for (int h = 0; h < (groups & 3); ++h) {
-                      gsum = (gsum + ((float*)P_s)[(((((((int64_t)groups) >> (int64_t)2) * (int64_t)256) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)64)) + (((int64_t)h) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))]);
+                      gsum = (gsum + ((float*)P_s)[(((((((int64_t)groups) >> (int64_t)2) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)h) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))]);
                     }
                   }
                   __syncthreads();
@@ -611,32 +577,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       __syncthreads();
     }
     if ((((int)threadIdx.x) < tile_tokens) && (((int)threadIdx.x) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-      int condval_27;
+      int condval_24;
       if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_27 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+        condval_24 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
       } else {
-        condval_27 = 0;
+        condval_24 = 0;
       }
-      int condval_28;
+      int condval_25;
       if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_28 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+        condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
       } else {
-        condval_28 = 0;
+        condval_25 = 0;
       }
-      if (((((condval_27 + 63) >> 6) * 16) <= ((((len_k + (((int)blockIdx.x) * tile_tokens)) + ((int)threadIdx.x)) - len_q) >> 6)) && ((((condval_28 + 63) >> 6) * 16) < score_stride)) {
-        int64_t condval_29;
+      if (((((condval_24 + 63) >> 6) * 16) <= ((((len_k + (((int)blockIdx.x) * tile_tokens)) + ((int)threadIdx.x)) - len_q) >> 6)) && ((((condval_25 + 63) >> 6) * 16) < score_stride)) {
+        int64_t condval_26;
         if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-          condval_29 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+          condval_26 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
         } else {
-          condval_29 = (int64_t)0;
+          condval_26 = (int64_t)0;
         }
-        int64_t condval_30;
+        int64_t condval_27;
         if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-          condval_30 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+          condval_27 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
         } else {
-          condval_30 = (int64_t)0;
+          condval_27 = (int64_t)0;
         }
-        ((float*)SC_s)[((((condval_30 + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) * ((int64_t)score_stride)))] = ((float*)GS_s)[(((int)threadIdx.x) * 65)];
+        ((float*)SC_s)[((((condval_27 + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) * ((int64_t)score_stride)))] = ((float*)GS_s)[(((int)threadIdx.x) * 65)];
       }
     }
     __syncthreads();
@@ -646,25 +612,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       }
       __syncthreads();
       if ((((rnd * 4) + (((int)threadIdx.x) >> 5)) < tile_tokens) && (((rnd * 4) + (((int)threadIdx.x) >> 5)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-        for (int i_26 = 0; i_26 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 31) >> 5); ++i_26) {
-          if ((((i_26 * 32) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((i_26 * 32) + (((int)threadIdx.x) & 31)) < score_stride)) {
-            float condval_31;
-            if (((((i_26 * 32) + (((int)threadIdx.x) & 31)) < init_blocks) || ((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) - local_blocks) <= ((i_26 * 32) + (((int)threadIdx.x) & 31))))) {
-              condval_31 = CUDART_INF_F;
+        for (int i_25 = 0; i_25 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 31) >> 5); ++i_25) {
+          if ((((i_25 * 32) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((i_25 * 32) + (((int)threadIdx.x) & 31)) < score_stride)) {
+            float condval_28;
+            if (((((i_25 * 32) + (((int)threadIdx.x) & 31)) < init_blocks) || ((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) - local_blocks) <= ((i_25 * 32) + (((int)threadIdx.x) & 31))))) {
+              condval_28 = CUDART_INF_F;
             } else {
-              condval_31 = ((float*)SC_s)[(((((int64_t)i_26) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
+              condval_28 = ((float*)SC_s)[(((((int64_t)i_25) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
             }
-            float _reinterpret_tmp = condval_31;
+            float _reinterpret_tmp = condval_28;
             ru[2] = (*(uint *)(&(_reinterpret_tmp)));
-            uint condval_32;
+            uint condval_29;
             if (((ru[2] >> (uint)31) != (uint)0)) {
-              condval_32 = (~ru[2]);
+              condval_29 = (~ru[2]);
             } else {
-              condval_32 = (ru[2] | (uint)2147483648);
+              condval_29 = (ru[2] | (uint)2147483648);
             }
-            ru[2] = condval_32;
-            uint v__15 = ru[2];
-            ((float*)SC_s)[(((((int64_t)i_26) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__15)));
+            ru[2] = condval_29;
+            uint v__18 = ru[2];
+            ((float*)SC_s)[(((((int64_t)i_25) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__18)));
             if ((uint)8388607 < ru[2]) {
               rs[0] = (rs[0] + 1);
             }
@@ -687,18 +653,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
               ((int*)hist_s)[((((int)threadIdx.x) * 8) + q)] = 0;
             }
             __syncwarp();
-            for (int i_27 = 0; i_27 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_27) {
+            for (int i_26 = 0; i_26 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_26) {
               #pragma unroll
               for (int u = 0; u < 4; ++u) {
-                float v__16 = ((float*)SC_s)[(min((((((int64_t)i_27) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
-                kk[u] = (*(uint *)(&(v__16)));
-                int condval_33;
-                if ((((((((i_27 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_27 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
-                  condval_33 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
+                float v__19 = ((float*)SC_s)[(min((((((int64_t)i_26) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
+                kk[u] = (*(uint *)(&(v__19)));
+                int condval_30;
+                if ((((((((i_26 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_26 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
+                  condval_30 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
                 } else {
-                  condval_33 = 256;
+                  condval_30 = 256;
                 }
-                bins[u] = condval_33;
+                bins[u] = condval_30;
               }
               #pragma unroll
               for (int u_1 = 0; u_1 < 4; ++u_1) {
@@ -746,34 +712,34 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         }
         rs[2] = 0;
         rs[3] = 0;
-        for (int i_28 = 0; i_28 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_28) {
+        for (int i_27 = 0; i_27 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_27) {
           #pragma unroll
           for (int u_2 = 0; u_2 < 4; ++u_2) {
-            uint condval_34;
-            if ((((((i_28 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_28 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) < score_stride))) {
-              float v__17 = ((float*)SC_s)[(min((((((int64_t)i_28) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
-              condval_34 = (*(uint *)(&(v__17)));
+            uint condval_31;
+            if ((((((i_27 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_27 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) < score_stride))) {
+              float v__20 = ((float*)SC_s)[(min((((((int64_t)i_27) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
+              condval_31 = (*(uint *)(&(v__20)));
             } else {
-              condval_34 = (uint)0;
+              condval_31 = (uint)0;
             }
-            kk[u_2] = condval_34;
+            kk[u_2] = condval_31;
           }
           #pragma unroll
           for (int u_3 = 0; u_3 < 4; ++u_3) {
             rs[4] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, ((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])))));
-            int condval_35;
+            int condval_32;
             if (((ru[3] < kk[u_3]) || (((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])) && ((((uint)rs[3]) + __popc((((uint)rs[4]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)rs[1]))))) {
-              condval_35 = 1;
+              condval_32 = 1;
             } else {
-              condval_35 = 0;
+              condval_32 = 0;
             }
-            rs[5] = condval_35;
+            rs[5] = condval_32;
             rs[6] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, (rs[5] != 0))));
             if (rs[5] != 0) {
               if ((((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)topk)) {
                 if (0 <= ((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
                   if (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    topk_idx[(((uint)(((((int)blockIdx.z) * topk) * total_q) + (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) * topk))) + (((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))))] = (((i_28 * 128) + (u_3 * 32)) + (((int)threadIdx.x) & 31));
+                    topk_idx[(((uint)(((((int)blockIdx.z) * topk) * total_q) + (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) * topk))) + (((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))))] = (((i_27 * 128) + (u_3 * 32)) + (((int)threadIdx.x) & 31));
                   }
                 }
               }
@@ -783,10 +749,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
           }
         }
         if (0 <= ((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-          for (int i_29 = 0; i_29 < ((topk + 31) >> 5); ++i_29) {
-            if ((rs[2] <= ((i_29 * 32) + (((int)threadIdx.x) & 31))) && (((i_29 * 32) + (((int)threadIdx.x) & 31)) < topk)) {
+          for (int i_28 = 0; i_28 < ((topk + 31) >> 5); ++i_28) {
+            if ((rs[2] <= ((i_28 * 32) + (((int)threadIdx.x) & 31))) && (((i_28 * 32) + (((int)threadIdx.x) & 31)) < topk)) {
               if (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                topk_idx[((((((int64_t)i_29) * (int64_t)32) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = -1;
+                topk_idx[((((((int64_t)i_28) * (int64_t)32) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = -1;
               }
             }
           }
@@ -814,9 +780,9 @@ extern "C" const char* infllmv2_select_blocks_fp16_d128_sm80_last_error() {
 extern "C" int infllmv2_select_blocks_fp16_d128_sm80_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_select_blocks_fp16_d128_sm80_kernel = cudaFuncSetAttribute(infllmv2_select_blocks_fp16_d128_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 94272);
+    cudaError_t result_infllmv2_select_blocks_fp16_d128_sm80_kernel = cudaFuncSetAttribute(infllmv2_select_blocks_fp16_d128_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 63552);
     if (result_infllmv2_select_blocks_fp16_d128_sm80_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 94272, cudaGetErrorString(result_infllmv2_select_blocks_fp16_d128_sm80_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 63552, cudaGetErrorString(result_infllmv2_select_blocks_fp16_d128_sm80_kernel));
         return -1;
     }
 
@@ -835,7 +801,7 @@ extern "C" int infllmv2_select_blocks_fp16_d128_sm80_call(half_t* __restrict__ Q
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 94272;
+		config.dynamicSmemBytes = 63552;
 		cudaLaunchKernelEx(&config, infllmv2_select_blocks_fp16_d128_sm80_kernel, CK, NK, Q, cu_seqlens_c, cu_seqlens_k, cu_seqlens_n, cu_seqlens_q, topk_idx, approx, batch, batch_plus_one, groups, heads, heads_k, init_blocks, local_blocks, max_tiles, norm_stride, norm_window, scale_log2, score_stride, tile_tokens, topk, total_c, total_n, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_select_blocks_fp16_d128_sm80_kernel");
