@@ -17,8 +17,8 @@ Kernels (one PrimFunc each; the backward's Delta comes from sparse_attn_bwd_prep
   fwd        O, LSE                                  grid (tiles, batch, Hk)
   bwd_dq     dQ, same tiles as fwd                    grid (tiles, batch, Hk)
   bwd_dkdv   dK, dV per 64-key block, visiting every  grid (Hk, batch, key blocks)
-             query tile that can see it; on sm_90a the next tile's rows load by cp.async
-             while the current one is computed
+             query tile that can see it; on sm_90a the tiles have 128 rows and the next
+             tile's rows load by cp.async while the current one is computed
 Every gradient is written by exactly one thread block in a fixed order: the backward is
 deterministic, with no atomics.
 """
@@ -57,7 +57,13 @@ def pass_configs(kernel, dtype, head_dim, arch):
 
 def unit_constants(kernel, dtype, head_dim, arch):
     """What the host wrapper needs to size the grid: T = block_m // G tokens a tile."""
-    return {"block_m": BLOCK_M}
+    return {"block_m": _dkdv_block_m(arch) if kernel == "bwd_dkdv" else BLOCK_M}
+
+
+def _dkdv_block_m(arch):
+    # sm_90a's 227 KB hold two 128-row query tiles (the prefetch buffer); 99 KB (sm_86/sm_89)
+    # hold one 64-row tile.
+    return 128 if _prefetch(arch) else BLOCK_M
 
 
 def variant_name(kernel, dtype, head_dim):
@@ -304,12 +310,15 @@ VEC = 8  # elements per 16-byte cp.async (2-byte dtypes)
 def _bwd_dkdv(dtype, D, arch):
     accum = "float32"
     total_q, total_k, heads, heads_k, batch_plus_one = _dyn()
-    # As sparse_attn_bwd_dkdv: enough threads that the dK/dV accumulators do not cap occupancy
-    # (measured on an H100, dense 4K x 8, G=16: 512 threads 37 ms; 256 threads 51 ms, or 45 ms
-    # with 128-row query tiles; 128 threads 51 ms).
-    threads = 512 if arch.startswith("sm_90") else 256
+    # Two warpgroups on 128-row query tiles on sm_90a: with four, each GEMM's N is split four
+    # ways (n16/n32 wgmma), which reads the A operand from shared memory for every 16 columns
+    # and leaves the tensor cores waiting on shared memory. Measured on an H100 at 4K x 8,
+    # G = 16 (with the prefetch and the unmasked path): 512 threads on 64-row tiles 10.1 ms,
+    # 256 threads 8.7 ms, 256 threads on 128-row tiles 7.4 ms.
+    threads = 256
     prefetch = _prefetch(arch)
-    NV = BLOCK_M * D // VEC
+    BM = _dkdv_block_m(arch)
+    NV = BM * D // VEC
 
     @T.macro
     def load_tile(Q, dO, LSE, Delta, q0, t0, n_rows, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab):
@@ -324,7 +333,7 @@ def _bwd_dkdv(dtype, D, arch):
                                predicate=r < n_rows)
                 T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[row, rhead_s[r], d], "r", VEC), VEC,
                                predicate=r < n_rows)
-        if tx < BLOCK_M:
+        if tx < BM:
             row = q0 + t0 + T.if_then_else(tx < n_rows, rtok_s[tx], 0)
             T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[rhead_s[tx], row], "r", 1), 1,
                            predicate=tx < n_rows)
@@ -336,13 +345,13 @@ def _bwd_dkdv(dtype, D, arch):
                 acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
         T.clear(acc_sT)
         T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        if n_rows == BLOCK_M and (kb + 1) * BLOCK_N <= len_k and (causal == 0 or (kb + 1) * BLOCK_N <= shift + t0 + 1):
+        if n_rows == BM and (kb + 1) * BLOCK_N <= len_k and (causal == 0 or (kb + 1) * BLOCK_N <= shift + t0 + 1):
             # a full tile whose first token sees the whole key block: no mask, and every row's
             # LSE is finite
-            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            for c, r in T.Parallel(BLOCK_N, BM):
                 acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E)
         else:
-            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            for c, r in T.Parallel(BLOCK_N, BM):
                 acc_sT[c, r] = T.if_then_else(
                     r < n_rows
                     and lse_s[r] != NEG_INF
@@ -354,7 +363,7 @@ def _bwd_dkdv(dtype, D, arch):
         T.clear(acc_dpT)
         T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.copy(acc_sT, pT_s)
-        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+        for c, r in T.Parallel(BLOCK_N, BM):
             dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
         T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
         T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
@@ -383,26 +392,26 @@ def _bwd_dkdv(dtype, D, arch):
         with T.Kernel(heads_k, batch, max_kblocks, threads=threads) as (hk, b, kb):
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            Q_s0 = T.alloc_shared([BLOCK_M, D], dtype)
-            dO_s0 = T.alloc_shared([BLOCK_M, D], dtype)
-            lse_s0 = T.alloc_shared([BLOCK_M], accum)
-            delta_s0 = T.alloc_shared([BLOCK_M], accum)
-            Q_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
-            dO_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
-            lse_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
-            delta_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
+            Q_s0 = T.alloc_shared([BM, D], dtype)
+            dO_s0 = T.alloc_shared([BM, D], dtype)
+            lse_s0 = T.alloc_shared([BM], accum)
+            delta_s0 = T.alloc_shared([BM], accum)
+            Q_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
+            dO_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
+            lse_s1 = T.alloc_shared([BM if prefetch else 1], accum)
+            delta_s1 = T.alloc_shared([BM if prefetch else 1], accum)
             # row r's token offset and head, computed once: as expressions they put run-time
             # integer divisions by G into every load of every query tile
-            rtok_s = T.alloc_shared([BLOCK_M], "int32")
-            rhead_s = T.alloc_shared([BLOCK_M], "int32")
+            rtok_s = T.alloc_shared([BM], "int32")
+            rhead_s = T.alloc_shared([BM], "int32")
             tile0 = T.alloc_var("int32")
             n_m = T.alloc_var("int32")
-            acc_sT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
-            acc_dpT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
+            acc_sT = T.alloc_fragment([BLOCK_N, BM], accum)
+            acc_dpT = T.alloc_fragment([BLOCK_N, BM], accum)
             # P^T and dS^T go through shared memory: as register operands their layout would
             # have to match both the score GEMM's output and the next GEMM's A operand.
-            pT_s = T.alloc_shared([BLOCK_N, BLOCK_M], dtype)
-            dsT_s = T.alloc_shared([BLOCK_N, BLOCK_M], dtype)
+            pT_s = T.alloc_shared([BLOCK_N, BM], dtype)
+            dsT_s = T.alloc_shared([BLOCK_N, BM], dtype)
             acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
             acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
 
@@ -417,7 +426,7 @@ def _bwd_dkdv(dtype, D, arch):
             tile0 = T.if_then_else(causal != 0, T.max(kb * BLOCK_N - shift, 0) // tile_tokens, 0)
 
             if kb * BLOCK_N < len_k:
-                for r in T.Parallel(BLOCK_M):
+                for r in T.Parallel(BM):
                     rtok_s[r] = r // groups
                     rhead_s[r] = hk * groups + r % groups
                 T.copy(K[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], K_s)

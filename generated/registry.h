@@ -332,7 +332,7 @@ static const infllmv2_dense_attn_bwd_dkdv_unit infllmv2_dense_attn_bwd_dkdv_unit
   {"dense_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 82944, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 116224, 512, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 199680, 256, 0, 128, 128, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 50176, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error},
@@ -341,7 +341,7 @@ static const infllmv2_dense_attn_bwd_dkdv_unit infllmv2_dense_attn_bwd_dkdv_unit
   {"dense_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 50176, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 67072, 512, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 117760, 256, 0, 64, 128, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 82944, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error},
@@ -350,7 +350,7 @@ static const infllmv2_dense_attn_bwd_dkdv_unit infllmv2_dense_attn_bwd_dkdv_unit
   {"dense_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 82944, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 116224, 512, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 199680, 256, 1, 128, 128, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 50176, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error},
@@ -359,7 +359,7 @@ static const infllmv2_dense_attn_bwd_dkdv_unit infllmv2_dense_attn_bwd_dkdv_unit
   {"dense_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 50176, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 67072, 512, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 117760, 256, 1, 64, 128, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1382,7 +1382,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_89", 82944, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 116224, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 199680, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_80", 50176, 256},
@@ -1391,7 +1391,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_89", 50176, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 67072, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 117760, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_80", 82944, 256},
@@ -1400,7 +1400,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_89", 82944, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 116224, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 199680, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_80", 50176, 256},
@@ -1409,7 +1409,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_89", 50176, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 67072, 512},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 117760, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_80", 73984, 128},

@@ -21,28 +21,28 @@
 #endif
 
 extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 512));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 768));
+  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 512));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 1024));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 17408));
   void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 33792));
-  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 50176));
-  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 66560));
-  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 82944));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 99328));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 107520));
-  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 115712));
-  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 115968));
+  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 66560));
+  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 99328));
+  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 99840));
+  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 100352));
+  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 133120));
+  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 165888));
+  void* pT_s = ((void*)((char*)buf_dyn_shmem + 182272));
+  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 198656));
+  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 199168));
   int tile0 = 0;
-  float acc_dk[16];
-  float acc_dv[16];
+  float acc_dk[32];
+  float acc_dv[32];
   int n_m = 0;
-  float acc_sT[8];
-  float acc_dpT[8];
+  float acc_sT[32];
+  float acc_dpT[32];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -81,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_dense_attn_bwd_dkd
   }
   tile0 = condval_4;
   if ((((int)blockIdx.z) * 64) < len_k) {
-    if (((int)threadIdx.x) < 64) {
+    if (((int)threadIdx.x) < 128) {
       int rmod_1 = (((int)threadIdx.x) % groups);
       int rdiv_1 = (((int)threadIdx.x) / groups);
       ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
@@ -89,34 +89,34 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_dense_attn_bwd_dkd
       ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rmod_2 : (rmod_2 + groups)));
     }
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 4; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_5;
-      if (((((((((int)blockIdx.z) * 64) + (i * 32)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 32)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      if (((((((((int)blockIdx.z) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
+        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
         condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 2048)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
     }
     #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
+    for (int i_1 = 0; i_1 < 4; ++i_1) {
       bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_6;
-      if (((((((((int)blockIdx.z) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      if (((((((((int)blockIdx.z) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
+        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
         condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 2048)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
     }
     #pragma unroll
-    for (int i_2 = 0; i_2 < 4; ++i_2) {
+    for (int i_2 = 0; i_2 < 8; ++i_2) {
       float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dk + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
     }
     #pragma unroll
-    for (int i_3 = 0; i_3 < 4; ++i_3) {
+    for (int i_3 = 0; i_3 < 8; ++i_3) {
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
@@ -124,26 +124,26 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_dense_attn_bwd_dkd
     int rdiv_2 = (((len_q + tile_tokens) - 1) / tile_tokens);
     n_m = max((((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) - tile0), 0);
     if (0 < n_m) {
-      for (int i_4 = 0; i_4 < 2; ++i_4) {
+      for (int i_4 = 0; i_4 < 8; ++i_4) {
         __syncthreads();
         int condval_7;
-        if ((((i_4 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_7 = ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 4))];
+        if ((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
+          condval_7 = ((int*)rtok_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))];
         } else {
           condval_7 = 0;
         }
         int row = ((q0 + (tile0 * tile_tokens)) + condval_7);
         __syncthreads();
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) & 15) >> 2) * 2048) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 4) * 32)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 4))])));
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 8192) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))])));
         __syncthreads();
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) & 15) >> 2) * 2048) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 4) * 32)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 4))])));
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 8192) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))])));
       }
     }
   }
   __syncthreads();
   if ((((int)blockIdx.z) * 64) < len_k) {
     if (0 < n_m) {
-      if (((int)threadIdx.x) < 64) {
+      if (((int)threadIdx.x) < 128) {
         int64_t condval_8;
         if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
           condval_8 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
@@ -175,7 +175,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE
   __syncthreads();
   if ((((int)blockIdx.z) * 64) < len_k) {
     if (0 < n_m) {
-      if (((int)threadIdx.x) < 64) {
+      if (((int)threadIdx.x) < 128) {
         int64_t condval_12;
         if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
           condval_12 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
@@ -210,22 +210,22 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       if ((j + 1) < n_m) {
         int t0 = (((tile0 + j) + 1) * tile_tokens);
         if ((j % 2) == 0) {
-          for (int i_5 = 0; i_5 < 2; ++i_5) {
+          for (int i_5 = 0; i_5 < 8; ++i_5) {
             __syncthreads();
             int condval_16;
-            if ((((i_5 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_16 = ((int*)rtok_s)[((i_5 * 32) + (((int)threadIdx.x) >> 4))];
+            if ((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups))) {
+              condval_16 = ((int*)rtok_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))];
             } else {
               condval_16 = 0;
             }
             int row_1 = ((q0 + t0) + condval_16);
             __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((((((int)threadIdx.x) & 15) >> 2) * 2048) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 32)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 4))])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[((((((((((int)threadIdx.x) & 15) >> 3) * 8192) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))])));
             __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((((((int)threadIdx.x) & 15) >> 2) * 2048) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 32)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 4))])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[((((((((((int)threadIdx.x) & 15) >> 3) * 8192) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))])));
           }
           __syncthreads();
-          if (((int)threadIdx.x) < 64) {
+          if (((int)threadIdx.x) < 128) {
             int64_t condval_17;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
               condval_17 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
@@ -253,7 +253,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
 tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + condval_18)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + t0) + condval_19) < total_q)) && (0 <= ((q0 + t0) + condval_20))));
           }
           __syncthreads();
-          if (((int)threadIdx.x) < 64) {
+          if (((int)threadIdx.x) < 128) {
             int64_t condval_21;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
               condval_21 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
@@ -281,22 +281,22 @@ tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE
 tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + condval_22)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + t0) + condval_23) < total_q)) && (0 <= ((q0 + t0) + condval_24))));
           }
         } else {
-          for (int i_6 = 0; i_6 < 2; ++i_6) {
+          for (int i_6 = 0; i_6 < 8; ++i_6) {
             __syncthreads();
             int condval_25;
-            if ((((i_6 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_25 = ((int*)rtok_s)[((i_6 * 32) + (((int)threadIdx.x) >> 4))];
+            if ((((i_6 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups))) {
+              condval_25 = ((int*)rtok_s)[((i_6 * 16) + (((int)threadIdx.x) >> 4))];
             } else {
               condval_25 = 0;
             }
             int row_2 = ((q0 + t0) + condval_25);
             __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) & 15) >> 2) * 2048) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 4) * 32)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_6 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 4))])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 8192) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_6 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 4))])));
             __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) & 15) >> 2) * 2048) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 4) * 32)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_6 * 32) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 4))])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 8192) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_6 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 4))])));
           }
           __syncthreads();
-          if (((int)threadIdx.x) < 64) {
+          if (((int)threadIdx.x) < 128) {
             int64_t condval_26;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
               condval_26 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
@@ -324,7 +324,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(D
 tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + condval_27)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + t0) + condval_28) < total_q)) && (0 <= ((q0 + t0) + condval_29))));
           }
           __syncthreads();
-          if (((int)threadIdx.x) < 64) {
+          if (((int)threadIdx.x) < 128) {
             int64_t condval_30;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
               condval_30 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
@@ -362,7 +362,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       int t0_1 = ((tile0 + j) * tile_tokens);
       if ((j % 2) == 0) {
         #pragma unroll
-        for (int i_7 = 0; i_7 < 2; ++i_7) {
+        for (int i_7 = 0; i_7 < 8; ++i_7) {
           float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
           *(float4*)(acc_sT + (i_7 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
         }
@@ -370,21 +370,21 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::GmmaDescriptor desc_a;
           tl::GmmaDescriptor desc_b;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
           tl::warpgroup_arrive();
           tl::fence_proxy_async();
           #pragma unroll
           for (int ki = 0; ki < 8; ++ki) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + (((((ki >> 1) * 4096) + ((((int)threadIdx.x) >> 7) * 1024)) + ((ki & 1) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + (((((ki >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
         }
-        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
+        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
           #pragma unroll
-          for (int i_8 = 0; i_8 < 4; ++i_8) {
+          for (int i_8 = 0; i_8 < 16; ++i_8) {
             float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
             float2 __1;
             float2 __2;
@@ -394,7 +394,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
                 __3.x = (v_.x*v__1.x);
                 __3.y = (v_.y*v__1.y);
               float2 __4;
-                float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
                 float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
                 __4.x = (v__2.x*v__3.x);
                 __4.y = (v__2.y*v__3.y);
@@ -406,10 +406,10 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
         } else {
           #pragma unroll
-          for (int i_9 = 0; i_9 < 8; ++i_9) {
+          for (int i_9 = 0; i_9 < 32; ++i_9) {
             float condval_34;
-            if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
-              condval_34 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            if ((((((((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
+              condval_34 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             } else {
               condval_34 = 0x0p+0f/*0.000000e+00*/;
             }
@@ -417,7 +417,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
         }
         #pragma unroll
-        for (int i_10 = 0; i_10 < 2; ++i_10) {
+        for (int i_10 = 0; i_10 < 8; ++i_10) {
           float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
           *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
         }
@@ -425,30 +425,33 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::GmmaDescriptor desc_a_1;
           tl::GmmaDescriptor desc_b_1;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + (((((ki_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 7) * 1024)) + ((ki_1 & 1) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + (((((ki_1 >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
         }
-        __syncthreads();
-        tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[0]), ((bfloat16_t)acc_sT[1])), __pack_half2(((bfloat16_t)acc_sT[2]), ((bfloat16_t)acc_sT[3])), __pack_half2(((bfloat16_t)acc_sT[4]), ((bfloat16_t)acc_sT[5])), __pack_half2(((bfloat16_t)acc_sT[6]), ((bfloat16_t)acc_sT[7])));
         __syncthreads();
         #pragma unroll
         for (int i_11 = 0; i_11 < 4; ++i_11) {
+          tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_11 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_11 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[(i_11 * 8)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 1)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 2)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 3)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 4)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 5)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 6)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 7)])));
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int i_12 = 0; i_12 < 16; ++i_12) {
           float delta_s0_local_cast_1[2];
           bfloat16_t dsT_s_local_cast[2];
-          *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+          *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_12 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
           uint1 __5;
           float2 __6;
-            float2 v__4 = *(float2*)(acc_sT + (i_11 * 2));
+            float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
             float2 __7;
-              float2 v__5 = *(float2*)(acc_dpT + (i_11 * 2));
+              float2 v__5 = *(float2*)(acc_dpT + (i_12 * 2));
               float2 v__6 = *(float2*)(delta_s0_local_cast_1 + 0);
               __7.x = (v__5.x-v__6.x);
               __7.y = (v__5.y-v__6.y);
@@ -456,75 +459,75 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             __6.y = (v__4.y*__7.y);
           (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
           *(uint1*)(dsT_s_local_cast + 0) = __5;
-          *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_11 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_11 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
+          *(uint1*)(((bfloat16_t*)dsT_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_12 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_12 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
         }
         {
           tl::GmmaDescriptor desc_a_2;
           tl::GmmaDescriptor desc_b_2;
           __syncthreads();
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)pT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 256, 32>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
           tl::warpgroup_arrive();
           tl::fence_proxy_async();
           #pragma unroll
-          for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+          for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 16384) + (ki_2 * 2048)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
         }
         {
           tl::GmmaDescriptor desc_a_3;
           tl::GmmaDescriptor desc_b_3;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)dsT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 256, 32>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+          tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
-          for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((ki_3 * 32) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
+          for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 16384) + (ki_3 * 2048)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
         }
       } else {
         #pragma unroll
-        for (int i_12 = 0; i_12 < 2; ++i_12) {
+        for (int i_13 = 0; i_13 < 8; ++i_13) {
           float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_sT + (i_12 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+          *(float4*)(acc_sT + (i_13 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
         }
         {
           tl::GmmaDescriptor desc_a_4;
           tl::GmmaDescriptor desc_b_4;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_4, (&(((bfloat16_t*)K_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
           tl::warpgroup_arrive();
           tl::fence_proxy_async();
           #pragma unroll
           for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + (((((ki_4 >> 1) * 4096) + ((((int)threadIdx.x) >> 7) * 1024)) + ((ki_4 & 1) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + (((((ki_4 >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 8);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
         }
-        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
+        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
           #pragma unroll
-          for (int i_13 = 0; i_13 < 4; ++i_13) {
+          for (int i_14 = 0; i_14 < 16; ++i_14) {
             float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
             float2 __8;
             float2 __9;
               float2 __10;
-                float2 v__7 = *(float2*)(acc_sT + (i_13 * 2));
+                float2 v__7 = *(float2*)(acc_sT + (i_14 * 2));
                 float2 v__8 = make_float2(scale_log2, scale_log2);
                 __10.x = (v__7.x*v__8.x);
                 __10.y = (v__7.y*v__8.y);
               float2 __11;
-                float2 v__9 = *(float2*)(((float*)lse_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                float2 v__9 = *(float2*)(((float*)lse_s1) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_14 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
                 float2 v__10 = make_float2(broadcast_var_8, broadcast_var_8);
                 __11.x = (v__9.x*v__10.x);
                 __11.y = (v__9.y*v__10.y);
@@ -532,53 +535,56 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               __9.y = (__10.y-__11.y);
             __8.x = exp2f(__9.x);
             __8.y = exp2f(__9.y);
-            *(float2*)(acc_sT + (i_13 * 2)) = __8;
+            *(float2*)(acc_sT + (i_14 * 2)) = __8;
           }
         } else {
           #pragma unroll
-          for (int i_14 = 0; i_14 < 8; ++i_14) {
+          for (int i_15 = 0; i_15 < 32; ++i_15) {
             float condval_35;
-            if ((((((((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_14 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_14 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1))]) - len_q))))) {
-              condval_35 = exp2f(((acc_sT[i_14] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 16) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            if ((((((((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))]) - len_q))))) {
+              condval_35 = exp2f(((acc_sT[i_15] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             } else {
               condval_35 = 0x0p+0f/*0.000000e+00*/;
             }
-            acc_sT[i_14] = condval_35;
+            acc_sT[i_15] = condval_35;
           }
         }
         #pragma unroll
-        for (int i_15 = 0; i_15 < 2; ++i_15) {
+        for (int i_16 = 0; i_16 < 8; ++i_16) {
           float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_15 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
+          *(float4*)(acc_dpT + (i_16 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
         }
         {
           tl::GmmaDescriptor desc_a_5;
           tl::GmmaDescriptor desc_b_5;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_5, (&(((bfloat16_t*)V_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_5 = 0; ki_5 < 8; ++ki_5) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 16, 16, false, false, 1, 1>(uint64_t(desc_a_5 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), uint64_t(desc_b_5 + (((((ki_5 >> 1) * 4096) + ((((int)threadIdx.x) >> 7) * 1024)) + ((ki_5 & 1) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_5 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), uint64_t(desc_b_5 + (((((ki_5 >> 2) * 16384) + ((((int)threadIdx.x) >> 7) * 8192)) + ((ki_5 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 8);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
         }
         __syncthreads();
-        tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 8) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[0]), ((bfloat16_t)acc_sT[1])), __pack_half2(((bfloat16_t)acc_sT[2]), ((bfloat16_t)acc_sT[3])), __pack_half2(((bfloat16_t)acc_sT[4]), ((bfloat16_t)acc_sT[5])), __pack_half2(((bfloat16_t)acc_sT[6]), ((bfloat16_t)acc_sT[7])));
+        #pragma unroll
+        for (int i_17 = 0; i_17 < 4; ++i_17) {
+          tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_17 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_17 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[(i_17 * 8)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 1)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 2)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 3)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 4)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 5)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 6)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 7)])));
+        }
         __syncthreads();
         #pragma unroll
-        for (int i_16 = 0; i_16 < 4; ++i_16) {
+        for (int i_18 = 0; i_18 < 16; ++i_18) {
           float delta_s1_local_cast_3[2];
           bfloat16_t dsT_s_local_cast_2[2];
-          *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 16) + ((i_16 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+          *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_18 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
           uint1 __12;
           float2 __13;
-            float2 v__11 = *(float2*)(acc_sT + (i_16 * 2));
+            float2 v__11 = *(float2*)(acc_sT + (i_18 * 2));
             float2 __14;
-              float2 v__12 = *(float2*)(acc_dpT + (i_16 * 2));
+              float2 v__12 = *(float2*)(acc_dpT + (i_18 * 2));
               float2 v__13 = *(float2*)(delta_s1_local_cast_3 + 0);
               __14.x = (v__12.x-v__13.x);
               __14.y = (v__12.y-v__13.y);
@@ -586,60 +592,60 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             __13.y = (v__11.y*__14.y);
           (reinterpret_cast<__nv_bfloat162*>(&__12))[0] = __float22bfloat162_rn(((float2*)(&__13))[0]);
           *(uint1*)(dsT_s_local_cast_2 + 0) = __12;
-          *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_16 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((((int)threadIdx.x) >> 7) * 16) + ((i_16 >> 1) * 8)) >> 5) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 255) >> 7) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_16 >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
+          *(uint1*)(((bfloat16_t*)dsT_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_18 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_18 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_18 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_18 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
         }
         {
           tl::GmmaDescriptor desc_a_6;
           tl::GmmaDescriptor desc_b_6;
           __syncthreads();
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_6, (&(((bfloat16_t*)pT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 256, 32>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
           tl::warpgroup_arrive();
           tl::fence_proxy_async();
           #pragma unroll
-          for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_6 + ((ki_6 * 32) >> 4)), uint64_t(desc_b_6 + ((((((int)threadIdx.x) >> 7) * 4096) + (ki_6 * 1024)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+          for (int ki_6 = 0; ki_6 < 8; ++ki_6) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(uint64_t(desc_a_6 + ((((ki_6 >> 2) * 8192) + ((ki_6 & 3) * 32)) >> 4)), uint64_t(desc_b_6 + ((((((int)threadIdx.x) >> 7) * 16384) + (ki_6 * 2048)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
         }
         {
           tl::GmmaDescriptor desc_a_7;
           tl::GmmaDescriptor desc_b_7;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_7, (&(((bfloat16_t*)dsT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 256, 32>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+          tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
-          for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_7 + ((ki_7 * 32) >> 4)), uint64_t(desc_b_7 + ((((((int)threadIdx.x) >> 7) * 4096) + (ki_7 * 1024)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
+          for (int ki_7 = 0; ki_7 < 8; ++ki_7) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(uint64_t(desc_a_7 + ((((ki_7 >> 2) * 8192) + ((ki_7 & 3) * 32)) >> 4)), uint64_t(desc_b_7 + ((((((int)threadIdx.x) >> 7) * 16384) + (ki_7 * 2048)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
         }
       }
       __syncthreads();
     }
     #pragma unroll
-    for (int i_17 = 0; i_17 < 8; ++i_17) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+    for (int i_19 = 0; i_19 < 16; ++i_19) {
+      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
             uint1 __15;
             float2 __16;
-              float2 v__14 = *(float2*)(acc_dk + (i_17 * 2));
+              float2 v__14 = *(float2*)(acc_dk + (i_19 * 2));
               float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
               __16.x = (v__14.x*v__15.x);
               __16.y = (v__14.y*v__15.y);
             (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&__16))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __15;
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __15;
             uint1 __17;
-            float2 v__16 = *(float2*)(acc_dv + (i_17 * 2));
+            float2 v__16 = *(float2*)(acc_dv + (i_19 * 2));
             (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&v__16))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
           }
         }
       }
@@ -665,9 +671,9 @@ extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error()
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 116224);
+    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 199680);
     if (result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 116224, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 199680, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel));
         return -1;
     }
 
@@ -685,8 +691,8 @@ extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call(bfloat16_t* __r
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(heads_k, batch, max_kblocks);
-		config.blockDim = dim3(512, 1, 1);
-		config.dynamicSmemBytes = 116224;
+		config.blockDim = dim3(256, 1, 1);
+		config.dynamicSmemBytes = 199680;
 		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, batch, batch_plus_one, causal, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_kernel");
