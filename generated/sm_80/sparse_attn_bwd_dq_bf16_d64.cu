@@ -8,6 +8,7 @@
 #define alignas _tl_orig_alignas
 #endif
 #include <tl_templates/cuda/instruction/mma.h>
+#include <tl_templates/cuda/atomic.h>
 #include <tl_templates/cuda/copy.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
@@ -26,6 +27,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   void* K_s = ((void*)((char*)buf_dyn_shmem + 16384));
   void* idx_s = ((void*)((char*)buf_dyn_shmem + 16384));
   void* n_union = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* bm_s = ((void*)((char*)buf_dyn_shmem + 20480));
   void* keep_s = ((void*)((char*)buf_dyn_shmem + 20480));
   void* ublk_s = ((void*)((char*)buf_dyn_shmem + 24576));
   void* umask_s = ((void*)((char*)buf_dyn_shmem + 28672));
@@ -34,9 +36,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   float lse_r[2];
   float delta_r[2];
   int rtok[2];
-  int my_keep[8];
   int my_mask[8];
-  int lohi[2];
+  int my_keep[8];
   int n_it = 0;
   float acc_dq[32];
   float acc_s[32];
@@ -187,66 +188,66 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     for (int e_1 = 0; e_1 < 8; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
-      my_keep[e_1] = 0;
       my_mask[e_1] = 0;
-      if (((0 <= v) && (v <= ((((len_k + (((int)blockIdx.x) * tile_tokens)) + e_1) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v))) {
-        my_keep[e_1] = 1;
+      int condval_12;
+      if ((((0 <= v) && (v <= ((((e_1 + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+        condval_12 = 1;
+      } else {
+        condval_12 = 0;
       }
-      if (((0 <= v) && (v <= ((((len_k + (((int)blockIdx.x) * tile_tokens)) + e_1) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v))) {
-        for (int t2 = 0; t2 < 8; ++t2) {
-          if ((t2 < tile_tokens) && (t2 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-            lohi[0] = 0;
-            lohi[1] = topk;
-            for (int __1 = 0; __1 < 8; ++__1) {
-              if (lohi[0] < lohi[1]) {
-                if ((0 <= ((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))]) && (((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))] < v)) {
-                  lohi[0] = (((lohi[0] + lohi[1]) >> 1) + 1);
-                } else {
-                  lohi[1] = ((lohi[0] + lohi[1]) >> 1);
-                }
-              }
-            }
-            if ((lohi[0] < topk) && (((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((int64_t)lohi[(int64_t)0]))] == v)) {
-              my_mask[e_1] = (my_mask[e_1] | (1 << t2));
-            }
-            if ((lohi[0] < topk) && (((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((int64_t)lohi[(int64_t)0]))] == v)) {
-              if (t2 < e_1) {
-                my_keep[e_1] = 0;
-              }
-            }
-          }
+      my_keep[e_1] = condval_12;
+    }
+    for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
+      for (int e_2 = 0; e_2 < 16; ++e_2) {
+        ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
+      }
+      __syncthreads();
+      for (int e_3 = 0; e_3 < 8; ++e_3) {
+        __syncthreads();
+        if ((my_keep[e_3] == 1) && ((((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
+          AtomicAdd((&(((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)2048))])), (1 << e_3));
         }
       }
+      __syncthreads();
+      for (int e_4 = 0; e_4 < 8; ++e_4) {
+        if ((my_keep[e_4] == 1) && ((((int*)idx_s)[((e_4 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
+          my_mask[e_4] = ((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_4) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)2048))];
+        }
+      }
+      __syncthreads();
     }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    for (int e_2 = 0; e_2 < 8; ++e_2) {
-      ((int*)keep_s)[((e_2 * 128) + ((int)threadIdx.x))] = my_keep[e_2];
+    for (int e_5 = 0; e_5 < 8; ++e_5) {
+      int condval_13;
+      if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
+        condval_13 = 1;
+      } else {
+        condval_13 = 0;
+      }
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 1024);
     __syncthreads();
-    for (int e_3 = 0; e_3 < 8; ++e_3) {
+    for (int e_6 = 0; e_6 < 8; ++e_6) {
       __syncthreads();
-      int condval_12;
-      if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
-        condval_12 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
+      int condval_14;
+      if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
+        condval_14 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_12 = 0;
+        condval_14 = 0;
       }
-      if (condval_12 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
-        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))];
+      if (condval_14 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
       }
       __syncthreads();
-      int condval_13;
-      if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
-        condval_13 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
+      int condval_15;
+      if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
+        condval_15 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_13 = 0;
+        condval_15 = 0;
       }
-      if (condval_13 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
-        ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_3];
+      if (condval_15 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+        ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
   }
@@ -312,30 +313,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
         for (int i_7 = 0; i_7 < 16; ++i_7) {
+          float2 __1;
           float2 __2;
-          float2 __3;
-            float2 __4;
+            float2 __3;
               float2 v_ = *(float2*)(acc_s + (i_7 * 2));
               float2 v__1 = make_float2(scale_log2, scale_log2);
-              __4.x = (v_.x*v__1.x);
-              __4.y = (v_.y*v__1.y);
+              __3.x = (v_.x*v__1.x);
+              __3.y = (v_.y*v__1.y);
             float2 v__2 = make_float2(lse_r[(i_7 & 1)], lse_r[(i_7 & 1)]);
-            __3.x = (__4.x-v__2.x);
-            __3.y = (__4.y-v__2.y);
-          __2.x = exp2f(__3.x);
-          __2.y = exp2f(__3.y);
-          *(float2*)(acc_s + (i_7 * 2)) = __2;
+            __2.x = (__3.x-v__2.x);
+            __2.y = (__3.y-v__2.y);
+          __1.x = exp2f(__2.x);
+          __1.y = exp2f(__2.y);
+          *(float2*)(acc_s + (i_7 * 2)) = __1;
         }
       } else {
         #pragma unroll
         for (int i_8 = 0; i_8 < 32; ++i_8) {
-          float condval_14;
+          float condval_16;
           if ((((lse_r[((i_8 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_8 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_8 & 3) >> 1)]) - len_q)))) {
-            condval_14 = exp2f(((acc_s[i_8] * scale_log2) - lse_r[((i_8 & 3) >> 1)]));
+            condval_16 = exp2f(((acc_s[i_8] * scale_log2) - lse_r[((i_8 & 3) >> 1)]));
           } else {
-            condval_14 = 0x0p+0f/*0.000000e+00*/;
+            condval_16 = 0x0p+0f/*0.000000e+00*/;
           }
-          acc_s[i_8] = condval_14;
+          acc_s[i_8] = condval_16;
         }
       }
       #pragma unroll
@@ -371,18 +372,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       #pragma unroll
       for (int i_12 = 0; i_12 < 16; ++i_12) {
         bfloat16_t dS_s_local_cast[2];
-        uint1 __5;
-        float2 __6;
+        uint1 __4;
+        float2 __5;
           float2 v__3 = *(float2*)(acc_s + (i_12 * 2));
-          float2 __7;
+          float2 __6;
             float2 v__4 = *(float2*)(acc_dp + (i_12 * 2));
             float2 v__5 = make_float2(delta_r[(i_12 & 1)], delta_r[(i_12 & 1)]);
-            __7.x = (v__4.x-v__5.x);
-            __7.y = (v__4.y-v__5.y);
-          __6.x = (v__3.x*__7.x);
-          __6.y = (v__3.y*__7.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
-        *(uint1*)(dS_s_local_cast + 0) = __5;
+            __6.x = (v__4.x-v__5.x);
+            __6.y = (v__4.y-v__5.y);
+          __5.x = (v__3.x*__6.x);
+          __5.y = (v__3.y*__6.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
+        *(uint1*)(dS_s_local_cast + 0) = __4;
         *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_12 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_12 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
       }
       {
@@ -440,30 +441,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
         for (int i_17 = 0; i_17 < 16; ++i_17) {
+          float2 __7;
           float2 __8;
-          float2 __9;
-            float2 __10;
+            float2 __9;
               float2 v__6 = *(float2*)(acc_s + (i_17 * 2));
               float2 v__7 = make_float2(scale_log2, scale_log2);
-              __10.x = (v__6.x*v__7.x);
-              __10.y = (v__6.y*v__7.y);
+              __9.x = (v__6.x*v__7.x);
+              __9.y = (v__6.y*v__7.y);
             float2 v__8 = make_float2(lse_r[(i_17 & 1)], lse_r[(i_17 & 1)]);
-            __9.x = (__10.x-v__8.x);
-            __9.y = (__10.y-v__8.y);
-          __8.x = exp2f(__9.x);
-          __8.y = exp2f(__9.y);
-          *(float2*)(acc_s + (i_17 * 2)) = __8;
+            __8.x = (__9.x-v__8.x);
+            __8.y = (__9.y-v__8.y);
+          __7.x = exp2f(__8.x);
+          __7.y = exp2f(__8.y);
+          *(float2*)(acc_s + (i_17 * 2)) = __7;
         }
       } else {
         #pragma unroll
         for (int i_18 = 0; i_18 < 32; ++i_18) {
-          float condval_15;
+          float condval_17;
           if ((((lse_r[((i_18 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_18 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_18 & 3) >> 1)]) - len_q)))) {
-            condval_15 = exp2f(((acc_s[i_18] * scale_log2) - lse_r[((i_18 & 3) >> 1)]));
+            condval_17 = exp2f(((acc_s[i_18] * scale_log2) - lse_r[((i_18 & 3) >> 1)]));
           } else {
-            condval_15 = 0x0p+0f/*0.000000e+00*/;
+            condval_17 = 0x0p+0f/*0.000000e+00*/;
           }
-          acc_s[i_18] = condval_15;
+          acc_s[i_18] = condval_17;
         }
       }
     }
@@ -498,18 +499,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       #pragma unroll
       for (int i_21 = 0; i_21 < 16; ++i_21) {
         bfloat16_t dS_s_local_cast_1[2];
-        uint1 __11;
-        float2 __12;
+        uint1 __10;
+        float2 __11;
           float2 v__9 = *(float2*)(acc_s + (i_21 * 2));
-          float2 __13;
+          float2 __12;
             float2 v__10 = *(float2*)(acc_dp + (i_21 * 2));
             float2 v__11 = make_float2(delta_r[(i_21 & 1)], delta_r[(i_21 & 1)]);
-            __13.x = (v__10.x-v__11.x);
-            __13.y = (v__10.y-v__11.y);
-          __12.x = (v__9.x*__13.x);
-          __12.y = (v__9.y*__13.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__11))[0] = __float22bfloat162_rn(((float2*)(&__12))[0]);
-        *(uint1*)(dS_s_local_cast_1 + 0) = __11;
+            __12.x = (v__10.x-v__11.x);
+            __12.y = (v__10.y-v__11.y);
+          __11.x = (v__9.x*__12.x);
+          __11.y = (v__9.y*__12.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
+        *(uint1*)(dS_s_local_cast_1 + 0) = __10;
         *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_21 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_21 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_21 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_21 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
       }
     }
@@ -535,14 +536,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     for (int i_23 = 0; i_23 < 16; ++i_23) {
       bfloat16_t dQ_local_cast_2[2];
       if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        uint1 __14;
-        float2 __15;
+        uint1 __13;
+        float2 __14;
           float2 v__12 = *(float2*)(acc_dq + (i_23 * 2));
           float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-          __15.x = (v__12.x*v__13.x);
-          __15.y = (v__12.y*v__13.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
-        *(uint1*)(dQ_local_cast_2 + 0) = __14;
+          __14.x = (v__12.x*v__13.x);
+          __14.y = (v__12.y*v__13.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
+        *(uint1*)(dQ_local_cast_2 + 0) = __13;
         int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
           int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);

@@ -8,6 +8,7 @@
 #define alignas _tl_orig_alignas
 #endif
 #include <tl_templates/cuda/instruction/mma.h>
+#include <tl_templates/cuda/atomic.h>
 #include <tl_templates/cuda/copy.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
@@ -25,13 +26,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
   void* K_s = ((void*)((char*)buf_dyn_shmem + 8192));
   void* idx_s = ((void*)((char*)buf_dyn_shmem + 8192));
   void* n_union = ((void*)((char*)buf_dyn_shmem + 8192));
+  void* bm_s = ((void*)((char*)buf_dyn_shmem + 12288));
   void* keep_s = ((void*)((char*)buf_dyn_shmem + 12288));
   void* ublk_s = ((void*)((char*)buf_dyn_shmem + 16384));
   void* umask_s = ((void*)((char*)buf_dyn_shmem + 20480));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 24576));
-  int my_keep[8];
   int my_mask[8];
-  int lohi[2];
+  int my_keep[8];
   int n_it = 0;
   int rtok[2];
   float acc_o[32];
@@ -115,66 +116,66 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     __syncthreads();
     for (int e_1 = 0; e_1 < 8; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
-      my_keep[e_1] = 0;
       my_mask[e_1] = 0;
-      if (((0 <= v) && (v <= ((((len_k + (((int)blockIdx.x) * tile_tokens)) + e_1) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v))) {
-        my_keep[e_1] = 1;
+      int condval_7;
+      if ((((0 <= v) && (v <= ((((e_1 + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+        condval_7 = 1;
+      } else {
+        condval_7 = 0;
       }
-      if (((0 <= v) && (v <= ((((len_k + (((int)blockIdx.x) * tile_tokens)) + e_1) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v))) {
-        for (int t2 = 0; t2 < 8; ++t2) {
-          if ((t2 < tile_tokens) && (t2 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-            lohi[0] = 0;
-            lohi[1] = topk;
-            for (int __1 = 0; __1 < 8; ++__1) {
-              if (lohi[0] < lohi[1]) {
-                if ((0 <= ((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))]) && (((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))] < v)) {
-                  lohi[0] = (((lohi[0] + lohi[1]) >> 1) + 1);
-                } else {
-                  lohi[1] = ((lohi[0] + lohi[1]) >> 1);
-                }
-              }
-            }
-            if ((lohi[0] < topk) && (((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((int64_t)lohi[(int64_t)0]))] == v)) {
-              my_mask[e_1] = (my_mask[e_1] | (1 << t2));
-            }
-            if ((lohi[0] < topk) && (((int*)idx_s)[((((int64_t)t2) * (int64_t)128) + ((int64_t)lohi[(int64_t)0]))] == v)) {
-              if (t2 < e_1) {
-                my_keep[e_1] = 0;
-              }
-            }
-          }
+      my_keep[e_1] = condval_7;
+    }
+    for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
+      for (int e_2 = 0; e_2 < 16; ++e_2) {
+        ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
+      }
+      __syncthreads();
+      for (int e_3 = 0; e_3 < 8; ++e_3) {
+        __syncthreads();
+        if ((my_keep[e_3] == 1) && ((((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
+          AtomicAdd((&(((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)2048))])), (1 << e_3));
         }
       }
+      __syncthreads();
+      for (int e_4 = 0; e_4 < 8; ++e_4) {
+        if ((my_keep[e_4] == 1) && ((((int*)idx_s)[((e_4 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
+          my_mask[e_4] = ((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_4) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)2048))];
+        }
+      }
+      __syncthreads();
     }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    for (int e_2 = 0; e_2 < 8; ++e_2) {
-      ((int*)keep_s)[((e_2 * 128) + ((int)threadIdx.x))] = my_keep[e_2];
+    for (int e_5 = 0; e_5 < 8; ++e_5) {
+      int condval_8;
+      if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
+        condval_8 = 1;
+      } else {
+        condval_8 = 0;
+      }
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_8;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 1024);
     __syncthreads();
-    for (int e_3 = 0; e_3 < 8; ++e_3) {
+    for (int e_6 = 0; e_6 < 8; ++e_6) {
       __syncthreads();
-      int condval_7;
-      if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
-        condval_7 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
+      int condval_9;
+      if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
+        condval_9 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_7 = 0;
+        condval_9 = 0;
       }
-      if (condval_7 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
-        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))];
+      if (condval_9 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
       }
       __syncthreads();
-      int condval_8;
-      if ((0 < ((e_3 * 128) + ((int)threadIdx.x)))) {
-        condval_8 = ((int*)keep_s)[(((e_3 * 128) + ((int)threadIdx.x)) - 1)];
+      int condval_10;
+      if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
+        condval_10 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_8 = 0;
+        condval_10 = 0;
       }
-      if (condval_8 < ((int*)keep_s)[((e_3 * 128) + ((int)threadIdx.x))]) {
-        ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_3];
+      if (condval_10 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+        ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
   }
@@ -187,15 +188,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     n_it = ((int*)n_union)[0];
     #pragma unroll
     for (int i_1 = 0; i_1 < 2; ++i_1) {
-      int condval_9;
+      int condval_11;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
         int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_9 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
+        condval_11 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
       } else {
-        condval_9 = 31;
+        condval_11 = 31;
       }
-      rtok[i_1] = condval_9;
+      rtok[i_1] = condval_11;
     }
     #pragma unroll
     for (int i_2 = 0; i_2 < 8; ++i_2) {
@@ -241,13 +242,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       } else {
         #pragma unroll
         for (int i_6 = 0; i_6 < 32; ++i_6) {
-          float condval_10;
+          float condval_12;
           if (((((((int*)umask_s)[it] >> rtok[((i_6 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_6 & 3) >> 1)]) - len_q)))) {
-            condval_10 = 0x0p+0f/*0.000000e+00*/;
+            condval_12 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_10 = -CUDART_INF_F;
+            condval_12 = -CUDART_INF_F;
           }
-          acc_s[i_6] = condval_10;
+          acc_s[i_6] = condval_12;
         }
       }
       tl::cp_async_wait<1>();
@@ -287,30 +288,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       }
       #pragma unroll
       for (int i_10 = 0; i_10 < 2; ++i_10) {
-        float condval_11;
+        float condval_13;
         if ((m_cur[i_10] == -CUDART_INF_F)) {
-          condval_11 = 0x0p+0f/*0.000000e+00*/;
+          condval_13 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_11 = m_cur[i_10];
+          condval_13 = m_cur[i_10];
         }
-        m_safe[i_10] = condval_11;
+        m_safe[i_10] = condval_13;
         r_scale[i_10] = exp2f(((m_prev[i_10] - m_safe[i_10]) * scale_log2));
       }
       #pragma unroll
       for (int i_11 = 0; i_11 < 16; ++i_11) {
+        float2 __1;
         float2 __2;
-        float2 __3;
-          float2 __4;
+          float2 __3;
             float2 v_ = *(float2*)(acc_s + (i_11 * 2));
             float2 v__1 = make_float2(m_safe[(i_11 & 1)], m_safe[(i_11 & 1)]);
-            __4.x = (v_.x-v__1.x);
-            __4.y = (v_.y-v__1.y);
+            __3.x = (v_.x-v__1.x);
+            __3.y = (v_.y-v__1.y);
           float2 v__2 = make_float2(scale_log2, scale_log2);
-          __3.x = (__4.x*v__2.x);
-          __3.y = (__4.y*v__2.y);
-        __2.x = exp2f(__3.x);
-        __2.y = exp2f(__3.y);
-        *(float2*)(acc_s + (i_11 * 2)) = __2;
+          __2.x = (__3.x*v__2.x);
+          __2.y = (__3.y*v__2.y);
+        __1.x = exp2f(__2.x);
+        __1.y = exp2f(__2.y);
+        *(float2*)(acc_s + (i_11 * 2)) = __1;
       }
       #pragma unroll
       for (int i_12 = 0; i_12 < 2; ++i_12) {
@@ -321,32 +322,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         }
         r_sum[i_12] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_12]);
       }
-      float2 __5;
-        float2 __6;
+      float2 __4;
+        float2 __5;
           float2 v__3 = *(float2*)(l_sum + 0);
           float2 v__4 = *(float2*)(r_scale + 0);
-          __6.x = (v__3.x*v__4.x);
-          __6.y = (v__3.y*v__4.y);
+          __5.x = (v__3.x*v__4.x);
+          __5.y = (v__3.y*v__4.y);
         float2 v__5 = *(float2*)(r_sum + 0);
-        __5.x = (__6.x+v__5.x);
-        __5.y = (__6.y+v__5.y);
-      *(float2*)(l_sum + 0) = __5;
+        __4.x = (__5.x+v__5.x);
+        __4.y = (__5.y+v__5.y);
+      *(float2*)(l_sum + 0) = __4;
       #pragma unroll
       for (int i_13 = 0; i_13 < 8; ++i_13) {
-        uint2 __7;
+        uint2 __6;
         float4 v__6 = *(float4*)(acc_s + (i_13 * 4));
-        ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
-        ((half2*)(&__7))[1] = __float22half2_rn(((float2*)(&v__6))[1]);
-        *(uint2*)(acc_s_cast + (i_13 * 4)) = __7;
+        ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
+        ((half2*)(&__6))[1] = __float22half2_rn(((float2*)(&v__6))[1]);
+        *(uint2*)(acc_s_cast + (i_13 * 4)) = __6;
       }
       #pragma unroll
       for (int i_14 = 0; i_14 < 16; ++i_14) {
-        float2 __8;
+        float2 __7;
           float2 v__7 = *(float2*)(acc_o + (i_14 * 2));
           float2 v__8 = make_float2(r_scale[(i_14 & 1)], r_scale[(i_14 & 1)]);
-          __8.x = (v__7.x*v__8.x);
-          __8.y = (v__7.y*v__8.y);
-        *(float2*)(acc_o + (i_14 * 2)) = __8;
+          __7.x = (v__7.x*v__8.x);
+          __7.y = (v__7.y*v__8.y);
+        *(float2*)(acc_o + (i_14 * 2)) = __7;
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -383,13 +384,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       } else {
         #pragma unroll
         for (int i_18 = 0; i_18 < 32; ++i_18) {
-          float condval_12;
+          float condval_14;
           if (((((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_18 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_18 & 3) >> 1)]) - len_q)))) {
-            condval_12 = 0x0p+0f/*0.000000e+00*/;
+            condval_14 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_12 = -CUDART_INF_F;
+            condval_14 = -CUDART_INF_F;
           }
-          acc_s[i_18] = condval_12;
+          acc_s[i_18] = condval_14;
         }
       }
     }
@@ -430,32 +431,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     if (1 <= n_it) {
       #pragma unroll
       for (int i_21 = 0; i_21 < 2; ++i_21) {
-        float condval_13;
+        float condval_15;
         if ((m_cur[i_21] == -CUDART_INF_F)) {
-          condval_13 = 0x0p+0f/*0.000000e+00*/;
+          condval_15 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_13 = m_cur[i_21];
+          condval_15 = m_cur[i_21];
         }
-        m_safe[i_21] = condval_13;
+        m_safe[i_21] = condval_15;
         r_scale[i_21] = exp2f(((m_prev[i_21] - m_safe[i_21]) * scale_log2));
       }
     }
     if (1 <= n_it) {
       #pragma unroll
       for (int i_22 = 0; i_22 < 16; ++i_22) {
+        float2 __8;
         float2 __9;
-        float2 __10;
-          float2 __11;
+          float2 __10;
             float2 v__9 = *(float2*)(acc_s + (i_22 * 2));
             float2 v__10 = make_float2(m_safe[(i_22 & 1)], m_safe[(i_22 & 1)]);
-            __11.x = (v__9.x-v__10.x);
-            __11.y = (v__9.y-v__10.y);
+            __10.x = (v__9.x-v__10.x);
+            __10.y = (v__9.y-v__10.y);
           float2 v__11 = make_float2(scale_log2, scale_log2);
-          __10.x = (__11.x*v__11.x);
-          __10.y = (__11.y*v__11.y);
-        __9.x = exp2f(__10.x);
-        __9.y = exp2f(__10.y);
-        *(float2*)(acc_s + (i_22 * 2)) = __9;
+          __9.x = (__10.x*v__11.x);
+          __9.y = (__10.y*v__11.y);
+        __8.x = exp2f(__9.x);
+        __8.y = exp2f(__9.y);
+        *(float2*)(acc_s + (i_22 * 2)) = __8;
       }
     }
     if (1 <= n_it) {
@@ -470,36 +471,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       }
     }
     if (1 <= n_it) {
-      float2 __12;
-        float2 __13;
+      float2 __11;
+        float2 __12;
           float2 v__12 = *(float2*)(l_sum + 0);
           float2 v__13 = *(float2*)(r_scale + 0);
-          __13.x = (v__12.x*v__13.x);
-          __13.y = (v__12.y*v__13.y);
+          __12.x = (v__12.x*v__13.x);
+          __12.y = (v__12.y*v__13.y);
         float2 v__14 = *(float2*)(r_sum + 0);
-        __12.x = (__13.x+v__14.x);
-        __12.y = (__13.y+v__14.y);
-      *(float2*)(l_sum + 0) = __12;
+        __11.x = (__12.x+v__14.x);
+        __11.y = (__12.y+v__14.y);
+      *(float2*)(l_sum + 0) = __11;
     }
     if (1 <= n_it) {
       #pragma unroll
       for (int i_24 = 0; i_24 < 8; ++i_24) {
-        uint2 __14;
+        uint2 __13;
         float4 v__15 = *(float4*)(acc_s + (i_24 * 4));
-        ((half2*)(&__14))[0] = __float22half2_rn(((float2*)(&v__15))[0]);
-        ((half2*)(&__14))[1] = __float22half2_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_24 * 4)) = __14;
+        ((half2*)(&__13))[0] = __float22half2_rn(((float2*)(&v__15))[0]);
+        ((half2*)(&__13))[1] = __float22half2_rn(((float2*)(&v__15))[1]);
+        *(uint2*)(acc_s_cast + (i_24 * 4)) = __13;
       }
     }
     if (1 <= n_it) {
       #pragma unroll
       for (int i_25 = 0; i_25 < 16; ++i_25) {
-        float2 __15;
+        float2 __14;
           float2 v__16 = *(float2*)(acc_o + (i_25 * 2));
           float2 v__17 = make_float2(r_scale[(i_25 & 1)], r_scale[(i_25 & 1)]);
-          __15.x = (v__16.x*v__17.x);
-          __15.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_25 * 2)) = __15;
+          __14.x = (v__16.x*v__17.x);
+          __14.y = (v__16.y*v__17.y);
+        *(float2*)(acc_o + (i_25 * 2)) = __14;
       }
     }
     tl::cp_async_wait<0>();
@@ -524,20 +525,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       half_t O_local_cast[2];
       if (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
         float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        uint1 __16;
-        float2 condval_14;
+        uint1 __15;
+        float2 condval_16;
         if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_27 & 1)])) {
-          float2 __17;
+          float2 __16;
             float2 v__18 = *(float2*)(acc_o + (i_27 * 2));
             float2 v__19 = make_float2(l_sum[(i_27 & 1)], l_sum[(i_27 & 1)]);
-            __17.x = (v__18.x/v__19.x);
-            __17.y = (v__18.y/v__19.y);
-          condval_14 = __17;
+            __16.x = (v__18.x/v__19.x);
+            __16.y = (v__18.y/v__19.y);
+          condval_16 = __16;
         } else {
-          condval_14 = make_float2(broadcast_var_6, broadcast_var_6);
+          condval_16 = make_float2(broadcast_var_6, broadcast_var_6);
         }
-        ((half2*)(&__16))[0] = __float22half2_rn(((float2*)(&condval_14))[0]);
-        *(uint1*)(O_local_cast + 0) = __16;
+        ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&condval_16))[0]);
+        *(uint1*)(O_local_cast + 0) = __15;
         int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
           int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_27 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
@@ -575,11 +576,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
                 int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_28 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
-                  float condval_15;
+                  float condval_17;
                   if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_28])) {
-                    condval_15 = (((m_cur[i_28] * scale_log2) + log2f(l_sum[i_28])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                    condval_17 = (((m_cur[i_28] * scale_log2) + log2f(l_sum[i_28])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_15 = -CUDART_INF_F;
+                    condval_17 = -CUDART_INF_F;
                   }
                   int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -587,7 +588,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
                   int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_28) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_15;
+                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_17;
                 }
               }
             }
