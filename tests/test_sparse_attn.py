@@ -101,6 +101,18 @@ def test_topk_sizes_and_unsorted_rows_with_repeats(topk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G", [4, 16])
+def test_future_entries_are_dropped_per_token(G):
+    # Lk - Lq = 2 and 5: query tiles straddle 64-token blocks, so a token listing the block after
+    # its own (its future: dropped) shares a tile with tokens for which that block is their own
+    lq, lk = [128, 70], [130, 75]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, G, 128, torch.bfloat16, topk=4)
+    pos = torch.cat([torch.arange(b - a, b, device="cuda") for a, b in zip(lq, lk)])
+    idx[:, :, -1] = (pos // 64 + 1).to(idx.dtype)
+    _check_against_reference(q, k, v, cu_q, cu_k, idx, what=f"future entries G{G}")
+
+
+@pytest.mark.gpu
 def test_empty_selection_rows_and_unselected_blocks():
     lq = lk = [400]
     q, k, v, cu_q, cu_k, idx = _case(lq, lk, 16, 128, torch.bfloat16, topk=4, local_blocks=0)
