@@ -31,8 +31,8 @@ query tile lives in registers (the GEMMs' A operand, staged once through shared 
 chunks are single-buffered (see fetch), which keeps a tile under 72 KB of shared memory on
 sm_90a: three tiles share an SM, and each hides the others' load and GEMM latency. Measured on
 an H100 at 32K x 8 (G = 16, K = 96), the kernel went from 26.3 to 16.1 ms. Top-K then runs per
-token, one warp per token: the
-scores are turned in place into their order-preserving uint32 images, an 8-bit radix select
+token, one warp per token: the scores are turned in place into their order-preserving uint32
+images, an 8-bit radix select
 (four histogram passes in shared memory, warp-aggregated atomics) finds the K-th best, and a
 ballot/popcount pass writes the picks in ascending block order (ties at the K-th score go to
 the lower block index). The host picks T = min(64 // G, T_MAX) and lowers it until T * n_blocks
