@@ -225,6 +225,11 @@ def _units_cmake(entries: list[dict]) -> str:
 
 
 def _write(path: str, text: str) -> None:
+    # An unchanged file keeps its time stamp, so a rebuild recompiles only the units that changed.
+    if os.path.isfile(path):
+        with open(path, newline="") as f:
+            if f.read() == text:
+                return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", newline="\n") as f:
         f.write(text)
@@ -270,6 +275,7 @@ def build(archs: list[str], out: str, nproc: int, ops: list[str] | None = None) 
                 infos = [i for i in json.load(f) if i["op"] not in rebuilt]
         if os.path.isdir(arch_dir):
             keep = {os.path.basename(i["file"]) for i in infos}
+            keep |= {os.path.basename(r["info"]["file"]) for r in results if r["info"]["arch"] == arch}
             for f in os.listdir(arch_dir):
                 if (f.endswith(".cu") and f not in keep) or f == "manifest.json":
                     os.remove(os.path.join(arch_dir, f))

@@ -22,12 +22,12 @@ Kernels (one PrimFunc each):
   fwd             O, LSE                                  grid (tiles, batch, Hk)
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
   bwd_dq          dQ, same tiles and union as fwd         grid (tiles, batch, Hk)
-  bwd_dkdv        dK, dV per 64-key block, visiting the   grid (Hk, batch, key blocks)
-                  tokens that picked it: `threads` candidate tiles at a time, each token
+  bwd_dkdv        dK, dV per 64-key block, visiting the   grid (key blocks, Hk, batch)
+                  tokens that picked it: `threads` x T_MAX candidate tokens at a time, each
                   checked by binary search in its sorted selection row, the members compacted
-                  by prefix sum and taken T at a time (T x G rows), so rows of tokens that did
-                  not pick the block cost no work; the next group's rows load by cp.async
-                  while the current one is computed
+                  by prefix sum and taken BM // G at a time (BM = 128 rows on sm_90a, 64
+                  elsewhere), so rows of tokens that did not pick the block cost no work; the
+                  next group's rows load by cp.async while the current one is computed
 Every gradient is written by exactly one thread block in a fixed order: the backward is
 deterministic, with no atomics.
 
@@ -75,8 +75,17 @@ def tile_tokens_max(arch):
 
 
 def unit_constants(kernel, dtype, head_dim, arch):
-    """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile."""
+    """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile
+    (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped)."""
+    if kernel == "bwd_dkdv":
+        return {"block_m": _dkdv_block_m(arch), "t_max": _dkdv_block_m(arch)}
     return {"block_m": BLOCK_M, "t_max": tile_tokens_max(arch)}
+
+
+def _dkdv_block_m(arch):
+    # sm_90a's 227 KB hold two 128-row groups (the prefetch buffer); 99 KB (sm_86/sm_89) one
+    # 64-row group
+    return 128 if _prefetch(arch) else BLOCK_M
 
 
 def variant_name(kernel, dtype, head_dim):
@@ -470,25 +479,36 @@ def _bwd_dq(dtype, D, arch):
     return sparse_attn_bwd_dq
 
 
-def _make_lower_bound_global(topk):
-    """A macro: lohi[0] = first k < topk with not (0 <= topk_idx[hk, row, k] < v) (rows ascend,
-    -1 last).
+def _make_scan_tile(topk, SCAN_T):
+    """A macro: bit t of mask[0] set if token row0 + t (t < n) lists block kb in its sorted row.
+
+    A branchless lower bound (first k with not 0 <= row[k] < kb) per token, the SCAN_T tokens'
+    searches advanced together a step at a time, so their loads are in flight at once (one
+    token after another, each search a chain of dependent loads, was latency-bound: at G = 4
+    the scan of every tile for every key block of the 8 KV heads).
 
     topk is closed over rather than passed: a dynamic shape var passed into a macro turns
     into a new free parameter of the kernel."""
 
     @T.macro
-    def lower_bound(topk_idx, hk, row, v, lohi):
-        lohi[0] = 0
-        lohi[1] = topk
-        for _ in T.serial(LOG_K_MAX):
-            if lohi[0] < lohi[1]:
-                if topk_idx[hk, row, (lohi[0] + lohi[1]) >> 1] >= 0 and topk_idx[hk, row, (lohi[0] + lohi[1]) >> 1] < v:
-                    lohi[0] = ((lohi[0] + lohi[1]) >> 1) + 1
-                else:
-                    lohi[1] = (lohi[0] + lohi[1]) >> 1
+    def scan_tile(topk_idx, hk, row0, n, kb, pos, mask):
+        for t in T.unroll(SCAN_T):
+            pos[t] = 0
+        for s in T.unroll(LOG_K_MAX):
+            for t in T.unroll(SCAN_T):
+                # steps K_MAX/2 ... 1 reach K_MAX - 1; the first step, K_MAX, reaches K_MAX
+                if t < n and pos[t] + (K_MAX >> s) <= topk:
+                    if topk_idx[hk, row0 + t, pos[t] + (K_MAX >> s) - 1] >= 0 and topk_idx[
+                        hk, row0 + t, pos[t] + (K_MAX >> s) - 1
+                    ] < kb:
+                        pos[t] = pos[t] + (K_MAX >> s)
+        mask[0] = 0
+        for t in T.unroll(SCAN_T):
+            if t < n and pos[t] < topk:
+                if topk_idx[hk, row0 + t, pos[t]] == kb:
+                    mask[0] = mask[0] | (1 << t)
 
-    return lower_bound
+    return scan_tile
 
 
 def _bwd_dkdv(dtype, D, arch):
@@ -496,16 +516,15 @@ def _bwd_dkdv(dtype, D, arch):
     dyn = _dyn()
     total_q, total_k, heads, heads_k, topk, batch_plus_one = (
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
-    # 512 threads: the dK/dV accumulators spread thin enough that registers do not cap the
-    # SM at one 8-warp block (seen with 256: 160 registers, 12.5% occupancy, latency-bound).
-    # Unlike dense_attn's dK/dV, two warpgroups do not pay here (H100, 32K x 8, the kernel
-    # alone: 256 threads 158.8 vs 164.7 ms at G = 16 but 215.7 vs 200.9 ms at G = 4; 128-row
-    # groups 140.6 ms at G = 16 but 520.8 ms at G = 4, whose T_MAX = 16 tokens fill 64 rows).
-    threads = 512 if arch.startswith("sm_90") else 256
-    T_MAX = tile_tokens_max(arch)
-    lower_bound = _make_lower_bound_global(topk)
+    # Two warpgroups on 128-row groups on sm_90a, as dense_attn's dK/dV: with four warpgroups
+    # on 64 rows every GEMM is an n16/n32 wgmma that rereads its A operand from shared memory.
+    # A group is BM // G member tokens, independent of the scan's tiles, so small G fill it.
+    threads = 256
+    BM = _dkdv_block_m(arch)
+    SCAN_T = tile_tokens_max(arch)  # tokens a scanning thread checks (bits of a mask)
+    scan_tile = _make_scan_tile(topk, SCAN_T)
     prefetch = _prefetch(arch)
-    NV = BLOCK_M * D // VEC
+    NV = BM * D // VEC
 
     @T.macro
     def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab):
@@ -524,7 +543,7 @@ def _bwd_dkdv(dtype, D, arch):
                                predicate=r < n_rows)
                 T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[row, rhead_s[r], d], "r", VEC), VEC,
                                predicate=r < n_rows)
-        if tx < BLOCK_M:
+        if tx < BM:
             row = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
             T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[rhead_s[tx], row], "r", 1), 1,
                            predicate=tx < n_rows)
@@ -532,17 +551,18 @@ def _bwd_dkdv(dtype, D, arch):
                            predicate=tx < n_rows)
 
     @T.macro
-    def compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+    def compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
                 acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
         T.clear(acc_sT)
         T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        if n_rows == BLOCK_M and (kb + 1) * BLOCK_N <= shift + tok_s[base] + 1:
+        if n_rows == full_rows and (kb + 1) * BLOCK_N <= shift + tok_s[base] + 1:
             # a full group whose first (earliest) token sees the whole key block: no mask, and
-            # every row's LSE is finite
-            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            # every row's LSE is finite (rows past a group of BM // G tokens are zero-filled
+            # and never read back)
+            for c, r in T.Parallel(BLOCK_N, BM):
                 acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E)
         else:
-            for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+            for c, r in T.Parallel(BLOCK_N, BM):
                 acc_sT[c, r] = T.if_then_else(
                     r < n_rows
                     and lse_s[r] != NEG_INF
@@ -553,7 +573,7 @@ def _bwd_dkdv(dtype, D, arch):
         T.clear(acc_dpT)
         T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.copy(acc_sT, pT_s)
-        for c, r in T.Parallel(BLOCK_N, BLOCK_M):
+        for c, r in T.Parallel(BLOCK_N, BM):
             dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
         T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
         T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
@@ -577,40 +597,42 @@ def _bwd_dkdv(dtype, D, arch):
         tile_tokens: T.int32,
         scale_log2: T.float32,
     ):
-        # key blocks outermost: block 0 (every query's init block) has by far the most member
-        # tiles and must start in the first wave, not at the end of the grid
-        with T.Kernel(heads_k, batch, max_kblocks, threads=threads) as (hk, b, kb):
+        # key blocks innermost: the blocks of one sequence and KV head run side by side and scan
+        # the same selection rows, which then come from L2 (H100, 32K x 8, this kernel alone:
+        # 143.3 -> 134.4 ms at G = 16, 254.3 -> 164.6 ms at G = 4, whose 8 KV heads' rows are
+        # 537 MB). Block 0 (every query's init block, the most members) leads each sequence.
+        with T.Kernel(max_kblocks, heads_k, batch, threads=threads) as (kb, hk, b):
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            Q_s0 = T.alloc_shared([BLOCK_M, D], dtype)
-            dO_s0 = T.alloc_shared([BLOCK_M, D], dtype)
-            lse_s0 = T.alloc_shared([BLOCK_M], accum)
-            delta_s0 = T.alloc_shared([BLOCK_M], accum)
-            Q_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
-            dO_s1 = T.alloc_shared([BLOCK_M if prefetch else 1, D], dtype)
-            lse_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
-            delta_s1 = T.alloc_shared([BLOCK_M if prefetch else 1], accum)
+            Q_s0 = T.alloc_shared([BM, D], dtype)
+            dO_s0 = T.alloc_shared([BM, D], dtype)
+            lse_s0 = T.alloc_shared([BM], accum)
+            delta_s0 = T.alloc_shared([BM], accum)
+            Q_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
+            dO_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
+            lse_s1 = T.alloc_shared([BM if prefetch else 1], accum)
+            delta_s1 = T.alloc_shared([BM if prefetch else 1], accum)
             flag_s = T.alloc_shared([threads], "int32")
-            # the member tokens (positions in the sequence) of `threads` candidate tiles, in order;
-            # T_MAX spare entries keep the last group's reads past the end in bounds
-            tok_s = T.alloc_shared([threads * T_MAX + T_MAX], "int32")
+            # the member tokens (positions in the sequence) of `threads` scanned tiles, in order;
+            # BM spare entries keep the last group's reads past the end in bounds
+            tok_s = T.alloc_shared([threads * SCAN_T + BM], "int32")
             n_mem = T.alloc_shared([1], "int32")
-            my_mask = T.alloc_var("int32")
+            my_mask = T.alloc_local([1], "int32")
             my_cnt = T.alloc_var("int32")
             n_put = T.alloc_var("int32")
-            lohi = T.alloc_local([2], "int32")
+            pos = T.alloc_local([SCAN_T], "int32")
             n_m = T.alloc_var("int32")
             n_toks = T.alloc_var("int32")
             # row r's token offset and head, computed once: as expressions they put run-time
             # integer divisions by G into every load and mask of every query tile
-            rtok_s = T.alloc_shared([BLOCK_M], "int32")
-            rhead_s = T.alloc_shared([BLOCK_M], "int32")
-            acc_sT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
-            acc_dpT = T.alloc_fragment([BLOCK_N, BLOCK_M], accum)
+            rtok_s = T.alloc_shared([BM], "int32")
+            rhead_s = T.alloc_shared([BM], "int32")
+            acc_sT = T.alloc_fragment([BLOCK_N, BM], accum)
+            acc_dpT = T.alloc_fragment([BLOCK_N, BM], accum)
             # P^T and dS^T go through shared memory: as register operands their layout would
             # have to match both the score GEMM's output and the next GEMM's A operand.
-            pT_s = T.alloc_shared([BLOCK_N, BLOCK_M], dtype)
-            dsT_s = T.alloc_shared([BLOCK_N, BLOCK_M], dtype)
+            pT_s = T.alloc_shared([BLOCK_N, BM], dtype)
+            dsT_s = T.alloc_shared([BLOCK_N, BM], dtype)
             acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
             acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
 
@@ -620,12 +642,14 @@ def _bwd_dkdv(dtype, D, arch):
             len_q = cu_seqlens_q[b + 1] - q0
             len_k = cu_seqlens_k[b + 1] - k0
             shift = len_k - len_q
-            n_tiles = T.ceildiv(len_q, tile_tokens)
+            n_tiles = T.ceildiv(len_q, SCAN_T)
             # queries at positions before this block's first key cannot see it
-            first_tile = T.max(kb * BLOCK_N - shift, 0) // tile_tokens
+            first_tile = T.max(kb * BLOCK_N - shift, 0) // SCAN_T
+            # tile_tokens: member tokens a group, BM // G (the host passes it)
+            full_rows = tile_tokens * groups
 
             if kb * BLOCK_N < len_k:
-                for r in T.Parallel(BLOCK_M):
+                for r in T.Parallel(BM):
                     rtok_s[r] = r // groups
                     rhead_s[r] = hk * groups + r % groups
                 T.copy(K[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], K_s)
@@ -633,27 +657,24 @@ def _bwd_dkdv(dtype, D, arch):
                 T.fill(acc_dk, 0)
                 T.fill(acc_dv, 0)
                 for chunk in T.serial(T.ceildiv(T.max(n_tiles - first_tile, 0), threads)):
-                    # which of the next `threads` query tiles picked this block, and by which tokens
+                    # which tokens of the next `threads` tiles of SCAN_T picked this block
                     j = first_tile + chunk * threads + tx
-                    my_mask = 0
+                    my_mask[0] = 0
                     my_cnt = 0
                     if j < n_tiles:
-                        for t in T.serial(T_MAX):
-                            if t < tile_tokens and j * tile_tokens + t < len_q:
-                                lower_bound(topk_idx, hk, q0 + j * tile_tokens + t, kb, lohi)
-                                if lohi[0] < topk and topk_idx[hk, q0 + j * tile_tokens + t, lohi[0]] == kb:
-                                    my_mask = my_mask | (1 << t)
-                                    my_cnt = my_cnt + 1
-                    # compact the member tokens: groups of T of them (T x G rows) are the GEMM tiles,
+                        scan_tile(topk_idx, hk, q0 + j * SCAN_T, T.min(SCAN_T, len_q - j * SCAN_T), kb, pos, my_mask)
+                        for t in T.unroll(SCAN_T):
+                            my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
+                    # compact the member tokens: groups of BM // G of them are the GEMM tiles,
                     # so rows of tokens that did not pick this block cost nothing
                     flag_s[tx] = my_cnt
                     T.sync_threads()
                     T.cumsum(src=flag_s, dst=flag_s, dim=0)
                     T.sync_threads()
                     n_put = flag_s[tx] - my_cnt
-                    for t in T.serial(T_MAX):
-                        if ((my_mask >> t) & 1) == 1:
-                            tok_s[n_put] = j * tile_tokens + t
+                    for t in T.serial(SCAN_T):
+                        if ((my_mask[0] >> t) & 1) == 1:
+                            tok_s[n_put] = j * SCAN_T + t
                             n_put = n_put + 1
                     if tx == 0:
                         n_mem[0] = flag_s[threads - 1]
@@ -690,13 +711,13 @@ def _bwd_dkdv(dtype, D, arch):
                         n_rows = T.min(tile_tokens, n_toks - base) * groups
                         if prefetch:
                             if m % 2 == 0:
-                                compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
                                         acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
                             else:
-                                compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
                                         acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1, delta_s1)
                         else:
-                            compute(base, n_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+                            compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
                                     acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
                         # the next step's prefetch overwrites this step's buffers
                         T.sync_threads()

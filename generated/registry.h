@@ -924,40 +924,40 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error()
 #endif
 static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 92208, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 92432, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 92208, 256, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 92432, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 151552, 512, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 217616, 256, 0, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 59440, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 59664, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 59440, 256, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 59664, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 102400, 512, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 135696, 256, 0, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 92208, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 92432, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 92208, 256, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 92432, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 151552, 512, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 217616, 256, 1, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 59440, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 59664, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 59440, 256, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 59664, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 102400, 512, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 135696, 256, 1, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1565,40 +1565,40 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 63552, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 92208, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 92432, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 92208, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 92432, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 151552, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 217616, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 59440, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 59664, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 59440, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 59664, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 102400, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 135696, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 92208, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 92432, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 92208, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 92432, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 151552, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 217616, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 59440, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 59664, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 59440, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 59664, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 102400, 512},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 135696, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_80", 81920, 128},

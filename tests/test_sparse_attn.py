@@ -113,6 +113,17 @@ def test_future_entries_are_dropped_per_token(G):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G", [1, 3, 16, 64])
+def test_long_sequences_and_odd_groups(G):
+    # bwd_dkdv scans a key block's candidate tokens a few thousand at a time and takes its
+    # members 128 // G (64 // G off sm_90a) at a time: 9000 tokens span several scans, whose
+    # last groups are partial, and G = 3 leaves rows of every group unused
+    lq, lk = [9000, 70, 2100], [9000, 70, 4500]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, G, 128, torch.bfloat16, topk=12, local_blocks=3, heads_k=1, seed=G)
+    _check_against_reference(q, k, v, cu_q, cu_k, idx, what=f"long G{G}")
+
+
+@pytest.mark.gpu
 def test_empty_selection_rows_and_unselected_blocks():
     lq = lk = [400]
     q, k, v, cu_q, cu_k, idx = _case(lq, lk, 16, 128, torch.bfloat16, topk=4, local_blocks=0)

@@ -28,64 +28,64 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 33280));
   void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 49664));
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 66048));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 74272));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 82464));
-  void* flag_s = ((void*)((char*)buf_dyn_shmem + 90656));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 91680));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 91936));
-  void* n_mem = ((void*)((char*)buf_dyn_shmem + 92192));
+  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 74496));
+  void* pT_s = ((void*)((char*)buf_dyn_shmem + 82688));
+  void* flag_s = ((void*)((char*)buf_dyn_shmem + 90880));
+  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 91904));
+  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 92160));
+  void* n_mem = ((void*)((char*)buf_dyn_shmem + 92416));
   float acc_dk[32];
   float acc_dv[32];
-  int my_mask = 0;
+  int my_mask[1];
   int my_cnt = 0;
-  int lohi[2];
+  int pos[8];
   int n_put = 0;
   int n_toks = 0;
   int n_m = 0;
   float acc_sT[16];
   float acc_dpT[16];
   int condval;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval = cu_seqlens_q[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval = 0;
   }
   int q0 = condval;
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_1 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_1 = 0;
   }
   int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_2 = 0;
   }
   int len_q = (condval_2 - q0);
   int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_3 = 0;
   }
   int len_k = (condval_3 - k0);
-  if ((((int)blockIdx.z) * 64) < len_k) {
+  if ((((int)blockIdx.x) * 64) < len_k) {
     if (((int)threadIdx.x) < 64) {
       int rmod = (((int)threadIdx.x) % groups);
       int rdiv = (((int)threadIdx.x) / groups);
       ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
       int rmod_1 = (((int)threadIdx.x) % groups);
-      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
+      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.y) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
     }
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_4;
-      if (((((((((int)blockIdx.z) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      if (((((((((int)blockIdx.x) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
+        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
         condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
@@ -95,8 +95,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
     for (int i_1 = 0; i_1 < 4; ++i_1) {
       half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_5;
-      if (((((((((int)blockIdx.z) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      if (((((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
+        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
         condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
       }
@@ -112,96 +112,55 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
-    int rmod_2 = (((len_q + tile_tokens) - 1) % tile_tokens);
-    int rdiv_1 = (((len_q + tile_tokens) - 1) / tile_tokens);
-    int rmod_3 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-    int rdiv_2 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-    for (int chunk = 0; chunk < ((max((((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) - ((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1))), 0) + 255) >> 8); ++chunk) {
-      my_mask = 0;
+    for (int chunk = 0; chunk < ((max((((len_q + 7) >> 3) - (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3)), 0) + 255) >> 8); ++chunk) {
+      my_mask[0] = 0;
       my_cnt = 0;
-      int rmod_4 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-      int rdiv_3 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-      int rmod_5 = (((len_q + tile_tokens) - 1) % tile_tokens);
-      int rdiv_4 = (((len_q + tile_tokens) - 1) / tile_tokens);
-      if ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) + ((int)threadIdx.x)) < ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) {
+      if ((((chunk * 256) + (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3)) + ((int)threadIdx.x)) < ((len_q + 7) >> 3)) {
+        #pragma unroll
         for (int t = 0; t < 8; ++t) {
-          int rmod_6 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_5 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-          if ((t < tile_tokens) && ((((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_6)) || ((tile_tokens < 0) && (rmod_6 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t) < len_q)) {
-            lohi[0] = 0;
-            lohi[1] = topk;
-            for (int __1 = 0; __1 < 8; ++__1) {
-              if (lohi[0] < lohi[1]) {
-                int rmod_7 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_6 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int rmod_8 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_7 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int condval_6;
-                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_7)) || ((tile_tokens < 0) && (rmod_7 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_8)) || ((tile_tokens < 0) && (rmod_8 <= 0))) ? rdiv_7 : (rdiv_7 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-                  int64_t rmod_9 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_8 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  int64_t rmod_10 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_9 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_6 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
-                } else {
-                  condval_6 = 0;
-                }
-                int rmod_11 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_10 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int rmod_12 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-                int rdiv_11 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-                int condval_7;
-                if (((((0 <= ((lohi[0] + lohi[1]) >> 1)) && (((lohi[0] + lohi[1]) >> 1) < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_11)) || ((tile_tokens < 0) && (rmod_11 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_12)) || ((tile_tokens < 0) && (rmod_12 <= 0))) ? rdiv_11 : (rdiv_11 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-                  int64_t rmod_13 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_12 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  int64_t rmod_14 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-                  int64_t rdiv_13 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-                  condval_7 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rdiv_13 : (rdiv_13 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((((int64_t)lohi[(int64_t)0]) + ((int64_t)lohi[(int64_t)1])) >> (int64_t)1))];
-                } else {
-                  condval_7 = 0;
-                }
-                if ((0 <= condval_6) && (condval_7 < ((int)blockIdx.z))) {
-                  lohi[0] = (((lohi[0] + lohi[1]) >> 1) + 1);
-                } else {
-                  lohi[1] = ((lohi[0] + lohi[1]) >> 1);
-                }
+          pos[t] = 0;
+        }
+        #pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          #pragma unroll
+          for (int t_1 = 0; t_1 < 8; ++t_1) {
+            if ((t_1 < (((len_q - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) - (((int)threadIdx.x) * 8)) - (chunk * 2048))) && ((pos[t_1] + (128 >> s)) <= topk)) {
+              int condval_6;
+              if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= (((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1))) && ((((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1) < total_q))) {
+                condval_6 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + ((((((((int64_t)chunk) * (int64_t)2048) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + ((int64_t)q0)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
+              } else {
+                condval_6 = 0;
+              }
+              int condval_7;
+              if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= (((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1))) && ((((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1) < total_q))) {
+                condval_7 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + ((((((((int64_t)chunk) * (int64_t)2048) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + ((int64_t)q0)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
+              } else {
+                condval_7 = 0;
+              }
+              if ((0 <= condval_6) && (condval_7 < ((int)blockIdx.x))) {
+                pos[t_1] = (pos[t_1] + (128 >> s));
               }
             }
-            int rmod_15 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_14 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-            int rmod_16 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_15 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
+          }
+        }
+        my_mask[0] = 0;
+        #pragma unroll
+        for (int t_2 = 0; t_2 < 8; ++t_2) {
+          if ((t_2 < (((len_q - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) - (((int)threadIdx.x) * 8)) - (chunk * 2048))) && (pos[t_2] < topk)) {
             int condval_8;
-            if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_15)) || ((tile_tokens < 0) && (rmod_15 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_16)) || ((tile_tokens < 0) && (rmod_16 <= 0))) ? rdiv_15 : (rdiv_15 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-              int64_t rmod_17 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_16 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              int64_t rmod_18 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_17 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_18)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_18 <= (int64_t)0))) ? rdiv_17 : (rdiv_17 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
+            if (((((0 <= pos[t_2]) && (pos[t_2] < topk)) && (0 <= (((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_2))) && ((((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_2) < total_q))) {
+              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + ((((((((int64_t)chunk) * (int64_t)2048) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + ((int64_t)q0)) + ((int64_t)t_2)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_2)]))];
             } else {
               condval_8 = 0;
             }
-            if ((lohi[0] < topk) && (condval_8 == ((int)blockIdx.z))) {
-              my_mask = (my_mask | (1 << t));
-            }
-            int rmod_19 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_18 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-            int rmod_20 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-            int rdiv_19 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-            int condval_9;
-            if (((((0 <= lohi[0]) && (lohi[0] < topk)) && (0 <= ((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_19)) || ((tile_tokens < 0) && (rmod_19 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t))) && (((q0 + ((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_20)) || ((tile_tokens < 0) && (rmod_20 <= 0))) ? rdiv_19 : (rdiv_19 - 1))) + ((int)threadIdx.x)) * tile_tokens)) + t) < total_q))) {
-              int64_t rmod_21 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_20 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              int64_t rmod_22 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) % ((int64_t)tile_tokens));
-              int64_t rdiv_21 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) / ((int64_t)tile_tokens));
-              condval_9 = topk_idx[((((((int64_t)((int)blockIdx.x)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((((((int64_t)chunk) * (int64_t)256) + (((((int64_t)0 <= ((int64_t)tile_tokens)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)tile_tokens) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rdiv_21 : (rdiv_21 - (int64_t)1))) + ((int64_t)((int)threadIdx.x))) * ((int64_t)tile_tokens))) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)lohi[(int64_t)0]))];
-            } else {
-              condval_9 = 0;
-            }
-            if ((lohi[0] < topk) && (condval_9 == ((int)blockIdx.z))) {
-              my_cnt = (my_cnt + 1);
+            if (condval_8 == ((int)blockIdx.x)) {
+              my_mask[0] = (my_mask[0] | (1 << t_2));
             }
           }
+        }
+        #pragma unroll
+        for (int t_3 = 0; t_3 < 8; ++t_3) {
+          my_cnt = (my_cnt + ((my_mask[0] >> t_3) & 1));
         }
       }
       ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
@@ -210,13 +169,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       __syncthreads();
       n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
       __syncthreads();
-      for (int t_1 = 0; t_1 < 8; ++t_1) {
-        if (((my_mask >> t_1) & 1) == 1) {
-          int rmod_23 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-          int rdiv_22 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-          ((int*)tok_s)[n_put] = (((((chunk * 256) + ((((0 <= tile_tokens) && (0 <= rmod_23)) || ((tile_tokens < 0) && (rmod_23 <= 0))) ? rdiv_22 : (rdiv_22 - 1))) + ((int)threadIdx.x)) * tile_tokens) + t_1);
+      for (int t_4 = 0; t_4 < 8; ++t_4) {
+        if (((my_mask[0] >> t_4) & 1) == 1) {
+          ((int*)tok_s)[n_put] = ((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + t_4);
         }
-        if (((my_mask >> t_1) & 1) == 1) {
+        if (((my_mask[0] >> t_4) & 1) == 1) {
           n_put = (n_put + 1);
         }
       }
@@ -226,19 +183,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       }
       __syncthreads();
       n_toks = ((int*)n_mem)[0];
-      int rmod_24 = (((n_toks + tile_tokens) - 1) % tile_tokens);
-      int rdiv_23 = (((n_toks + tile_tokens) - 1) / tile_tokens);
-      n_m = ((((0 <= tile_tokens) && (0 <= rmod_24)) || ((tile_tokens < 0) && (rmod_24 <= 0))) ? rdiv_23 : (rdiv_23 - 1));
+      int rmod_2 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+      int rdiv_1 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+      n_m = ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
       if (0 < n_m) {
         for (int i_4 = 0; i_4 < 4; ++i_4) {
           __syncthreads();
-          int condval_10;
+          int condval_9;
           if ((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, n_toks) * groups))) {
-            condval_10 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]];
+            condval_9 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]];
           } else {
-            condval_10 = 0;
+            condval_9 = 0;
           }
-          int row = (q0 + condval_10);
+          int row = (q0 + condval_9);
           __syncthreads();
           tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))])));
           __syncthreads();
@@ -248,61 +205,61 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       __syncthreads();
       if (0 < n_m) {
         if (((int)threadIdx.x) < 64) {
+          int64_t condval_10;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+            condval_10 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+          } else {
+            condval_10 = (int64_t)0;
+          }
           int64_t condval_11;
           if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
             condval_11 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
           } else {
             condval_11 = (int64_t)0;
           }
-          int64_t condval_12;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-            condval_12 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+                    int condval_12;
+          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+            condval_12 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
           } else {
-            condval_12 = (int64_t)0;
+            condval_12 = 0;
           }
-                    int condval_13;
+          int condval_13;
           if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
             condval_13 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
           } else {
             condval_13 = 0;
           }
-          int condval_14;
-          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-            condval_14 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-          } else {
-            condval_14 = 0;
-          }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_12)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_13) < total_q)) && (0 <= (q0 + condval_14))));
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_11)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_12) < total_q)) && (0 <= (q0 + condval_13))));
         }
       }
       __syncthreads();
       if (0 < n_m) {
         if (((int)threadIdx.x) < 64) {
+          int64_t condval_14;
+          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+            condval_14 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+          } else {
+            condval_14 = (int64_t)0;
+          }
           int64_t condval_15;
           if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
             condval_15 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
           } else {
             condval_15 = (int64_t)0;
           }
-          int64_t condval_16;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-            condval_16 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+                    int condval_16;
+          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+            condval_16 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
           } else {
-            condval_16 = (int64_t)0;
+            condval_16 = 0;
           }
-                    int condval_17;
+          int condval_17;
           if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
             condval_17 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
           } else {
             condval_17 = 0;
           }
-          int condval_18;
-          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-            condval_18 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-          } else {
-            condval_18 = 0;
-          }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_16)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_17) < total_q)) && (0 <= (q0 + condval_18))));
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_15)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_16) < total_q)) && (0 <= (q0 + condval_17))));
         }
       }
       if (0 < n_m) {
@@ -312,13 +269,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         if (0 < m) {
           for (int i_5 = 0; i_5 < 4; ++i_5) {
             __syncthreads();
-            int condval_19;
+            int condval_18;
             if ((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_19 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]))];
+              condval_18 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]))];
             } else {
-              condval_19 = 0;
+              condval_18 = 0;
             }
-            int row_1 = (q0 + condval_19);
+            int row_1 = (q0 + condval_18);
             __syncthreads();
             tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))])));
             __syncthreads();
@@ -328,61 +285,61 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         __syncthreads();
         if (0 < m) {
           if (((int)threadIdx.x) < 64) {
+            int64_t condval_19;
+            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+              condval_19 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+            } else {
+              condval_19 = (int64_t)0;
+            }
             int64_t condval_20;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
               condval_20 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
             } else {
               condval_20 = (int64_t)0;
             }
-            int64_t condval_21;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-              condval_21 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+                        int condval_21;
+            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+              condval_21 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
             } else {
-              condval_21 = (int64_t)0;
+              condval_21 = 0;
             }
-                        int condval_22;
+            int condval_22;
             if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
               condval_22 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
             } else {
               condval_22 = 0;
             }
-            int condval_23;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_23 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-            } else {
-              condval_23 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_21)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_22) < total_q)) && (0 <= (q0 + condval_23))));
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_20)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_21) < total_q)) && (0 <= (q0 + condval_22))));
           }
         }
         __syncthreads();
         if (0 < m) {
           if (((int)threadIdx.x) < 64) {
+            int64_t condval_23;
+            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+              condval_23 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+            } else {
+              condval_23 = (int64_t)0;
+            }
             int64_t condval_24;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
               condval_24 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
             } else {
               condval_24 = (int64_t)0;
             }
-            int64_t condval_25;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-              condval_25 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+                        int condval_25;
+            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+              condval_25 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
             } else {
-              condval_25 = (int64_t)0;
+              condval_25 = 0;
             }
-                        int condval_26;
+            int condval_26;
             if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
               condval_26 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
             } else {
               condval_26 = 0;
             }
-            int condval_27;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_27 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-            } else {
-              condval_27 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_25)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_26) < total_q)) && (0 <= (q0 + condval_27))));
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_24)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_25) < total_q)) && (0 <= (q0 + condval_26))));
           }
           tl::cp_async_commit();
         }
@@ -409,38 +366,38 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             }
           }
         }
-        if ((n_rows == 64) && (((((int)blockIdx.z) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+        if ((n_rows == (tile_tokens * groups)) && (((((int)blockIdx.x) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
           #pragma unroll
           for (int i_8 = 0; i_8 < 8; ++i_8) {
             float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+            float2 __1;
             float2 __2;
-            float2 __3;
-              float2 __4;
+              float2 __3;
                 float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
                 float2 v__1 = make_float2(scale_log2, scale_log2);
-                __4.x = (v_.x*v__1.x);
-                __4.y = (v_.y*v__1.y);
-              float2 __5;
+                __3.x = (v_.x*v__1.x);
+                __3.y = (v_.y*v__1.y);
+              float2 __4;
                 float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
                 float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
-                __5.x = (v__2.x*v__3.x);
-                __5.y = (v__2.y*v__3.y);
-              __3.x = (__4.x-__5.x);
-              __3.y = (__4.y-__5.y);
-            __2.x = exp2f(__3.x);
-            __2.y = exp2f(__3.y);
-            *(float2*)(acc_sT + (i_8 * 2)) = __2;
+                __4.x = (v__2.x*v__3.x);
+                __4.y = (v__2.y*v__3.y);
+              __2.x = (__3.x-__4.x);
+              __2.y = (__3.y-__4.y);
+            __1.x = exp2f(__2.x);
+            __1.y = exp2f(__2.y);
+            *(float2*)(acc_sT + (i_8 * 2)) = __1;
           }
         } else {
           #pragma unroll
           for (int i_9 = 0; i_9 < 16; ++i_9) {
-            float condval_28;
-            if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
-              condval_28 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            float condval_27;
+            if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+              condval_27 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             } else {
-              condval_28 = 0x0p+0f/*0.000000e+00*/;
+              condval_27 = 0x0p+0f/*0.000000e+00*/;
             }
-            acc_sT[i_9] = condval_28;
+            acc_sT[i_9] = condval_27;
           }
         }
         #pragma unroll
@@ -467,10 +424,10 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         #pragma unroll
         for (int i_12 = 0; i_12 < 8; ++i_12) {
           half_t pT_s_local_cast[2];
-          uint1 __6;
+          uint1 __5;
           float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
-          ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
-          *(uint1*)(pT_s_local_cast + 0) = __6;
+          ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
+          *(uint1*)(pT_s_local_cast + 0) = __5;
           *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
         }
         #pragma unroll
@@ -478,19 +435,18 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           float delta_s0_local_cast_2[2];
           half_t dsT_s_local_cast_1[2];
           *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __7;
-          float2 __8;
+          uint1 __6;
+          float2 __7;
             float2 v__5 = *(float2*)(acc_sT + (i_13 * 2));
-            float2 __9;
+            float2 __8;
               float2 v__6 = *(float2*)(acc_dpT + (i_13 * 2));
               float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
-              __9.x = (v__6.x-v__7.x);
-              __9.y = (v__6.y-v__7.y);
-            __8.x = (v__5.x*__9.x);
-            __8.y = (v__5.y*__9.y);
-          ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&__8))[0]);
-          *(uint1*)(dsT_s_local_cast_1 + 0) = __7;
-          __syncthreads();
+              __8.x = (v__6.x-v__7.x);
+              __8.y = (v__6.y-v__7.y);
+            __7.x = (v__5.x*__8.x);
+            __7.y = (v__5.y*__8.y);
+          ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
+          *(uint1*)(dsT_s_local_cast_1 + 0) = __6;
           *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
         }
         {
@@ -530,21 +486,21 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
     }
     #pragma unroll
     for (int i_16 = 0; i_16 < 16; ++i_16) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __10;
-            float2 __11;
+      if (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+            uint1 __9;
+            float2 __10;
               float2 v__8 = *(float2*)(acc_dk + (i_16 * 2));
               float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __11.x = (v__8.x*v__9.x);
-              __11.y = (v__8.y*v__9.y);
-            ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&__11))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
-            uint1 __12;
+              __10.x = (v__8.x*v__9.x);
+              __10.y = (v__8.y*v__9.y);
+            ((half2*)(&__9))[0] = __float22half2_rn(((float2*)(&__10))[0]);
+            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+            uint1 __11;
             float2 v__10 = *(float2*)(acc_dv + (i_16 * 2));
-            ((half2*)(&__12))[0] = __float22half2_rn(((float2*)(&v__10))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
+            ((half2*)(&__11))[0] = __float22half2_rn(((float2*)(&v__10))[0]);
+            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __11;
           }
         }
       }
@@ -570,9 +526,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error()
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 92208);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 92432);
     if (result_infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 92208, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 92432, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel));
         return -1;
     }
 
@@ -589,9 +545,9 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(half_t* __restr
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(heads_k, batch, max_kblocks);
+		config.gridDim = dim3(max_kblocks, heads_k, batch);
 		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 92208;
+		config.dynamicSmemBytes = 92432;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel");
