@@ -15,19 +15,23 @@ up to 64). The tile iterates over the UNION of its tokens' selected blocks, so a
 that several tokens picked (the local window, and most of the rest for adjacent tokens) is
 loaded and multiplied once for all of them; each (row, block) is masked by whether the row's
 token picked the block. The union is built in the prologue from the sorted selection rows:
-entry (t, k) is kept if its block is in no earlier token's row (binary search), with a bit
-mask of the tokens whose rows hold it; a prefix sum compacts the kept entries.
+each token sets its bit for its blocks in a shared bitmap, entry (t, k) is kept if no earlier
+token's bit is set for its block, with the mask of the tokens that picked it; a prefix sum
+compacts the kept entries.
 
 Kernels (one PrimFunc each):
   fwd             O, LSE                                  grid (tiles, batch, Hk)
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
   bwd_dq          dQ, same tiles and union as fwd         grid (tiles, batch, Hk)
+  bwd_block_map   which 64-row chunks of topk_idx list    grid (chunks of 64 rows, Hk)
+                  each block, as a bit map
   bwd_dkdv        dK, dV per 64-key block, visiting the   grid (key blocks, Hk, batch)
-                  tokens that picked it: `threads` x T_MAX candidate tokens at a time, each
-                  checked by binary search in its sorted selection row, the members compacted
-                  by prefix sum and taken BM // G at a time (BM = 128 rows on sm_90a, 64
-                  elsewhere), so rows of tokens that did not pick the block cost no work; the
-                  next group's rows load by cp.async while the current one is computed
+                  tokens that picked it: the map's chunks that list the block are compacted
+                  by prefix sum, their tokens checked by binary search in their sorted
+                  selection rows, `threads` x T_MAX at a time, the members compacted by prefix
+                  sum and taken BM // G at a time (BM = 128 rows on sm_90a, 64 elsewhere), so
+                  rows of tokens that did not pick the block cost no work; the next group's
+                  rows load by cp.async while the current one is computed
 Every gradient is written by exactly one thread block in a fixed order: the backward is
 deterministic, with no atomics.
 
@@ -47,6 +51,7 @@ BLOCK_M = 64  # GEMM rows per query tile: T tokens x G heads
 T_MAX_BY_ARCH = {"sm_90a": 16}  # tokens per query tile at most (G < 64 // T_MAX leaves rows idle);
 T_MAX_DEFAULT = 8  # 8 elsewhere, so the union buffers fit 99 KB of shared memory with the tiles
 K_MAX = 128  # selected blocks per token at most
+MAP_CHUNK = 64  # packed query rows per entry of bwd_block_map's map
 LOG_K_MAX = 8  # binary-search steps over a row of K_MAX entries (ceil(log2(K_MAX + 1)))
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -58,10 +63,10 @@ VARIANTS = [
     for kernel in KERNELS
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
-]
+] + [{"kernel": "bwd_block_map"}]  # reads only selections: one unit per arch
 
 
-def pass_configs(kernel, dtype, head_dim, arch):
+def pass_configs(kernel, arch, dtype=None, head_dim=None):
     # Warp specialisation on sm_90a launches an extra producer warpgroup, but TileLang still
     # assumes threadIdx.x < threads when it simplifies the index arithmetic of the per-thread
     # (SIMT) union prologue, which then races (seen on an H100: wrong rows, non-determinism).
@@ -74,11 +79,13 @@ def tile_tokens_max(arch):
     return T_MAX_BY_ARCH.get(arch, T_MAX_DEFAULT)
 
 
-def unit_constants(kernel, dtype, head_dim, arch):
+def unit_constants(kernel, arch, dtype=None, head_dim=None):
     """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile
     (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped)."""
     if kernel == "bwd_dkdv":
         return {"block_m": _dkdv_block_m(arch), "t_max": _dkdv_block_m(arch)}
+    if kernel == "bwd_block_map":
+        return {"map_chunk": MAP_CHUNK}
     return {"block_m": BLOCK_M, "t_max": tile_tokens_max(arch)}
 
 
@@ -88,7 +95,9 @@ def _dkdv_block_m(arch):
     return 128 if _prefetch(arch) else BLOCK_M
 
 
-def variant_name(kernel, dtype, head_dim):
+def variant_name(kernel, dtype=None, head_dim=None):
+    if dtype is None:
+        return f"{OP}_{kernel}"
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     return f"{OP}_{kernel}_{short}_d{head_dim}"
 
@@ -112,7 +121,9 @@ def _prefetch(arch):
 VEC = 8  # elements per 16-byte cp.async (2-byte dtypes)
 
 
-def program(kernel, dtype, head_dim, arch):
+def program(kernel, arch, dtype=None, head_dim=None):
+    if kernel == "bwd_block_map":
+        return _bwd_block_map()
     return {
         "fwd": _fwd,
         "bwd_preprocess": _bwd_preprocess,
@@ -479,6 +490,51 @@ def _bwd_dq(dtype, D, arch):
     return sparse_attn_bwd_dq
 
 
+def _bwd_block_map():
+    """block_map[g, c, w] bit i set if a row of chunk c (packed rows c*64 .. c*64+63) lists block
+    32 w + i in topk_idx[g], so that bwd_dkdv searches only the rows of chunks that hold its
+    block. A chunk may straddle two sequences; the map is then a superset, which only costs
+    searches. Plain shared-memory stores of 1 (no atomics) mark the blocks, a window of UW
+    blocks at a time, and one thread packs each word: the map is deterministic."""
+    total_q = T.dynamic("total_q")
+    heads_k = T.dynamic("heads_k")
+    topk = T.dynamic("topk")
+    n_chunks = T.dynamic("n_chunks")
+    words = T.dynamic("words")
+    threads = 128
+
+    @T.prim_func
+    def sparse_attn_bwd_block_map(
+        topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
+        block_map: T.Tensor([heads_k, n_chunks, words], "int32"),
+    ):
+        with T.Kernel(n_chunks, heads_k, threads=threads) as (c, hk):
+            flag_s = T.alloc_shared([UW], "int32")
+            acc = T.alloc_var("int32")
+            tx = T.get_thread_binding()
+            for w in T.serial(T.ceildiv(words * 32, UW)):
+                for e in T.serial(UW // threads):
+                    flag_s[e * threads + tx] = 0
+                T.sync_threads()
+                for e in T.serial(T.ceildiv(MAP_CHUNK * topk, threads)):
+                    i = e * threads + tx  # consecutive threads read consecutive entries of a row
+                    if i < MAP_CHUNK * topk and c * MAP_CHUNK + i // topk < total_q:
+                        if topk_idx[hk, c * MAP_CHUNK + i // topk, i % topk] >= w * UW and topk_idx[
+                            hk, c * MAP_CHUNK + i // topk, i % topk
+                        ] < (w + 1) * UW:
+                            flag_s[topk_idx[hk, c * MAP_CHUNK + i // topk, i % topk] - w * UW] = 1
+                T.sync_threads()
+                if tx < UW // 32 and w * (UW // 32) + tx < words:
+                    acc = 0
+                    for bit in T.serial(32):
+                        # rotated so that the 32 threads of a warp read 32 different banks
+                        acc = acc | (flag_s[tx * 32 + (bit + tx) % 32] << ((bit + tx) % 32))
+                    block_map[hk, c, w * (UW // 32) + tx] = acc
+                T.sync_threads()
+
+    return sparse_attn_bwd_block_map
+
+
 def _make_scan_tile(topk, SCAN_T):
     """A macro: bit t of mask[0] set if token row0 + t (t < n) lists block kb in its sorted row.
 
@@ -516,12 +572,15 @@ def _bwd_dkdv(dtype, D, arch):
     dyn = _dyn()
     total_q, total_k, heads, heads_k, topk, batch_plus_one = (
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
+    n_chunks = T.dynamic("n_chunks")
+    words = T.dynamic("words")
     # Two warpgroups on 128-row groups on sm_90a, as dense_attn's dK/dV: with four warpgroups
     # on 64 rows every GEMM is an n16/n32 wgmma that rereads its A operand from shared memory.
     # A group is BM // G member tokens, independent of the scan's tiles, so small G fill it.
     threads = 256
     BM = _dkdv_block_m(arch)
     SCAN_T = tile_tokens_max(arch)  # tokens a scanning thread checks (bits of a mask)
+    QPC = MAP_CHUNK // SCAN_T  # scanning threads a map chunk
     scan_tile = _make_scan_tile(topk, SCAN_T)
     prefetch = _prefetch(arch)
     NV = BM * D // VEC
@@ -587,6 +646,7 @@ def _bwd_dkdv(dtype, D, arch):
         LSE: T.Tensor([heads, total_q], accum),
         Delta: T.Tensor([heads, total_q], accum),
         topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
+        block_map: T.Tensor([heads_k, n_chunks, words], "int32"),
         cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
         cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
         dK: T.Tensor([total_k, heads_k, D], dtype),
@@ -613,6 +673,11 @@ def _bwd_dkdv(dtype, D, arch):
             lse_s1 = T.alloc_shared([BM if prefetch else 1], accum)
             delta_s1 = T.alloc_shared([BM if prefetch else 1], accum)
             flag_s = T.alloc_shared([threads], "int32")
+            cflag_s = T.alloc_shared([threads], "int32")
+            clist_s = T.alloc_shared([threads], "int32")  # the listed map chunks, ascending
+            n_hit = T.alloc_var("int32")
+            c_hit = T.alloc_var("int32")
+            t_start = T.alloc_var("int32")
             # the member tokens (positions in the sequence) of `threads` scanned tiles, in order;
             # BM spare entries keep the last group's reads past the end in bounds
             tok_s = T.alloc_shared([threads * SCAN_T + BM], "int32")
@@ -642,9 +707,11 @@ def _bwd_dkdv(dtype, D, arch):
             len_q = cu_seqlens_q[b + 1] - q0
             len_k = cu_seqlens_k[b + 1] - k0
             shift = len_k - len_q
-            n_tiles = T.ceildiv(len_q, SCAN_T)
-            # queries at positions before this block's first key cannot see it
-            first_tile = T.max(kb * BLOCK_N - shift, 0) // SCAN_T
+            # queries at positions before this block's first key cannot see it; the map chunks
+            # c_first .. c_first + n_cand - 1 hold the rest of the sequence's rows
+            tok_lo = T.max(kb * BLOCK_N - shift, 0)
+            c_first = (q0 + tok_lo) // MAP_CHUNK
+            n_cand = T.if_then_else(tok_lo < len_q, (q0 + len_q - 1) // MAP_CHUNK + 1 - c_first, 0)
             # tile_tokens: member tokens a group, BM // G (the host passes it)
             full_rows = tile_tokens * groups
 
@@ -656,72 +723,92 @@ def _bwd_dkdv(dtype, D, arch):
                 T.copy(V[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], V_s)
                 T.fill(acc_dk, 0)
                 T.fill(acc_dv, 0)
-                for chunk in T.serial(T.ceildiv(T.max(n_tiles - first_tile, 0), threads)):
-                    # which tokens of the next `threads` tiles of SCAN_T picked this block
-                    j = first_tile + chunk * threads + tx
-                    my_mask[0] = 0
-                    my_cnt = 0
-                    if j < n_tiles:
-                        scan_tile(topk_idx, hk, q0 + j * SCAN_T, T.min(SCAN_T, len_q - j * SCAN_T), kb, pos, my_mask)
-                        for t in T.unroll(SCAN_T):
-                            my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
-                    # compact the member tokens: groups of BM // G of them are the GEMM tiles,
-                    # so rows of tokens that did not pick this block cost nothing
-                    flag_s[tx] = my_cnt
+                for outer in T.serial(T.ceildiv(n_cand, threads)):
+                    # which of the next `threads` map chunks hold a row that lists this block
+                    c_hit = 0
+                    if outer * threads + tx < n_cand:
+                        c_hit = (block_map[hk, c_first + outer * threads + tx, kb // 32] >> (kb % 32)) & 1
+                    cflag_s[tx] = c_hit
                     T.sync_threads()
-                    T.cumsum(src=flag_s, dst=flag_s, dim=0)
+                    T.cumsum(src=cflag_s, dst=cflag_s, dim=0)
                     T.sync_threads()
-                    n_put = flag_s[tx] - my_cnt
-                    for t in T.serial(SCAN_T):
-                        if ((my_mask[0] >> t) & 1) == 1:
-                            tok_s[n_put] = j * SCAN_T + t
-                            n_put = n_put + 1
-                    if tx == 0:
-                        n_mem[0] = flag_s[threads - 1]
+                    if c_hit == 1:
+                        clist_s[cflag_s[tx] - 1] = c_first + outer * threads + tx
+                    n_hit = cflag_s[threads - 1]
                     T.sync_threads()
-                    n_toks = n_mem[0]
-                    n_m = T.ceildiv(n_toks, tile_tokens)
-                    if n_m > 0:
-                        load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                  rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
-                        T.ptx_commit_group()
-                    for m in T.serial(n_m):
-                        if prefetch:
-                            if m + 1 < n_m:
-                                nb = (m + 1) * tile_tokens
-                                if m % 2 == 0:
-                                    load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups, tok_s,
-                                              rtok_s, rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1)
+                    for chunk in T.serial(T.ceildiv(n_hit * QPC, threads)):
+                        # SCAN_T tokens of a listed chunk a thread: which of them picked this block
+                        e = chunk * threads + tx
+                        my_mask[0] = 0
+                        my_cnt = 0
+                        t_start = 0
+                        if e < n_hit * QPC:
+                            t_start = T.max(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, tok_lo)
+                            if T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, len_q) > t_start:
+                                scan_tile(topk_idx, hk, q0 + t_start,
+                                          T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, len_q)
+                                          - t_start, kb, pos, my_mask)
+                                for t in T.unroll(SCAN_T):
+                                    my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
+                        # compact the member tokens: groups of BM // G of them are the GEMM tiles,
+                        # so rows of tokens that did not pick this block cost nothing
+                        flag_s[tx] = my_cnt
+                        T.sync_threads()
+                        T.cumsum(src=flag_s, dst=flag_s, dim=0)
+                        T.sync_threads()
+                        n_put = flag_s[tx] - my_cnt
+                        for t in T.serial(SCAN_T):
+                            if ((my_mask[0] >> t) & 1) == 1:
+                                tok_s[n_put] = t_start + t
+                                n_put = n_put + 1
+                        if tx == 0:
+                            n_mem[0] = flag_s[threads - 1]
+                        T.sync_threads()
+                        n_toks = n_mem[0]
+                        n_m = T.ceildiv(n_toks, tile_tokens)
+                        if n_m > 0:
+                            load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
+                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                            T.ptx_commit_group()
+                        for m in T.serial(n_m):
+                            if prefetch:
+                                if m + 1 < n_m:
+                                    nb = (m + 1) * tile_tokens
+                                    if m % 2 == 0:
+                                        load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups,
+                                                  tok_s, rtok_s, rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1)
+                                    else:
+                                        load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups,
+                                                  tok_s, rtok_s, rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                                    T.ptx_commit_group()
+                                    T.ptx_wait_group(1)
                                 else:
-                                    load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups, tok_s,
-                                              rtok_s, rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
-                                T.ptx_commit_group()
-                                T.ptx_wait_group(1)
+                                    T.ptx_wait_group(0)
                             else:
+                                if m > 0:
+                                    load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
+                                              T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
+                                              rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                                    T.ptx_commit_group()
                                 T.ptx_wait_group(0)
-                        else:
-                            if m > 0:
-                                load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
-                                          T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s, rhead_s,
-                                          tx, Q_s0, dO_s0, lse_s0, delta_s0)
-                                T.ptx_commit_group()
-                            T.ptx_wait_group(0)
-                        T.sync_threads()
-                        base = m * tile_tokens
-                        n_rows = T.min(tile_tokens, n_toks - base) * groups
-                        if prefetch:
-                            if m % 2 == 0:
-                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
-                                        acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                            T.sync_threads()
+                            base = m * tile_tokens
+                            n_rows = T.min(tile_tokens, n_toks - base) * groups
+                            if prefetch:
+                                if m % 2 == 0:
+                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
+                                            pT_s, dsT_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
+                                            delta_s0)
+                                else:
+                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
+                                            pT_s, dsT_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
+                                            delta_s1)
                             else:
-                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
-                                        acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1, delta_s1)
-                        else:
-                            compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
-                                    acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
-                        # the next step's prefetch overwrites this step's buffers
+                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s,
+                                        dsT_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                            # the next step's prefetch overwrites this step's buffers
+                            T.sync_threads()
                         T.sync_threads()
-                    T.sync_threads()
                 for c, d in T.Parallel(BLOCK_N, D):
                     if kb * BLOCK_N + c < len_k:
                         dK[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dk[c, d] * (scale_log2 / LOG2E), dtype)

@@ -852,8 +852,43 @@ static const infllmv2_select_blocks_unit infllmv2_select_blocks_units[] = {
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, topk_idx, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, batch_plus_one, stream)
-typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+// ---- sparse_attn_bwd_block_map: call(topk_idx, block_map, heads_k, total_q, topk, n_chunks, words, stream)
+typedef int (*infllmv2_sparse_attn_bwd_block_map_call_fn)(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
+struct infllmv2_sparse_attn_bwd_block_map_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int map_chunk;
+  int (*init)(); infllmv2_sparse_attn_bwd_block_map_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_block_map_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_block_map_sm80_call(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_block_map_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_block_map_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_block_map_sm89_call(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_block_map_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_block_map_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_block_map_sm90a_call(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_block_map_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_bwd_block_map_unit infllmv2_sparse_attn_bwd_block_map_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_block_map", "sm_80", 80, 8192, 128, 64, infllmv2_sparse_attn_bwd_block_map_sm80_init, infllmv2_sparse_attn_bwd_block_map_sm80_call, infllmv2_sparse_attn_bwd_block_map_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_block_map", "sm_89", 89, 8192, 128, 64, infllmv2_sparse_attn_bwd_block_map_sm89_init, infllmv2_sparse_attn_bwd_block_map_sm89_call, infllmv2_sparse_attn_bwd_block_map_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_block_map", "sm_90a", 90, 8192, 128, 64, infllmv2_sparse_attn_bwd_block_map_sm90a_init, infllmv2_sparse_attn_bwd_block_map_sm90a_call, infllmv2_sparse_attn_bwd_block_map_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, topk_idx, block_map, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, n_chunks, words, batch_plus_one, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
@@ -864,100 +899,100 @@ struct infllmv2_sparse_attn_bwd_dkdv_unit {
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 92432, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 94480, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 92432, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 94480, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 217616, 256, 0, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 219664, 256, 0, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 59664, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 61712, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 59664, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 61712, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 135696, 256, 0, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 137744, 256, 0, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 92432, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 94480, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 92432, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 94480, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 217616, 256, 1, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 219664, 256, 1, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 59664, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 61712, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 59664, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 61712, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 135696, 256, 1, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 137744, 256, 1, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1565,40 +1600,49 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 63552, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 92432, 256},
+  {"sparse_attn_bwd_block_map", "sparse_attn_bwd_block_map", "sm_80", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 92432, 256},
+  {"sparse_attn_bwd_block_map", "sparse_attn_bwd_block_map", "sm_89", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 217616, 256},
+  {"sparse_attn_bwd_block_map", "sparse_attn_bwd_block_map", "sm_90a", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 59664, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 94480, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 59664, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 94480, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 135696, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 219664, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 92432, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 61712, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 92432, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 61712, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 217616, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 137744, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 59664, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 94480, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 59664, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 94480, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 135696, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 219664, 256},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 61712, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 61712, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 137744, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_80", 81920, 128},

@@ -5,7 +5,7 @@ import torch
 
 import infllmv2
 from infllmv2 import _lib, reference
-from infllmv2.ops import dense_attn_bwd_launch, dense_attn_fwd_launch, sparse_attn_bwd_workspace_floats
+from infllmv2.ops import dense_attn_bwd_launch, dense_attn_bwd_workspace_floats, dense_attn_fwd_launch
 from infllmv2.testing import GRAD_FLOOR, assert_close_to_reference, cu_seqlens, max_seqlen, random_tokens
 
 LENGTH_MIXES = {
@@ -35,7 +35,7 @@ def _kernels_poisoned(q, k, v, cu_q, cu_k, dout, causal, scale=0.0):
     msq, msk = max_seqlen(cu_q), max_seqlen(cu_k)
     dense_attn_fwd_launch(q, k, v, cu_q, cu_k, msq, msk, causal, scale, out, lse)
     dq, dk, dv = _nan_like(q), _nan_like(k), _nan_like(v)
-    ws = torch.full((sparse_attn_bwd_workspace_floats(q),), float("nan"), device=q.device)
+    ws = torch.full((dense_attn_bwd_workspace_floats(q),), float("nan"), device=q.device)
     dense_attn_bwd_launch(dout, q, k, v, out, lse, cu_q, cu_k, msq, msk, causal, scale, dq, dk, dv, ws)
     torch.cuda.synchronize()
     return out, lse, dq, dk, dv

@@ -44,7 +44,7 @@ def _fwd_poisoned(q, k, v, cu_q, cu_k, idx, scale=0.0):
 
 def _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx, scale=0.0):
     dq, dk, dv = _nan_like(q), _nan_like(k), _nan_like(v)
-    ws = torch.full((sparse_attn_bwd_workspace_floats(q),), float("nan"), device=q.device)
+    ws = torch.full((sparse_attn_bwd_workspace_floats(q, k, max_seqlen(cu_k)),), float("nan"), device=q.device)
     sparse_attn_bwd_launch(dout, q, k, v, out, lse, sort_topk_idx(idx), cu_q, cu_k, max_seqlen(cu_q), max_seqlen(cu_k),
                            scale, dq, dk, dv, ws)
     return dq, dk, dv
@@ -115,10 +115,13 @@ def test_future_entries_are_dropped_per_token(G):
 @pytest.mark.gpu
 @pytest.mark.parametrize("G", [1, 3, 16, 64])
 def test_long_sequences_and_odd_groups(G):
-    # bwd_dkdv scans a key block's candidate tokens a few thousand at a time and takes its
-    # members 128 // G (64 // G off sm_90a) at a time: 9000 tokens span several scans, whose
-    # last groups are partial, and G = 3 leaves rows of every group unused
-    lq, lk = [9000, 70, 2100], [9000, 70, 4500]
+    # bwd_dkdv lists the 64-row chunks that hold a key block 256 at a time, checks their tokens
+    # 4096 at a time, and takes the members 128 // G (64 // G off sm_90a) at a time: 17000
+    # tokens need several of each, whose last groups are partial; the later sequences start
+    # inside a chunk; G = 3 leaves rows of every group unused. (At G = 64 the reference's
+    # scores of 17000 tokens would not fit an 80 GB GPU.)
+    n = 17000 if G <= 16 else 5000
+    lq, lk = [n, 70, 2100], [n, 70, 4500]
     q, k, v, cu_q, cu_k, idx = _case(lq, lk, G, 128, torch.bfloat16, topk=12, local_blocks=3, heads_k=1, seed=G)
     _check_against_reference(q, k, v, cu_q, cu_k, idx, what=f"long G{G}")
 
@@ -242,10 +245,14 @@ def test_c_abi_errors():
     pb = [t.data_ptr() for t in (q, k, v, q, q, cu_q, idx, cu_q, cu_k, q, k, v, q)]
     st = lib.infllmv2_sparse_attn_bwd(*pb, 16, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
-    # key blocks past the grid's z limit are refused before any pointer is read
-    n = 65536 * 64
-    st = lib.infllmv2_sparse_attn_bwd(*pb, 1 << 20, 1, 128, n, 128, n, 8, 2, 128, 4, 0, 0.0, None)
-    assert st == _lib.ERR_UNSUPPORTED and "max_seqlen_k must be at most 4194240" in lib.infllmv2_last_error().decode()
+    # Delta (8 heads x total_q rows, fp32) padded to 256 bytes, then the block map: 2 KV heads x
+    # ceil(total_q / 64) chunks x one 32-bit word per 32 key blocks (65 blocks of 4160 keys: 3)
+    assert lib.infllmv2_sparse_attn_bwd_workspace_size(128, 8, 2, 128) == 4096 + 2 * 2 * 1 * 4
+    assert lib.infllmv2_sparse_attn_bwd_workspace_size(129, 8, 2, 4160) == 4352 + 2 * 3 * 3 * 4
+    assert lib.infllmv2_sparse_attn_bwd_workspace_size(128, 8, 2, 0) == 4096
+    assert lib.infllmv2_sparse_attn_bwd_workspace_size(0, 8, 2, 128) == 0
+    st = lib.infllmv2_sparse_attn_bwd(*pb, 4096, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "asks for 4112" in lib.infllmv2_last_error().decode()
 
 
 # ---------------------------------------------------------------------------------- CPU tier

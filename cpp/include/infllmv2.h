@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change of a signature or of a struct/enum value. */
-#define INFLLMV2_ABI_VERSION 1
+#define INFLLMV2_ABI_VERSION 2
 
 typedef enum {
   INFLLMV2_OK = 0,
@@ -152,8 +152,12 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
     int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
-/* Bytes of device workspace infllmv2_sparse_attn_bwd needs (fp32 rowsum(dout * out)). */
-INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads);
+/* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out) and a bit
+ * map of which 64-row chunks of topk_idx list each key block (heads_k x ceil(total_q / 64) x
+ * ceil(max_seqlen_k / 2048) 32-bit words). 0 for a non-positive size. (ABI 2 added heads_k and
+ * max_seqlen_k.) */
+INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads, int32_t heads_k,
+                                                            int32_t max_seqlen_k);
 
 /*
  * infllmv2_sparse_attn_bwd: gradients of infllmv2_sparse_attn_fwd with the selection held

@@ -68,7 +68,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
 }
 
 extern "C" INFLLMV2_API size_t infllmv2_dense_attn_bwd_workspace_size(int64_t total_q, int32_t heads) {
-  return infllmv2_sparse_attn_bwd_workspace_size(total_q, heads);  // Delta, fp32 (heads, total_q)
+  if (total_q <= 0 || heads <= 0) return 0;
+  return (size_t)total_q * (size_t)heads * sizeof(float);  // Delta = rowsum(dO * O), fp32 (heads, total_q)
 }
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(

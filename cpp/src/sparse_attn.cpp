@@ -10,6 +10,7 @@ namespace {
 
 constexpr int kBlock = 64;   // keys per selected block
 constexpr int kMaxTopk = 128;  // entries per selection row the kernels hold in shared memory
+constexpr int kMapChunk = 64;  // selection rows per entry of the block map (dsl MAP_CHUNK)
 
 struct Shape {
   int32_t batch;
@@ -75,9 +76,23 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
   return launch_result(op, unit->name, rc, unit->last_error);
 }
 
-extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads) {
+namespace {
+
+// Workspace: Delta = rowsum(dO * O), fp32 (heads, total_q), then at a 256-byte boundary the
+// block map of bwd_block_map, int32 (heads_k, chunks, words).
+size_t delta_bytes(int64_t total_q, int32_t heads) { return (size_t)total_q * (size_t)heads * sizeof(float); }
+size_t map_offset(int64_t total_q, int32_t heads) { return (delta_bytes(total_q, heads) + 255) / 256 * 256; }
+int64_t map_chunks(int64_t total_q, int map_chunk) { return (total_q + map_chunk - 1) / map_chunk; }
+int64_t map_words(int32_t max_seqlen_k) { return ((int64_t)max_seqlen_k + kBlock * 32 - 1) / (kBlock * 32); }
+
+}  // namespace
+
+extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads, int32_t heads_k,
+                                                                       int32_t max_seqlen_k) {
   if (total_q <= 0 || heads <= 0) return 0;
-  return (size_t)total_q * (size_t)heads * sizeof(float);  // Delta = rowsum(dO * O), fp32 (heads, total_q)
+  if (heads_k <= 0 || max_seqlen_k <= 0) return delta_bytes(total_q, heads);  // no key block: no map
+  return map_offset(total_q, heads) +
+         (size_t)heads_k * (size_t)map_chunks(total_q, kMapChunk) * (size_t)map_words(max_seqlen_k) * sizeof(int32_t);
 }
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
@@ -91,8 +106,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   Shape s{batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk, dtype, softmax_scale};
   infllmv2_status st = check_shape(op, s);
   if (st != INFLLMV2_OK) return st;
-  if ((st = check_key_blocks_on_grid(op, max_seqlen_k, kBlock)) != INFLLMV2_OK) return st;
-  const size_t need = infllmv2_sparse_attn_bwd_workspace_size(total_q, heads);
+  const size_t need = infllmv2_sparse_attn_bwd_workspace_size(total_q, heads, heads_k, max_seqlen_k);
   if (workspace_size < need)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
                 "%s: workspace_size is %zu bytes, infllmv2_sparse_attn_bwd_workspace_size() asks for %zu", op,
@@ -111,7 +125,11 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   const infllmv2_sparse_attn_bwd_preprocess_unit* pre = nullptr;
   const infllmv2_sparse_attn_bwd_dq_unit* udq = nullptr;
   const infllmv2_sparse_attn_bwd_dkdv_unit* udkdv = nullptr;
-  if ((st = pick_unit(op, infllmv2_sparse_attn_bwd_preprocess_units, dev,
+  const infllmv2_sparse_attn_bwd_block_map_unit* umap = nullptr;
+  if ((st = pick_unit(op, infllmv2_sparse_attn_bwd_block_map_units, dev,
+                      [](const infllmv2_sparse_attn_bwd_block_map_unit&) { return true; }, "block map", &umap)) !=
+          INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_preprocess_units, dev,
                       matcher<infllmv2_sparse_attn_bwd_preprocess_unit>(s), desc(s), &pre)) != INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_dq_units, dev, matcher<infllmv2_sparse_attn_bwd_dq_unit>(s), desc(s),
                       &udq)) != INFLLMV2_OK ||
@@ -139,10 +157,18 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                  (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
   if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
   if (total_k == 0 || max_seqlen_k == 0) return INFLLMV2_OK;
+  if (umap->map_chunk != kMapChunk)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s maps %d rows a chunk, this library expects %d", op, umap->name,
+                umap->map_chunk, kMapChunk);
+  int32_t* map = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + map_offset(total_q, heads));
+  const int chunks = (int)map_chunks(total_q, kMapChunk), words = (int)map_words(max_seqlen_k);
+  rc = umap->call(const_cast<int32_t*>(topk_idx), map, heads_k, (int)total_q, topk, chunks, words, stream);
+  if ((st = launch_result(op, umap->name, rc, umap->last_error)) != INFLLMV2_OK) return st;
   T = tile_tokens(udkdv->block_m, udkdv->t_max, groups);
   rc = udkdv->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
-                   const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), const_cast<int32_t*>(cu_seqlens_q),
-                   const_cast<int32_t*>(cu_seqlens_k), dk, dv, batch, (max_seqlen_k + kBlock - 1) / kBlock, groups, T,
-                   sl2, (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
+                   const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), map,
+                   const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), dk, dv, batch,
+                   (max_seqlen_k + kBlock - 1) / kBlock, groups, T, sl2, (int)total_q, heads, (int)total_k, heads_k,
+                   topk, chunks, words, batch + 1, stream);
   return launch_result(op, udkdv->name, rc, udkdv->last_error);
 }

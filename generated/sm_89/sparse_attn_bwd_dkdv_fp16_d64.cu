@@ -18,8 +18,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words);
+extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
@@ -30,14 +30,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 33536));
   void* dsT_s = ((void*)((char*)buf_dyn_shmem + 41728));
   void* pT_s = ((void*)((char*)buf_dyn_shmem + 49920));
-  void* flag_s = ((void*)((char*)buf_dyn_shmem + 58112));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 59136));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 59392));
-  void* n_mem = ((void*)((char*)buf_dyn_shmem + 59648));
+  void* cflag_s = ((void*)((char*)buf_dyn_shmem + 58112));
+  void* clist_s = ((void*)((char*)buf_dyn_shmem + 59136));
+  void* flag_s = ((void*)((char*)buf_dyn_shmem + 60160));
+  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 61184));
+  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 61440));
+  void* n_mem = ((void*)((char*)buf_dyn_shmem + 61696));
   float acc_dk[16];
   float acc_dv[16];
+  int c_hit = 0;
+  int n_hit = 0;
   int my_mask[1];
   int my_cnt = 0;
+  int t_start = 0;
   int pos[8];
   int n_put = 0;
   int n_toks = 0;
@@ -112,377 +117,434 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
-    for (int chunk = 0; chunk < ((max((((len_q + 7) >> 3) - (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3)), 0) + 255) >> 8); ++chunk) {
-      my_mask[0] = 0;
-      my_cnt = 0;
-      if ((((chunk * 256) + (max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3)) + ((int)threadIdx.x)) < ((len_q + 7) >> 3)) {
-        #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          pos[t] = 0;
+    int condval_6;
+    if ((((((((int)blockIdx.x) * 64) + len_q) - len_k) < len_q) && (0 < len_q))) {
+      condval_6 = (((((q0 + len_q) - 1) >> 6) + 1) - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6));
+    } else {
+      condval_6 = 0;
+    }
+    for (int outer = 0; outer < ((condval_6 + 255) >> 8); ++outer) {
+      c_hit = 0;
+      int condval_7;
+      if ((((((((int)blockIdx.x) * 64) + len_q) - len_k) < len_q) && (0 < len_q))) {
+        condval_7 = (((((q0 + len_q) - 1) >> 6) + 1) - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6));
+      } else {
+        condval_7 = 0;
+      }
+      if (((outer * 256) + ((int)threadIdx.x)) < condval_7) {
+        int condval_8;
+        if (((((((int)blockIdx.x) >> 5) < words) && (0 <= (((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)))) && ((((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)) < n_chunks))) {
+          condval_8 = block_map[(((((int64_t)((int)blockIdx.x)) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)256) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) + ((int64_t)q0)) >> (int64_t)6)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
+        } else {
+          condval_8 = 0;
         }
-        #pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          #pragma unroll
-          for (int t_1 = 0; t_1 < 8; ++t_1) {
-            if ((t_1 < (((len_q - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) - (((int)threadIdx.x) * 8)) - (chunk * 2048))) && ((pos[t_1] + (128 >> s)) <= topk)) {
-              int condval_6;
-              if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= (((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1))) && ((((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1) < total_q))) {
-                condval_6 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + ((((((((int64_t)chunk) * (int64_t)2048) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + ((int64_t)q0)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
-              } else {
-                condval_6 = 0;
-              }
-              int condval_7;
-              if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= (((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1))) && ((((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_1) < total_q))) {
-                condval_7 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + ((((((((int64_t)chunk) * (int64_t)2048) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + ((int64_t)q0)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
-              } else {
-                condval_7 = 0;
-              }
-              if ((0 <= condval_6) && (condval_7 < ((int)blockIdx.x))) {
-                pos[t_1] = (pos[t_1] + (128 >> s));
-              }
-            }
-          }
-        }
+        c_hit = ((condval_8 >> (((int)blockIdx.x) & 31)) & 1);
+      }
+      ((int*)cflag_s)[((int)threadIdx.x)] = c_hit;
+      __syncthreads();
+      tl::CumSum1D<256, false>::run((&(((int*)cflag_s)[0])), (&(((int*)cflag_s)[0])), 256);
+      __syncthreads();
+      if (c_hit == 1) {
+        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x));
+      }
+      __syncthreads();
+      n_hit = ((int*)cflag_s)[255];
+      __syncthreads();
+      for (int chunk = 0; chunk < ((n_hit + 31) >> 5); ++chunk) {
         my_mask[0] = 0;
-        #pragma unroll
-        for (int t_2 = 0; t_2 < 8; ++t_2) {
-          if ((t_2 < (((len_q - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) - (((int)threadIdx.x) * 8)) - (chunk * 2048))) && (pos[t_2] < topk)) {
-            int condval_8;
-            if (((((0 <= pos[t_2]) && (pos[t_2] < topk)) && (0 <= (((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_2))) && ((((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + q0) + t_2) < total_q))) {
-              condval_8 = topk_idx[((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + ((((((((int64_t)chunk) * (int64_t)2048) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)) + ((int64_t)q0)) + ((int64_t)t_2)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_2)]))];
-            } else {
-              condval_8 = 0;
+        my_cnt = 0;
+        t_start = 0;
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) - q0), max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0));
+        }
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+            #pragma unroll
+            for (int t = 0; t < 8; ++t) {
+              pos[t] = 0;
             }
-            if (condval_8 == ((int)blockIdx.x)) {
-              my_mask[0] = (my_mask[0] | (1 << t_2));
+          }
+        }
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+            #pragma unroll
+            for (int s = 0; s < 8; ++s) {
+              #pragma unroll
+              for (int t_1 = 0; t_1 < 8; ++t_1) {
+                if ((t_1 < (min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), len_q) - t_start)) && ((pos[t_1] + (128 >> s)) <= topk)) {
+                  int condval_9;
+                  if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= ((q0 + t_start) + t_1))) && (((q0 + t_start) + t_1) < total_q))) {
+                    condval_9 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
+                  } else {
+                    condval_9 = 0;
+                  }
+                  int condval_10;
+                  if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= ((q0 + t_start) + t_1))) && (((q0 + t_start) + t_1) < total_q))) {
+                    condval_10 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
+                  } else {
+                    condval_10 = 0;
+                  }
+                  if ((0 <= condval_9) && (condval_10 < ((int)blockIdx.x))) {
+                    pos[t_1] = (pos[t_1] + (128 >> s));
+                  }
+                }
+              }
             }
           }
         }
-        #pragma unroll
-        for (int t_3 = 0; t_3 < 8; ++t_3) {
-          my_cnt = (my_cnt + ((my_mask[0] >> t_3) & 1));
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+            my_mask[0] = 0;
+          }
         }
-      }
-      ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
-      __syncthreads();
-      tl::CumSum1D<256, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 256);
-      __syncthreads();
-      n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
-      __syncthreads();
-      for (int t_4 = 0; t_4 < 8; ++t_4) {
-        if (((my_mask[0] >> t_4) & 1) == 1) {
-          ((int*)tok_s)[n_put] = ((((chunk * 2048) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) >> 3) * 8)) + (((int)threadIdx.x) * 8)) + t_4);
-        }
-        if (((my_mask[0] >> t_4) & 1) == 1) {
-          n_put = (n_put + 1);
-        }
-      }
-      __syncthreads();
-      if (((int)threadIdx.x) == 0) {
-        ((int*)n_mem)[0] = ((int*)flag_s)[255];
-      }
-      __syncthreads();
-      n_toks = ((int*)n_mem)[0];
-      int rmod_2 = (((n_toks + tile_tokens) - 1) % tile_tokens);
-      int rdiv_1 = (((n_toks + tile_tokens) - 1) / tile_tokens);
-      n_m = ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
-      if (0 < n_m) {
-        for (int i_4 = 0; i_4 < 2; ++i_4) {
-          __syncthreads();
-          int condval_9;
-          if ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups))) {
-            condval_9 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]];
-          } else {
-            condval_9 = 0;
-          }
-          int row = (q0 + condval_9);
-          __syncthreads();
-          tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
-          __syncthreads();
-          tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
-        }
-      }
-      __syncthreads();
-      if (0 < n_m) {
-        if (((int)threadIdx.x) < 64) {
-          int64_t condval_10;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-            condval_10 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-          } else {
-            condval_10 = (int64_t)0;
-          }
-          int64_t condval_11;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-            condval_11 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-          } else {
-            condval_11 = (int64_t)0;
-          }
-                    int condval_12;
-          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-            condval_12 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-          } else {
-            condval_12 = 0;
-          }
-          int condval_13;
-          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-            condval_13 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-          } else {
-            condval_13 = 0;
-          }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_11)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_12) < total_q)) && (0 <= (q0 + condval_13))));
-        }
-      }
-      __syncthreads();
-      if (0 < n_m) {
-        if (((int)threadIdx.x) < 64) {
-          int64_t condval_14;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-            condval_14 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-          } else {
-            condval_14 = (int64_t)0;
-          }
-          int64_t condval_15;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-            condval_15 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-          } else {
-            condval_15 = (int64_t)0;
-          }
-                    int condval_16;
-          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-            condval_16 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-          } else {
-            condval_16 = 0;
-          }
-          int condval_17;
-          if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-            condval_17 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-          } else {
-            condval_17 = 0;
-          }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_15)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_16) < total_q)) && (0 <= (q0 + condval_17))));
-        }
-      }
-      if (0 < n_m) {
-        tl::cp_async_commit();
-      }
-      for (int m = 0; m < n_m; ++m) {
-        if (0 < m) {
-          for (int i_5 = 0; i_5 < 2; ++i_5) {
-            __syncthreads();
-            int condval_18;
-            if ((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_18 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
-            } else {
-              condval_18 = 0;
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+            #pragma unroll
+            for (int t_2 = 0; t_2 < 8; ++t_2) {
+              if ((t_2 < (min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), len_q) - t_start)) && (pos[t_2] < topk)) {
+                int condval_11;
+                if (((((0 <= pos[t_2]) && (pos[t_2] < topk)) && (0 <= ((q0 + t_start) + t_2))) && (((q0 + t_start) + t_2) < total_q))) {
+                  condval_11 = topk_idx[((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_2)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_2)]))];
+                } else {
+                  condval_11 = 0;
+                }
+                if (condval_11 == ((int)blockIdx.x)) {
+                  my_mask[0] = (my_mask[0] | (1 << t_2));
+                }
+              }
             }
-            int row_1 = (q0 + condval_18);
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
+          }
+        }
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+            #pragma unroll
+            for (int t_3 = 0; t_3 < 8; ++t_3) {
+              my_cnt = (my_cnt + ((my_mask[0] >> t_3) & 1));
+            }
           }
         }
         __syncthreads();
-        if (0 < m) {
-          if (((int)threadIdx.x) < 64) {
-            int64_t condval_19;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-              condval_19 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
-            } else {
-              condval_19 = (int64_t)0;
-            }
-            int64_t condval_20;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-              condval_20 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
-            } else {
-              condval_20 = (int64_t)0;
-            }
-                        int condval_21;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_21 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-            } else {
-              condval_21 = 0;
-            }
-            int condval_22;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_22 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-            } else {
-              condval_22 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_20)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_21) < total_q)) && (0 <= (q0 + condval_22))));
+        ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
+        __syncthreads();
+        tl::CumSum1D<256, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 256);
+        __syncthreads();
+        n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
+        __syncthreads();
+        for (int t_4 = 0; t_4 < 8; ++t_4) {
+          if (((my_mask[0] >> t_4) & 1) == 1) {
+            ((int*)tok_s)[n_put] = (t_start + t_4);
+          }
+          if (((my_mask[0] >> t_4) & 1) == 1) {
+            n_put = (n_put + 1);
           }
         }
         __syncthreads();
-        if (0 < m) {
-          if (((int)threadIdx.x) < 64) {
-            int64_t condval_23;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-              condval_23 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+        if (((int)threadIdx.x) == 0) {
+          ((int*)n_mem)[0] = ((int*)flag_s)[255];
+        }
+        __syncthreads();
+        n_toks = ((int*)n_mem)[0];
+        int rmod_2 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+        int rdiv_1 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+        n_m = ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
+        if (0 < n_m) {
+          for (int i_4 = 0; i_4 < 2; ++i_4) {
+            __syncthreads();
+            int condval_12;
+            if ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups))) {
+              condval_12 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]];
             } else {
-              condval_23 = (int64_t)0;
+              condval_12 = 0;
             }
-            int64_t condval_24;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-              condval_24 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
-            } else {
-              condval_24 = (int64_t)0;
-            }
-                        int condval_25;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_25 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-            } else {
-              condval_25 = 0;
-            }
-            int condval_26;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_26 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-            } else {
-              condval_26 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_24)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_25) < total_q)) && (0 <= (q0 + condval_26))));
+            int row = (q0 + condval_12);
+            __syncthreads();
+            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
+            __syncthreads();
+            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
           }
+        }
+        __syncthreads();
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            int64_t condval_13;
+            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+              condval_13 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+            } else {
+              condval_13 = (int64_t)0;
+            }
+            int64_t condval_14;
+            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+              condval_14 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+            } else {
+              condval_14 = (int64_t)0;
+            }
+                        int condval_15;
+            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+              condval_15 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+            } else {
+              condval_15 = 0;
+            }
+            int condval_16;
+            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+              condval_16 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+            } else {
+              condval_16 = 0;
+            }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_14)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_15) < total_q)) && (0 <= (q0 + condval_16))));
+          }
+        }
+        __syncthreads();
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            int64_t condval_17;
+            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+              condval_17 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+            } else {
+              condval_17 = (int64_t)0;
+            }
+            int64_t condval_18;
+            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
+              condval_18 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
+            } else {
+              condval_18 = (int64_t)0;
+            }
+                        int condval_19;
+            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+              condval_19 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+            } else {
+              condval_19 = 0;
+            }
+            int condval_20;
+            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+              condval_20 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+            } else {
+              condval_20 = 0;
+            }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_18)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_19) < total_q)) && (0 <= (q0 + condval_20))));
+          }
+        }
+        if (0 < n_m) {
           tl::cp_async_commit();
         }
-        tl::cp_async_wait<0>();
-        __syncthreads();
-        int n_rows = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
-        #pragma unroll
-        for (int i_6 = 0; i_6 < 4; ++i_6) {
-          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_sT + (i_6 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
-        }
-        {
-          half_t A_local[8];
-          half_t B_local[16];
-          for (int ki = 0; ki < 4; ++ki) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
-            #pragma unroll
-            for (int i_7 = 0; i_7 < 2; ++i_7) {
-              tl::ptx_ldmatrix_x4((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_7 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
-            }
-            for (int j = 0; j < 2; ++j) {
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j * 8) + 4)));
+        for (int m = 0; m < n_m; ++m) {
+          if (0 < m) {
+            for (int i_5 = 0; i_5 < 2; ++i_5) {
+              __syncthreads();
+              int condval_21;
+              if ((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_21 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
+              } else {
+                condval_21 = 0;
+              }
+              int row_1 = (q0 + condval_21);
+              __syncthreads();
+              tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
+              __syncthreads();
+              tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
             }
           }
-        }
-        if ((n_rows == (tile_tokens * groups)) && (((((int)blockIdx.x) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-          #pragma unroll
-          for (int i_8 = 0; i_8 < 8; ++i_8) {
-            float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-            float2 __1;
-            float2 __2;
-              float2 __3;
-                float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
-                float2 v__1 = make_float2(scale_log2, scale_log2);
-                __3.x = (v_.x*v__1.x);
-                __3.y = (v_.y*v__1.y);
-              float2 __4;
-                float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-                float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
-                __4.x = (v__2.x*v__3.x);
-                __4.y = (v__2.y*v__3.y);
-              __2.x = (__3.x-__4.x);
-              __2.y = (__3.y-__4.y);
-            __1.x = exp2f(__2.x);
-            __1.y = exp2f(__2.y);
-            *(float2*)(acc_sT + (i_8 * 2)) = __1;
-          }
-        } else {
-          #pragma unroll
-          for (int i_9 = 0; i_9 < 16; ++i_9) {
-            float condval_27;
-            if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
-              condval_27 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-            } else {
-              condval_27 = 0x0p+0f/*0.000000e+00*/;
-            }
-            acc_sT[i_9] = condval_27;
-          }
-        }
-        #pragma unroll
-        for (int i_10 = 0; i_10 < 4; ++i_10) {
-          float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
-        }
-        {
-          half_t A_local_1[8];
-          half_t B_local_1[16];
-          for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
-            #pragma unroll
-            for (int i_11 = 0; i_11 < 2; ++i_11) {
-              tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_11 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_11 * 8)])));
-            }
-            for (int j_1 = 0; j_1 < 2; ++j_1) {
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_1 * 8) + 4)));
-            }
-          }
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int i_12 = 0; i_12 < 8; ++i_12) {
-          half_t pT_s_local_cast[2];
-          uint1 __5;
-          float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
-          ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
-          *(uint1*)(pT_s_local_cast + 0) = __5;
-          *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
-        }
-        #pragma unroll
-        for (int i_13 = 0; i_13 < 8; ++i_13) {
-          float delta_s0_local_cast_2[2];
-          half_t dsT_s_local_cast_1[2];
-          *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __6;
-          float2 __7;
-            float2 v__5 = *(float2*)(acc_sT + (i_13 * 2));
-            float2 __8;
-              float2 v__6 = *(float2*)(acc_dpT + (i_13 * 2));
-              float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
-              __8.x = (v__6.x-v__7.x);
-              __8.y = (v__6.y-v__7.y);
-            __7.x = (v__5.x*__8.x);
-            __7.y = (v__5.y*__8.y);
-          ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
-          *(uint1*)(dsT_s_local_cast_1 + 0) = __6;
-          *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
-        }
-        {
-          half_t A_local_2[8];
-          half_t B_local_2[16];
           __syncthreads();
-          for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
-            #pragma unroll
-            for (int i_14 = 0; i_14 < 2; ++i_14) {
-              tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_14) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
-            }
-            for (int j_2 = 0; j_2 < 2; ++j_2) {
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
+          if (0 < m) {
+            if (((int)threadIdx.x) < 64) {
+              int64_t condval_22;
+              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+                condval_22 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_22 = (int64_t)0;
+              }
+              int64_t condval_23;
+              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+                condval_23 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_23 = (int64_t)0;
+              }
+                            int condval_24;
+              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_24 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_24 = 0;
+              }
+              int condval_25;
+              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_25 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_25 = 0;
+              }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_23)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_24) < total_q)) && (0 <= (q0 + condval_25))));
             }
           }
-        }
-        {
-          half_t A_local_3[8];
-          half_t B_local_3[16];
-          for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)dsT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
-            #pragma unroll
-            for (int i_15 = 0; i_15 < 2; ++i_15) {
-              tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_15) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
+          __syncthreads();
+          if (0 < m) {
+            if (((int)threadIdx.x) < 64) {
+              int64_t condval_26;
+              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+                condval_26 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_26 = (int64_t)0;
+              }
+              int64_t condval_27;
+              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
+                condval_27 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
+              } else {
+                condval_27 = (int64_t)0;
+              }
+                            int condval_28;
+              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_28 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_28 = 0;
+              }
+              int condval_29;
+              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_29 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_29 = 0;
+              }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_27)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_28) < total_q)) && (0 <= (q0 + condval_29))));
             }
-            for (int j_3 = 0; j_3 < 2; ++j_3) {
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
-              tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_3 * 8) + 4)));
+            tl::cp_async_commit();
+          }
+          tl::cp_async_wait<0>();
+          __syncthreads();
+          int n_rows = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+          #pragma unroll
+          for (int i_6 = 0; i_6 < 4; ++i_6) {
+            float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_sT + (i_6 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+          }
+          {
+            half_t A_local[8];
+            half_t B_local[16];
+            for (int ki = 0; ki < 4; ++ki) {
+              tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
+              #pragma unroll
+              for (int i_7 = 0; i_7 < 2; ++i_7) {
+                tl::ptx_ldmatrix_x4((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_7 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
+              }
+              for (int j = 0; j < 2; ++j) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j * 8) + 4)));
+              }
             }
           }
+          if ((n_rows == (tile_tokens * groups)) && (((((int)blockIdx.x) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+            #pragma unroll
+            for (int i_8 = 0; i_8 < 8; ++i_8) {
+              float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+              float2 __1;
+              float2 __2;
+                float2 __3;
+                  float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
+                  float2 v__1 = make_float2(scale_log2, scale_log2);
+                  __3.x = (v_.x*v__1.x);
+                  __3.y = (v_.y*v__1.y);
+                float2 __4;
+                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                  float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
+                  __4.x = (v__2.x*v__3.x);
+                  __4.y = (v__2.y*v__3.y);
+                __2.x = (__3.x-__4.x);
+                __2.y = (__3.y-__4.y);
+              __1.x = exp2f(__2.x);
+              __1.y = exp2f(__2.y);
+              *(float2*)(acc_sT + (i_8 * 2)) = __1;
+            }
+          } else {
+            #pragma unroll
+            for (int i_9 = 0; i_9 < 16; ++i_9) {
+              float condval_30;
+              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+                condval_30 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              } else {
+                condval_30 = 0x0p+0f/*0.000000e+00*/;
+              }
+              acc_sT[i_9] = condval_30;
+            }
+          }
+          #pragma unroll
+          for (int i_10 = 0; i_10 < 4; ++i_10) {
+            float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+          }
+          {
+            half_t A_local_1[8];
+            half_t B_local_1[16];
+            for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
+              tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
+              #pragma unroll
+              for (int i_11 = 0; i_11 < 2; ++i_11) {
+                tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_11 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_11 * 8)])));
+              }
+              for (int j_1 = 0; j_1 < 2; ++j_1) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_1 * 8) + 4)));
+              }
+            }
+          }
+          __syncthreads();
+          #pragma unroll
+          for (int i_12 = 0; i_12 < 8; ++i_12) {
+            half_t pT_s_local_cast[2];
+            uint1 __5;
+            float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
+            ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
+            *(uint1*)(pT_s_local_cast + 0) = __5;
+            *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
+          }
+          #pragma unroll
+          for (int i_13 = 0; i_13 < 8; ++i_13) {
+            float delta_s0_local_cast_2[2];
+            half_t dsT_s_local_cast_1[2];
+            *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            uint1 __6;
+            float2 __7;
+              float2 v__5 = *(float2*)(acc_sT + (i_13 * 2));
+              float2 __8;
+                float2 v__6 = *(float2*)(acc_dpT + (i_13 * 2));
+                float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
+                __8.x = (v__6.x-v__7.x);
+                __8.y = (v__6.y-v__7.y);
+              __7.x = (v__5.x*__8.x);
+              __7.y = (v__5.y*__8.y);
+            ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
+            *(uint1*)(dsT_s_local_cast_1 + 0) = __6;
+            *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
+          }
+          {
+            half_t A_local_2[8];
+            half_t B_local_2[16];
+            __syncthreads();
+            for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+              tl::ptx_ldmatrix_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
+              #pragma unroll
+              for (int i_14 = 0; i_14 < 2; ++i_14) {
+                tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_14) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
+              }
+              for (int j_2 = 0; j_2 < 2; ++j_2) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
+              }
+            }
+          }
+          {
+            half_t A_local_3[8];
+            half_t B_local_3[16];
+            for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+              tl::ptx_ldmatrix_x4((&(((half_t*)dsT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
+              #pragma unroll
+              for (int i_15 = 0; i_15 < 2; ++i_15) {
+                tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_15) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
+              }
+              for (int j_3 = 0; j_3 < 2; ++j_3) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_3 * 8) + 4)));
+              }
+            }
+          }
+          __syncthreads();
         }
         __syncthreads();
       }
-      __syncthreads();
     }
     #pragma unroll
     for (int i_16 = 0; i_16 < 8; ++i_16) {
@@ -526,16 +588,16 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error() 
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 59664);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 61712);
     if (result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 59664, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 61712, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dK, half_t* __restrict__ dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ block_map, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dK, half_t* __restrict__ dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -547,8 +609,8 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(half_t* __restri
 		config.stream = stream;
 		config.gridDim = dim3(max_kblocks, heads_k, batch);
 		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 59664;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, topk, total_k, total_q);
+		config.dynamicSmemBytes = 61712;
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel, Delta, K, LSE, Q, V, block_map, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_chunks, scale_log2, tile_tokens, topk, total_k, total_q, words);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_kernel");
 

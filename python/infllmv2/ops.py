@@ -144,9 +144,15 @@ def sparse_attn_fwd_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_se
     _lib.check(status)
 
 
-def sparse_attn_bwd_workspace_floats(q) -> int:
-    """fp32 elements of workspace the backward of a call with this q needs (at least one)."""
-    return (max(_lib.lib().infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1]), 4) + 3) // 4
+def sparse_attn_bwd_workspace_floats(q, k, max_seqlen_k) -> int:
+    """fp32 elements of workspace the backward of a call with this q, k needs (at least one)."""
+    size = _lib.lib().infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1], k.shape[1], max_seqlen_k)
+    return (max(size, 4) + 3) // 4
+
+
+def dense_attn_bwd_workspace_floats(q) -> int:
+    """fp32 elements of workspace the dense backward of a call with this q needs (at least one)."""
+    return (max(_lib.lib().infllmv2_dense_attn_bwd_workspace_size(q.shape[0], q.shape[1]), 4) + 3) // 4
 
 
 def sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -195,7 +201,7 @@ def _sparse_attn_bwd_op(
         _, vjp = torch.func.vjp(fwd, q, k, v)
         return tuple(g.contiguous() for g in vjp(dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q), dtype=torch.float32, device=q.device)
+    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q, k, max_seqlen_k), dtype=torch.float32, device=q.device)
     sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale, dq, dk, dv, workspace)
     return dq, dk, dv
@@ -366,8 +372,7 @@ def _dense_attn_bwd_op(
         _, vjp = torch.func.vjp(fwd, q, k, v)
         return tuple(g.contiguous() for g in vjp(dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    # Delta = rowsum(dO * O) is the same workspace as the sparse backward's
-    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q), dtype=torch.float32, device=q.device)
+    workspace = torch.empty(dense_attn_bwd_workspace_floats(q), dtype=torch.float32, device=q.device)
     dense_attn_bwd_launch(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                           softmax_scale, dq, dk, dv, workspace)
     return dq, dk, dv
