@@ -345,7 +345,7 @@ def _bwd_dkdv(dtype, D, arch):
                 acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
         T.clear(acc_sT)
         T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        if n_rows == BM and (kb + 1) * BLOCK_N <= len_k and (causal == 0 or (kb + 1) * BLOCK_N <= shift + t0 + 1):
+        if n_rows == BM and _unmasked(kb, shift + t0, len_k, causal):
             # a full tile whose first token sees the whole key block: no mask, and every row's
             # LSE is finite
             for c, r in T.Parallel(BLOCK_N, BM):

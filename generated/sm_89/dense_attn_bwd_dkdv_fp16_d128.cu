@@ -301,7 +301,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
         }
       }
-      if ((((min(tile_tokens, (len_q - t0)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0) - len_q)))) {
+      int condval_25;
+      if ((causal != 0)) {
+        condval_25 = min((((len_k + t0) + 1) - len_q), len_k);
+      } else {
+        condval_25 = len_k;
+      }
+      if (((min(tile_tokens, (len_q - t0)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_25)) {
         #pragma unroll
         for (int i_8 = 0; i_8 < 8; ++i_8) {
           float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
@@ -326,13 +332,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       } else {
         #pragma unroll
         for (int i_9 = 0; i_9 < 16; ++i_9) {
-          float condval_25;
+          float condval_26;
           if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
-            condval_25 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            condval_26 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
           } else {
-            condval_25 = 0x0p+0f/*0.000000e+00*/;
+            condval_26 = 0x0p+0f/*0.000000e+00*/;
           }
-          acc_sT[i_9] = condval_25;
+          acc_sT[i_9] = condval_26;
         }
       }
       #pragma unroll

@@ -382,7 +382,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
         }
-        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
+        int condval_34;
+        if ((causal != 0)) {
+          condval_34 = min((((len_k + t0_1) + 1) - len_q), len_k);
+        } else {
+          condval_34 = len_k;
+        }
+        if (((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= condval_34)) {
           #pragma unroll
           for (int i_8 = 0; i_8 < 16; ++i_8) {
             float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
@@ -407,13 +413,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         } else {
           #pragma unroll
           for (int i_9 = 0; i_9 < 32; ++i_9) {
-            float condval_34;
+            float condval_35;
             if ((((((((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
-              condval_34 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              condval_35 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             } else {
-              condval_34 = 0x0p+0f/*0.000000e+00*/;
+              condval_35 = 0x0p+0f/*0.000000e+00*/;
             }
-            acc_sT[i_9] = condval_34;
+            acc_sT[i_9] = condval_35;
           }
         }
         #pragma unroll
@@ -515,7 +521,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
         }
-        if ((((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= len_k)) && ((causal == 0) || (((((int)blockIdx.z) * 64) + 63) <= ((len_k + t0_1) - len_q)))) {
+        int condval_36;
+        if ((causal != 0)) {
+          condval_36 = min((((len_k + t0_1) + 1) - len_q), len_k);
+        } else {
+          condval_36 = len_k;
+        }
+        if (((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= condval_36)) {
           #pragma unroll
           for (int i_14 = 0; i_14 < 16; ++i_14) {
             float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
@@ -540,13 +552,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         } else {
           #pragma unroll
           for (int i_15 = 0; i_15 < 32; ++i_15) {
-            float condval_35;
+            float condval_37;
             if ((((((((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))]) - len_q))))) {
-              condval_35 = exp2f(((acc_sT[i_15] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              condval_37 = exp2f(((acc_sT[i_15] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             } else {
-              condval_35 = 0x0p+0f/*0.000000e+00*/;
+              condval_37 = 0x0p+0f/*0.000000e+00*/;
             }
-            acc_sT[i_15] = condval_35;
+            acc_sT[i_15] = condval_37;
           }
         }
         #pragma unroll
