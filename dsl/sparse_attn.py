@@ -678,6 +678,7 @@ def _bwd_dkdv(dtype, D, arch):
             n_hit = T.alloc_var("int32")
             c_hit = T.alloc_var("int32")
             t_start = T.alloc_var("int32")
+            t_end = T.alloc_var("int32")
             # the member tokens (positions in the sequence) of `threads` scanned tiles, in order;
             # BM spare entries keep the last group's reads past the end in bounds
             tok_s = T.alloc_shared([threads * SCAN_T + BM], "int32")
@@ -743,11 +744,11 @@ def _bwd_dkdv(dtype, D, arch):
                         my_cnt = 0
                         t_start = 0
                         if e < n_hit * QPC:
+                            # the thread's SCAN_T rows of the chunk, clipped to tok_lo .. len_q
                             t_start = T.max(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, tok_lo)
-                            if T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, len_q) > t_start:
-                                scan_tile(topk_idx, hk, q0 + t_start,
-                                          T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, len_q)
-                                          - t_start, kb, pos, my_mask)
+                            t_end = T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, len_q)
+                            if t_end > t_start:
+                                scan_tile(topk_idx, hk, q0 + t_start, t_end - t_start, kb, pos, my_mask)
                                 for t in T.unroll(SCAN_T):
                                     my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
                         # compact the member tokens: groups of BM // G of them are the GEMM tiles,

@@ -69,7 +69,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
 
 extern "C" INFLLMV2_API size_t infllmv2_dense_attn_bwd_workspace_size(int64_t total_q, int32_t heads) {
   if (total_q <= 0 || heads <= 0) return 0;
-  return (size_t)total_q * (size_t)heads * sizeof(float);  // Delta = rowsum(dO * O), fp32 (heads, total_q)
+  return attn_delta_bytes(total_q, heads);
 }
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(

@@ -14,7 +14,7 @@
 
 namespace infllmv2 {
 
-// The largest grid y and z dimension (batch, KV heads, the backward dK/dV kernels' key blocks).
+// The largest grid y and z dimension (batch, KV heads, the dense dK/dV kernel's key blocks).
 constexpr int kMaxGridYZ = 65535;
 
 // Records the message for infllmv2_last_error() and returns the status, so that wrappers
@@ -51,9 +51,15 @@ infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int 
 infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
                                  int32_t max_seqlen_k, float softmax_scale);
 
-// The backward dK/dV kernels put a sequence's key blocks on the grid's z axis (the blocks every
+// The dense dK/dV kernel puts a sequence's key blocks on the grid's z axis (the blocks every
 // query sees must start in the first wave): at most kMaxGridYZ blocks of `block` keys.
 infllmv2_status check_key_blocks_on_grid(const char* op, int32_t max_seqlen_k, int block);
+
+// Bytes of Delta = rowsum(dO * O), fp32 (heads, total_q), which both attention backwards keep
+// at the start of their workspace.
+inline size_t attn_delta_bytes(int64_t total_q, int32_t heads) {
+  return (size_t)total_q * (size_t)heads * sizeof(float);
+}
 
 // softmax_scale (0 = 1/sqrt(head_dim)) times log2(e): the attention kernels use exp2.
 float attn_scale_log2(float softmax_scale, int head_dim);

@@ -78,10 +78,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
 
 namespace {
 
-// Workspace: Delta = rowsum(dO * O), fp32 (heads, total_q), then at a 256-byte boundary the
-// block map of bwd_block_map, int32 (heads_k, chunks, words).
-size_t delta_bytes(int64_t total_q, int32_t heads) { return (size_t)total_q * (size_t)heads * sizeof(float); }
-size_t map_offset(int64_t total_q, int32_t heads) { return (delta_bytes(total_q, heads) + 255) / 256 * 256; }
+// Workspace: Delta (attn_delta_bytes), then at a 256-byte boundary the block map of
+// bwd_block_map, int32 (heads_k, chunks, words).
+size_t map_offset(int64_t total_q, int32_t heads) { return (attn_delta_bytes(total_q, heads) + 255) / 256 * 256; }
 int64_t map_chunks(int64_t total_q, int map_chunk) { return (total_q + map_chunk - 1) / map_chunk; }
 int64_t map_words(int32_t max_seqlen_k) { return ((int64_t)max_seqlen_k + kBlock * 32 - 1) / (kBlock * 32); }
 
@@ -90,7 +89,7 @@ int64_t map_words(int32_t max_seqlen_k) { return ((int64_t)max_seqlen_k + kBlock
 extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads, int32_t heads_k,
                                                                        int32_t max_seqlen_k) {
   if (total_q <= 0 || heads <= 0) return 0;
-  if (heads_k <= 0 || max_seqlen_k <= 0) return delta_bytes(total_q, heads);  // no key block: no map
+  if (heads_k <= 0 || max_seqlen_k <= 0) return attn_delta_bytes(total_q, heads);  // no key block: no map
   return map_offset(total_q, heads) +
          (size_t)heads_k * (size_t)map_chunks(total_q, kMapChunk) * (size_t)map_words(max_seqlen_k) * sizeof(int32_t);
 }
@@ -136,6 +135,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_units, dev, matcher<infllmv2_sparse_attn_bwd_dkdv_unit>(s),
                       desc(s), &udkdv)) != INFLLMV2_OK)
     return st;
+  if (umap->map_chunk != kMapChunk)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s maps %d rows a chunk, this library expects %d", op, umap->name,
+                umap->map_chunk, kMapChunk);
   if (total_k > 0 && max_seqlen_k > 0 && (total_q == 0 || max_seqlen_q == 0)) {
     // No query saw any key: the key gradients are zero, and no kernel would write them.
     const size_t bytes = (size_t)total_k * heads_k * head_dim * 2;
@@ -157,9 +159,6 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                  (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
   if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
   if (total_k == 0 || max_seqlen_k == 0) return INFLLMV2_OK;
-  if (umap->map_chunk != kMapChunk)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s maps %d rows a chunk, this library expects %d", op, umap->name,
-                umap->map_chunk, kMapChunk);
   int32_t* map = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + map_offset(total_q, heads));
   const int chunks = (int)map_chunks(total_q, kMapChunk), words = (int)map_words(max_seqlen_k);
   rc = umap->call(const_cast<int32_t*>(topk_idx), map, heads_k, (int)total_q, topk, chunks, words, stream);

@@ -43,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   int my_mask[1];
   int my_cnt = 0;
   int t_start = 0;
+  int t_end = 0;
   int pos[8];
   int n_put = 0;
   int n_toks = 0;
@@ -158,7 +159,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) - q0), max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0));
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), len_q);
+        }
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          if (t_start < t_end) {
             #pragma unroll
             for (int t = 0; t < 8; ++t) {
               pos[t] = 0;
@@ -166,12 +170,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           }
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+          if (t_start < t_end) {
             #pragma unroll
             for (int s = 0; s < 8; ++s) {
               #pragma unroll
               for (int t_1 = 0; t_1 < 8; ++t_1) {
-                if ((t_1 < (min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), len_q) - t_start)) && ((pos[t_1] + (128 >> s)) <= topk)) {
+                if ((t_1 < (t_end - t_start)) && ((pos[t_1] + (128 >> s)) <= topk)) {
                   int condval_9;
                   if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= ((q0 + t_start) + t_1))) && (((q0 + t_start) + t_1) < total_q))) {
                     condval_9 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
@@ -193,15 +197,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           }
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+          if (t_start < t_end) {
             my_mask[0] = 0;
           }
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+          if (t_start < t_end) {
             #pragma unroll
             for (int t_2 = 0; t_2 < 8; ++t_2) {
-              if ((t_2 < (min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), len_q) - t_start)) && (pos[t_2] < topk)) {
+              if ((t_2 < (t_end - t_start)) && (pos[t_2] < topk)) {
                 int condval_11;
                 if (((((0 <= pos[t_2]) && (pos[t_2] < topk)) && (0 <= ((q0 + t_start) + t_2))) && (((q0 + t_start) + t_2) < total_q))) {
                   condval_11 = topk_idx[((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_2)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_2)]))];
@@ -216,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           }
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if ((t_start < ((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0)) && (t_start < len_q)) {
+          if (t_start < t_end) {
             #pragma unroll
             for (int t_3 = 0; t_3 < 8; ++t_3) {
               my_cnt = (my_cnt + ((my_mask[0] >> t_3) & 1));

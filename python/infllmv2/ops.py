@@ -144,15 +144,19 @@ def sparse_attn_fwd_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_se
     _lib.check(status)
 
 
+def _floats(nbytes) -> int:
+    """fp32 elements holding nbytes of workspace (at least one)."""
+    return (max(nbytes, 4) + 3) // 4
+
+
 def sparse_attn_bwd_workspace_floats(q, k, max_seqlen_k) -> int:
     """fp32 elements of workspace the backward of a call with this q, k needs (at least one)."""
-    size = _lib.lib().infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1], k.shape[1], max_seqlen_k)
-    return (max(size, 4) + 3) // 4
+    return _floats(_lib.lib().infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1], k.shape[1], max_seqlen_k))
 
 
 def dense_attn_bwd_workspace_floats(q) -> int:
     """fp32 elements of workspace the dense backward of a call with this q needs (at least one)."""
-    return (max(_lib.lib().infllmv2_dense_attn_bwd_workspace_size(q.shape[0], q.shape[1]), 4) + 3) // 4
+    return _floats(_lib.lib().infllmv2_dense_attn_bwd_workspace_size(q.shape[0], q.shape[1]))
 
 
 def sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
