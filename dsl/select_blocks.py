@@ -27,10 +27,15 @@ shared memory, sums each token's G rows (straight-line code for G in 1, 2, 4, 8,
 otherwise) and max-pools the sums into a per-token block-score row in shared memory (the key
 4b-1 of a chunk's first block comes from the previous chunk). Chunks every row of the tile sees
 whole skip the per-element visibility mask (all but the last one or two of a causal tile). The
-query tile lives in registers (the GEMMs' A operand, staged once through shared memory) and key
-chunks are single-buffered (see fetch), which keeps a tile under 72 KB of shared memory on
-sm_90a: three tiles share an SM, and each hides the others' load and GEMM latency. Measured on
-an H100 at 32K x 8 (G = 16, K = 96), the kernel went from 26.3 to 16.1 ms. Top-K then runs per
+query tile lives in registers (the GEMMs' A operand, staged once through shared memory), key
+chunks are single-buffered (see fetch) and, with D = 128, the probabilities reuse the chunk's
+memory, which keeps a tile at 52 KB of shared memory on sm_90a (44 KB on sm_80/sm_89): four
+tiles share an H100 SM (three an A100's, two an sm_89's), and each hides the others' load and
+GEMM latency. The group sums and the pooling loops have compile-time trip counts and keep the
+previous chunk's last column in a register, so that TileLang's barrier planner, which cannot
+tell the run-time-strided score rows from the group sums, adds no barriers inside them.
+Measured on an H100 at 32K x 8 (G = 16, K = 96), the kernel went from 26.3 (three tiles of
+100 KB per SM) to 16.3 (72 KB) and then 14.4 ms. Top-K then runs per
 token, one warp per token: the scores are turned in place into their order-preserving uint32
 images, an 8-bit radix select
 (four histogram passes in shared memory, warp-aggregated atomics) finds the K-th best, and a
@@ -52,14 +57,16 @@ BLOCK = 64  # selection block size, tokens
 POOL = BLOCK // FINE_S  # fine keys per block; the pool window is POOL + 1 (padding 1)
 BLOCK_M = 64  # GEMM rows per tile: T tokens x G heads
 BN = 64  # compressed keys per GEMM chunk
-P_PAD = 8  # extra floats per probability row: the fragment's stores would conflict 8 ways on 64
+P_PAD = 8  # extra floats per probability row (unaliased P_s): the fragment's stores would conflict 8 ways on 64
 BPC = BN // POOL  # blocks per chunk
 # Block scores a tile keeps in shared memory (T * n_blocks <= score cap): 128K keys = 2048
 # blocks at T = 4 (G = 16) on sm_90a; 8.6/8.9's 99 KB per block leave room for 6144.
 SCORE_CAP_BY_ARCH = {"sm_90a": 8192}
 SCORE_CAP_DEFAULT = 6144
+TILES_PER_SM_BY_ARCH = {"sm_90a": 4, "sm_80": 3}
 T_MAX = 16  # tokens per tile at most (bounds the group-sum buffer; G < 4 leaves rows idle)
 THREADS = 128
+POOL_STEPS = -(-T_MAX * BPC // THREADS)  # strides of the pooling loop over a tile's (token, block)s
 WARPS = THREADS // 32
 UNROLL = 4  # block scores per lane per step of the top-K passes
 LOG2E = math.log2(math.e)
@@ -172,13 +179,15 @@ def _rows_sum(P_s, r0, c, n):
 
 
 def _make_group_sum(g):
-    """A macro: GS_s[t, 1 + c] = sum of the g rows of token t in P_s, for a compile-time group size g."""
+    """A macro: GS_s[t, c] = sum of the g rows of token t in P_s, for a compile-time group size g."""
+
+    n_max = T.ceildiv(min(BLOCK_M // g, T_MAX) * BN, THREADS)
 
     @T.macro
     def group_sum(P_s, GS_s, n_tok, tx):
-        for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
+        for e in T.unroll(n_max):
             if e * THREADS + tx < n_tok * BN:
-                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN + 1] = _rows_sum(
+                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN] = _rows_sum(
                     P_s, ((e * THREADS + tx) // BN) * g, (e * THREADS + tx) % BN, g)
 
     return group_sum
@@ -189,6 +198,9 @@ group_sum_1, group_sum_2, group_sum_4, group_sum_8, group_sum_16 = (_make_group_
 
 def _scoring(kernel, dtype, D, arch):
     SCORE_CAP = _score_cap(arch)
+    # the tiles whose shared memory (D = 128: about 52 KB on sm_90a, 44 KB elsewhere) fits an SM
+    # (228, 164, 100 KB); the launch bound holds ptxas to the registers that many need
+    TILES_PER_SM = TILES_PER_SM_BY_ARCH.get(arch, 2)
     accum = "float32"
     total_q = T.dynamic("total_q")
     total_c = T.dynamic("total_c")
@@ -198,6 +210,7 @@ def _scoring(kernel, dtype, D, arch):
     batch_plus_one = T.dynamic("batch_plus_one")
     lse_pass = _make_lse_pass(D, dtype)
     select = kernel == "select_blocks"
+    ALIAS_P = BN * D * 2 == BLOCK_M * BN * 4  # 16-bit keys, D = 128: the chunk's bytes
     # output: topk_idx (Hk, total_q, topk) int32, or S (Hk, total_q, width) fp32
     out_cols = T.dynamic("topk") if select else T.dynamic("width")
     out_dtype = "int32" if select else accum
@@ -213,9 +226,20 @@ def _scoring(kernel, dtype, D, arch):
         Q_s = T.alloc_shared([BLOCK_M, D], dtype)
         Q_f = T.alloc_fragment([BLOCK_M, D], dtype)
         K_s = T.alloc_shared([BN, D], dtype)
-        P_s = T.alloc_shared([BLOCK_M, BN + P_PAD], accum)
-        # group sums of the current chunk, column 0 = last column of the previous chunk
-        GS_s = T.alloc_shared([T_MAX, BN + 1], accum)
+        if ALIAS_P:
+            # the probabilities overwrite the key chunk the GEMM has just read (a barrier
+            # between them): 16 KB less per tile, so four tiles share an H100 SM instead of
+            # three. The view inherits K_s's swizzled layout, which also spreads the stores
+            # over the banks.
+            P_s = T.view(K_s, [BLOCK_M, BN], accum)
+        else:
+            P_s = T.alloc_shared([BLOCK_M, BN + P_PAD], accum)
+        # a chunk's group sums per token; the thread pooling a token's first block of a chunk
+        # keeps the chunk's last column in a register for the next chunk (as a shared carry it
+        # would need a copy and two barriers per chunk)
+        GS_s = T.alloc_shared([T_MAX, BN], accum)
+        last_r = T.alloc_local([POOL_STEPS], accum)
+        pool_r = T.alloc_local([POOL_STEPS], accum)
         acc_s = T.alloc_fragment([BLOCK_M, BN], accum)
         m_run = T.alloc_fragment([BLOCK_M], accum)
         l_run = T.alloc_fragment([BLOCK_M], accum)
@@ -283,9 +307,8 @@ def _scoring(kernel, dtype, D, arch):
                 for e in T.serial(T.ceildiv(n_tok * score_stride, THREADS)):
                     if e * THREADS + tx < n_tok * score_stride:
                         SC_s[e * THREADS + tx] = NEG_INF
-            for e in T.serial(T.ceildiv(T_MAX * (BN + 1), THREADS)):
-                if e * THREADS + tx < T_MAX * (BN + 1):
-                    GS_s[(e * THREADS + tx) // (BN + 1), (e * THREADS + tx) % (BN + 1)] = NEG_INF
+            for e in T.unroll(POOL_STEPS):
+                last_r[e] = NEG_INF
             n_load = T.ceildiv(n_fine, BN)
             n_chunks = n_load if select else T.ceildiv(out_cols, BN)
 
@@ -295,6 +318,8 @@ def _scoring(kernel, dtype, D, arch):
                     fetch(CK, c0, hk, ch, K_s)
                     T.clear(acc_s)
                     T.gemm(Q_f, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    if ALIAS_P:
+                        T.sync_threads()  # every warp's GEMM is done reading K_s
                     if (ch + 1) * BN <= n_fine0:
                         # rows past the tile's tokens get values too; no group sum reads them
                         for r, c in T.Parallel(BLOCK_M, BN):
@@ -326,47 +351,55 @@ def _scoring(kernel, dtype, D, arch):
                                 # four independent loads per step; G is a run-time int
                                 for h4 in T.serial(groups // 4):
                                     gsum += (
-                                        P_s[((e * THREADS + tx) // BN) * groups + h4 * 4, (e * THREADS + tx) % BN]
-                                        + P_s[((e * THREADS + tx) // BN) * groups + h4 * 4 + 1, (e * THREADS + tx) % BN]
-                                    ) + (
-                                        P_s[((e * THREADS + tx) // BN) * groups + h4 * 4 + 2, (e * THREADS + tx) % BN]
-                                        + P_s[((e * THREADS + tx) // BN) * groups + h4 * 4 + 3, (e * THREADS + tx) % BN]
+                                        _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + h4 * 4, (e * THREADS + tx) % BN, 2)
+                                        + _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + h4 * 4 + 2,
+                                                    (e * THREADS + tx) % BN, 2)
                                     )
                                 for h in T.serial(groups % 4):
-                                    gsum += P_s[((e * THREADS + tx) // BN) * groups + (groups // 4) * 4 + h,
-                                                   (e * THREADS + tx) % BN]
-                                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN + 1] = gsum
+                                    gsum += _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + (groups // 4) * 4 + h,
+                                                      (e * THREADS + tx) % BN, 1)
+                                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN] = gsum
                     T.sync_threads()
                 if select:
-                    for e in T.serial(T.ceildiv(n_tok * BPC, THREADS)):
+                    # all reads of GS_s, then all writes of SC_s: TileLang cannot tell the two
+                    # apart (SC_s rows have a run-time stride) and would put barriers between them
+                    for e in T.unroll(POOL_STEPS):
+                        if e * THREADS + tx < n_tok * BPC:
+                            pool_r[e] = T.max(
+                                T.max(T.max(T.if_then_else((e * THREADS + tx) % BPC == 0, last_r[e],
+                                                           GS_s[(e * THREADS + tx) // BPC,
+                                                                T.max(((e * THREADS + tx) % BPC) * POOL - 1, 0)]),
+                                            GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL]),
+                                      T.max(GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 1],
+                                            GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 2])),
+                                GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 3],
+                            )
+                            if (e * THREADS + tx) % BPC == 0:
+                                last_r[e] = GS_s[(e * THREADS + tx) // BPC, BN - 1]
+                    for e in T.unroll(POOL_STEPS):
                         if e * THREADS + tx < n_tok * BPC:
                             t = (e * THREADS + tx) // BPC
                             bb = (e * THREADS + tx) % BPC
                             # score_stride bounds the row even if the host's max_seqlen_k was too small
                             if ch * BPC + bb <= (p0 + t) // BLOCK and ch * BPC + bb < score_stride:
-                                SC_s[t * score_stride + ch * BPC + bb] = T.max(
-                                    T.max(T.max(GS_s[t, bb * POOL], GS_s[t, bb * POOL + 1]),
-                                          T.max(GS_s[t, bb * POOL + 2], GS_s[t, bb * POOL + 3])),
-                                    GS_s[t, bb * POOL + 4],
-                                )
+                                SC_s[t * score_stride + ch * BPC + bb] = pool_r[e]
                 else:
                     for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
                         if e * THREADS + tx < n_tok * BN and ch * BN + (e * THREADS + tx) % BN < out_cols:
                             Out[hk, q0 + t0 + (e * THREADS + tx) // BN, ch * BN + (e * THREADS + tx) % BN] = T.if_then_else(
                                 ch * BN < n_fine,
-                                T.max(GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN + 1], 0),
+                                T.max(GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN], 0),
                                 0,
                             )
-                T.sync_threads()
-                if tx < n_tok:
-                    GS_s[tx, 0] = GS_s[tx, BN]
-                T.sync_threads()
+                # no barrier: the next chunk's fetch has one before anything here is overwritten
 
             if select:
                 # the block after the last chunk sees only that chunk's last key
-                if tx < n_tok:
-                    if n_chunks * BPC <= (p0 + tx) // BLOCK and n_chunks * BPC < score_stride:
-                        SC_s[tx * score_stride + n_chunks * BPC] = GS_s[tx, 0]
+                for e in T.unroll(POOL_STEPS):
+                    if e * THREADS + tx < n_tok * BPC and (e * THREADS + tx) % BPC == 0:
+                        if (n_chunks * BPC <= (p0 + (e * THREADS + tx) // BPC) // BLOCK
+                                and n_chunks * BPC < score_stride):
+                            SC_s[((e * THREADS + tx) // BPC) * score_stride + n_chunks * BPC] = last_r[e]
                 T.sync_threads()
                 top_k(Out, SC_s, hist_s, st_s, rs, ru, kk, bins, tx, hk, q0 + t0, n_tok, p0, score_stride,
                       init_blocks, local_blocks)
@@ -396,6 +429,7 @@ def _scoring(kernel, dtype, D, arch):
             scale_log2: T.float32,
         ):
             with T.Kernel(max_tiles, batch, heads_k, threads=THREADS) as (bx, b, hk):
+                T.annotate_min_blocks_per_sm(TILES_PER_SM)
                 tile_scores(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, topk_idx, groups,
                             tile_tokens, score_stride, init_blocks, local_blocks, norm_window, norm_stride, approx,
                             scale_log2, bx, b, hk)

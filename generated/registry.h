@@ -658,40 +658,40 @@ extern "C" const char* infllmv2_group_scores_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_group_scores_unit infllmv2_group_scores_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"group_scores_bf16_d128", "sm_80", 80, 38976, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d128_sm80_init, infllmv2_group_scores_bf16_d128_sm80_call, infllmv2_group_scores_bf16_d128_sm80_last_error},
+  {"group_scores_bf16_d128", "sm_80", 80, 20480, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d128_sm80_init, infllmv2_group_scores_bf16_d128_sm80_call, infllmv2_group_scores_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores_bf16_d128", "sm_89", 89, 38976, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d128_sm89_init, infllmv2_group_scores_bf16_d128_sm89_call, infllmv2_group_scores_bf16_d128_sm89_last_error},
+  {"group_scores_bf16_d128", "sm_89", 89, 20480, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d128_sm89_init, infllmv2_group_scores_bf16_d128_sm89_call, infllmv2_group_scores_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores_bf16_d128", "sm_90a", 90, 38976, 128, 0, 128, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_bf16_d128_sm90a_init, infllmv2_group_scores_bf16_d128_sm90a_call, infllmv2_group_scores_bf16_d128_sm90a_last_error},
+  {"group_scores_bf16_d128", "sm_90a", 90, 20480, 128, 0, 128, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_bf16_d128_sm90a_init, infllmv2_group_scores_bf16_d128_sm90a_call, infllmv2_group_scores_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"group_scores_bf16_d64", "sm_80", 80, 30784, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d64_sm80_init, infllmv2_group_scores_bf16_d64_sm80_call, infllmv2_group_scores_bf16_d64_sm80_last_error},
+  {"group_scores_bf16_d64", "sm_80", 80, 30720, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d64_sm80_init, infllmv2_group_scores_bf16_d64_sm80_call, infllmv2_group_scores_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores_bf16_d64", "sm_89", 89, 30784, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d64_sm89_init, infllmv2_group_scores_bf16_d64_sm89_call, infllmv2_group_scores_bf16_d64_sm89_last_error},
+  {"group_scores_bf16_d64", "sm_89", 89, 30720, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_bf16_d64_sm89_init, infllmv2_group_scores_bf16_d64_sm89_call, infllmv2_group_scores_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores_bf16_d64", "sm_90a", 90, 30784, 128, 0, 64, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_bf16_d64_sm90a_init, infllmv2_group_scores_bf16_d64_sm90a_call, infllmv2_group_scores_bf16_d64_sm90a_last_error},
+  {"group_scores_bf16_d64", "sm_90a", 90, 30720, 128, 0, 64, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_bf16_d64_sm90a_init, infllmv2_group_scores_bf16_d64_sm90a_call, infllmv2_group_scores_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"group_scores_fp16_d128", "sm_80", 80, 38976, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d128_sm80_init, infllmv2_group_scores_fp16_d128_sm80_call, infllmv2_group_scores_fp16_d128_sm80_last_error},
+  {"group_scores_fp16_d128", "sm_80", 80, 20480, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d128_sm80_init, infllmv2_group_scores_fp16_d128_sm80_call, infllmv2_group_scores_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores_fp16_d128", "sm_89", 89, 38976, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d128_sm89_init, infllmv2_group_scores_fp16_d128_sm89_call, infllmv2_group_scores_fp16_d128_sm89_last_error},
+  {"group_scores_fp16_d128", "sm_89", 89, 20480, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d128_sm89_init, infllmv2_group_scores_fp16_d128_sm89_call, infllmv2_group_scores_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores_fp16_d128", "sm_90a", 90, 38976, 128, 1, 128, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_fp16_d128_sm90a_init, infllmv2_group_scores_fp16_d128_sm90a_call, infllmv2_group_scores_fp16_d128_sm90a_last_error},
+  {"group_scores_fp16_d128", "sm_90a", 90, 20480, 128, 1, 128, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_fp16_d128_sm90a_init, infllmv2_group_scores_fp16_d128_sm90a_call, infllmv2_group_scores_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"group_scores_fp16_d64", "sm_80", 80, 30784, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d64_sm80_init, infllmv2_group_scores_fp16_d64_sm80_call, infllmv2_group_scores_fp16_d64_sm80_last_error},
+  {"group_scores_fp16_d64", "sm_80", 80, 30720, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d64_sm80_init, infllmv2_group_scores_fp16_d64_sm80_call, infllmv2_group_scores_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores_fp16_d64", "sm_89", 89, 30784, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d64_sm89_init, infllmv2_group_scores_fp16_d64_sm89_call, infllmv2_group_scores_fp16_d64_sm89_last_error},
+  {"group_scores_fp16_d64", "sm_89", 89, 30720, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_group_scores_fp16_d64_sm89_init, infllmv2_group_scores_fp16_d64_sm89_call, infllmv2_group_scores_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores_fp16_d64", "sm_90a", 90, 30784, 128, 1, 64, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_fp16_d64_sm90a_init, infllmv2_group_scores_fp16_d64_sm90a_call, infllmv2_group_scores_fp16_d64_sm90a_last_error},
+  {"group_scores_fp16_d64", "sm_90a", 90, 30720, 128, 1, 64, 64, 64, 16, 32, 8192, 16, infllmv2_group_scores_fp16_d64_sm90a_init, infllmv2_group_scores_fp16_d64_sm90a_call, infllmv2_group_scores_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -814,40 +814,40 @@ extern "C" const char* infllmv2_select_blocks_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_select_blocks_unit infllmv2_select_blocks_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks_bf16_d128", "sm_80", 80, 63552, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d128_sm80_init, infllmv2_select_blocks_bf16_d128_sm80_call, infllmv2_select_blocks_bf16_d128_sm80_last_error},
+  {"select_blocks_bf16_d128", "sm_80", 80, 45056, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d128_sm80_init, infllmv2_select_blocks_bf16_d128_sm80_call, infllmv2_select_blocks_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks_bf16_d128", "sm_89", 89, 63552, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d128_sm89_init, infllmv2_select_blocks_bf16_d128_sm89_call, infllmv2_select_blocks_bf16_d128_sm89_last_error},
+  {"select_blocks_bf16_d128", "sm_89", 89, 45056, 128, 0, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d128_sm89_init, infllmv2_select_blocks_bf16_d128_sm89_call, infllmv2_select_blocks_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks_bf16_d128", "sm_90a", 90, 71744, 128, 0, 128, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_bf16_d128_sm90a_init, infllmv2_select_blocks_bf16_d128_sm90a_call, infllmv2_select_blocks_bf16_d128_sm90a_last_error},
+  {"select_blocks_bf16_d128", "sm_90a", 90, 53248, 128, 0, 128, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_bf16_d128_sm90a_init, infllmv2_select_blocks_bf16_d128_sm90a_call, infllmv2_select_blocks_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks_bf16_d64", "sm_80", 80, 55360, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d64_sm80_init, infllmv2_select_blocks_bf16_d64_sm80_call, infllmv2_select_blocks_bf16_d64_sm80_last_error},
+  {"select_blocks_bf16_d64", "sm_80", 80, 55296, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d64_sm80_init, infllmv2_select_blocks_bf16_d64_sm80_call, infllmv2_select_blocks_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks_bf16_d64", "sm_89", 89, 55360, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d64_sm89_init, infllmv2_select_blocks_bf16_d64_sm89_call, infllmv2_select_blocks_bf16_d64_sm89_last_error},
+  {"select_blocks_bf16_d64", "sm_89", 89, 55296, 128, 0, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_bf16_d64_sm89_init, infllmv2_select_blocks_bf16_d64_sm89_call, infllmv2_select_blocks_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks_bf16_d64", "sm_90a", 90, 63552, 128, 0, 64, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_bf16_d64_sm90a_init, infllmv2_select_blocks_bf16_d64_sm90a_call, infllmv2_select_blocks_bf16_d64_sm90a_last_error},
+  {"select_blocks_bf16_d64", "sm_90a", 90, 63488, 128, 0, 64, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_bf16_d64_sm90a_init, infllmv2_select_blocks_bf16_d64_sm90a_call, infllmv2_select_blocks_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks_fp16_d128", "sm_80", 80, 63552, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d128_sm80_init, infllmv2_select_blocks_fp16_d128_sm80_call, infllmv2_select_blocks_fp16_d128_sm80_last_error},
+  {"select_blocks_fp16_d128", "sm_80", 80, 45056, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d128_sm80_init, infllmv2_select_blocks_fp16_d128_sm80_call, infllmv2_select_blocks_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks_fp16_d128", "sm_89", 89, 63552, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d128_sm89_init, infllmv2_select_blocks_fp16_d128_sm89_call, infllmv2_select_blocks_fp16_d128_sm89_last_error},
+  {"select_blocks_fp16_d128", "sm_89", 89, 45056, 128, 1, 128, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d128_sm89_init, infllmv2_select_blocks_fp16_d128_sm89_call, infllmv2_select_blocks_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks_fp16_d128", "sm_90a", 90, 71744, 128, 1, 128, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_fp16_d128_sm90a_init, infllmv2_select_blocks_fp16_d128_sm90a_call, infllmv2_select_blocks_fp16_d128_sm90a_last_error},
+  {"select_blocks_fp16_d128", "sm_90a", 90, 53248, 128, 1, 128, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_fp16_d128_sm90a_init, infllmv2_select_blocks_fp16_d128_sm90a_call, infllmv2_select_blocks_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks_fp16_d64", "sm_80", 80, 55360, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d64_sm80_init, infllmv2_select_blocks_fp16_d64_sm80_call, infllmv2_select_blocks_fp16_d64_sm80_last_error},
+  {"select_blocks_fp16_d64", "sm_80", 80, 55296, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d64_sm80_init, infllmv2_select_blocks_fp16_d64_sm80_call, infllmv2_select_blocks_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks_fp16_d64", "sm_89", 89, 55360, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d64_sm89_init, infllmv2_select_blocks_fp16_d64_sm89_call, infllmv2_select_blocks_fp16_d64_sm89_last_error},
+  {"select_blocks_fp16_d64", "sm_89", 89, 55296, 128, 1, 64, 64, 64, 16, 32, 6144, 16, infllmv2_select_blocks_fp16_d64_sm89_init, infllmv2_select_blocks_fp16_d64_sm89_call, infllmv2_select_blocks_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks_fp16_d64", "sm_90a", 90, 63552, 128, 1, 64, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_fp16_d64_sm90a_init, infllmv2_select_blocks_fp16_d64_sm90a_call, infllmv2_select_blocks_fp16_d64_sm90a_last_error},
+  {"select_blocks_fp16_d64", "sm_90a", 90, 63488, 128, 1, 64, 64, 64, 16, 32, 8192, 16, infllmv2_select_blocks_fp16_d64_sm90a_init, infllmv2_select_blocks_fp16_d64_sm90a_call, infllmv2_select_blocks_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1519,40 +1519,40 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_90a", 25600, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"group_scores", "group_scores_bf16_d128", "sm_80", 38976, 128},
+  {"group_scores", "group_scores_bf16_d128", "sm_80", 20480, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores", "group_scores_bf16_d128", "sm_89", 38976, 128},
+  {"group_scores", "group_scores_bf16_d128", "sm_89", 20480, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores", "group_scores_bf16_d128", "sm_90a", 38976, 128},
+  {"group_scores", "group_scores_bf16_d128", "sm_90a", 20480, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"group_scores", "group_scores_bf16_d64", "sm_80", 30784, 128},
+  {"group_scores", "group_scores_bf16_d64", "sm_80", 30720, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores", "group_scores_bf16_d64", "sm_89", 30784, 128},
+  {"group_scores", "group_scores_bf16_d64", "sm_89", 30720, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores", "group_scores_bf16_d64", "sm_90a", 30784, 128},
+  {"group_scores", "group_scores_bf16_d64", "sm_90a", 30720, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"group_scores", "group_scores_fp16_d128", "sm_80", 38976, 128},
+  {"group_scores", "group_scores_fp16_d128", "sm_80", 20480, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores", "group_scores_fp16_d128", "sm_89", 38976, 128},
+  {"group_scores", "group_scores_fp16_d128", "sm_89", 20480, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores", "group_scores_fp16_d128", "sm_90a", 38976, 128},
+  {"group_scores", "group_scores_fp16_d128", "sm_90a", 20480, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"group_scores", "group_scores_fp16_d64", "sm_80", 30784, 128},
+  {"group_scores", "group_scores_fp16_d64", "sm_80", 30720, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"group_scores", "group_scores_fp16_d64", "sm_89", 30784, 128},
+  {"group_scores", "group_scores_fp16_d64", "sm_89", 30720, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"group_scores", "group_scores_fp16_d64", "sm_90a", 30784, 128},
+  {"group_scores", "group_scores_fp16_d64", "sm_90a", 30720, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"max_pool_blocks", "max_pool_blocks", "sm_80", 0, 128},
@@ -1564,40 +1564,40 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"max_pool_blocks", "max_pool_blocks", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks", "select_blocks_bf16_d128", "sm_80", 63552, 128},
+  {"select_blocks", "select_blocks_bf16_d128", "sm_80", 45056, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks", "select_blocks_bf16_d128", "sm_89", 63552, 128},
+  {"select_blocks", "select_blocks_bf16_d128", "sm_89", 45056, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks", "select_blocks_bf16_d128", "sm_90a", 71744, 128},
+  {"select_blocks", "select_blocks_bf16_d128", "sm_90a", 53248, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks", "select_blocks_bf16_d64", "sm_80", 55360, 128},
+  {"select_blocks", "select_blocks_bf16_d64", "sm_80", 55296, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks", "select_blocks_bf16_d64", "sm_89", 55360, 128},
+  {"select_blocks", "select_blocks_bf16_d64", "sm_89", 55296, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks", "select_blocks_bf16_d64", "sm_90a", 63552, 128},
+  {"select_blocks", "select_blocks_bf16_d64", "sm_90a", 63488, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks", "select_blocks_fp16_d128", "sm_80", 63552, 128},
+  {"select_blocks", "select_blocks_fp16_d128", "sm_80", 45056, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks", "select_blocks_fp16_d128", "sm_89", 63552, 128},
+  {"select_blocks", "select_blocks_fp16_d128", "sm_89", 45056, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks", "select_blocks_fp16_d128", "sm_90a", 71744, 128},
+  {"select_blocks", "select_blocks_fp16_d128", "sm_90a", 53248, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_blocks", "select_blocks_fp16_d64", "sm_80", 55360, 128},
+  {"select_blocks", "select_blocks_fp16_d64", "sm_80", 55296, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_blocks", "select_blocks_fp16_d64", "sm_89", 55360, 128},
+  {"select_blocks", "select_blocks_fp16_d64", "sm_89", 55296, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 63552, 128},
+  {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 63488, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_block_map", "sparse_attn_bwd_block_map", "sm_80", 8192, 128},

@@ -23,8 +23,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* GS_s = ((void*)((char*)buf_dyn_shmem + 8192));
-  void* P_s = ((void*)((char*)buf_dyn_shmem + 12352));
+  void* P_s = ((void*)((char*)buf_dyn_shmem + 8192));
+  void* GS_s = ((void*)((char*)buf_dyn_shmem + 26624));
   bfloat16_t Q_f[32];
   int rowpos[2];
   float m_run[2];
@@ -39,6 +39,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
   float m_fine[2];
   float l_fine[2];
   float m_fine_clear[2];
+  float last_r[2];
   float gsum = 0x0p+0f/*0.000000e+00*/;
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
@@ -404,15 +405,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
         }
       }
     }
-    for (int e = 0; e < 9; ++e) {
-      if (((e * 8) + (((int)threadIdx.x) >> 4)) < 65) {
-        ((float*)GS_s)[((e * 128) + ((int)threadIdx.x))] = -CUDART_INF_F;
-      }
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      last_r[e] = -CUDART_INF_F;
     }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     for (int ch_2 = 0; ch_2 < ((width + 63) >> 6); ++ch_2) {
+      __syncthreads();
       int condval_20;
       if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         condval_20 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
@@ -497,37 +495,42 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
         }
         __syncthreads();
         if (groups == 16) {
-          for (int e_1 = 0; e_1 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_1) {
+          #pragma unroll
+          for (int e_1 = 0; e_1 < 2; ++e_1) {
             if (((e_1 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-              ((float*)GS_s)[((((((int64_t)e_1) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((((float*)P_s)[(((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)]))) + (((((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)576)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)648)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)720)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)792)])) + ((((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)864)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)936)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1008)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1080)]))));
+              ((float*)GS_s)[((e_1 * 128) + ((int)threadIdx.x))] = ((((((float*)P_s)[(((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 72)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 144)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 216)])) + ((((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 288)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 360)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 432)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 504)]))) + (((((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 576)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 648)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 720)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 792)])) + ((((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 864)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 936)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 1008)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 1080)]))));
             }
           }
         } else {
           if (groups == 8) {
-            for (int e_2 = 0; e_2 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_2) {
+            #pragma unroll
+            for (int e_2 = 0; e_2 < 4; ++e_2) {
               if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                ((float*)GS_s)[((((((int64_t)e_2) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((((float*)P_s)[(((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)])));
+                ((float*)GS_s)[((e_2 * 128) + ((int)threadIdx.x))] = (((((float*)P_s)[(((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 72)]) + (((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 144)] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 216)])) + ((((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 288)] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 360)]) + (((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 432)] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 504)])));
               }
             }
           } else {
             if (groups == 4) {
-              for (int e_3 = 0; e_3 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_3) {
+              #pragma unroll
+              for (int e_3 = 0; e_3 < 8; ++e_3) {
                 if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                  ((float*)GS_s)[((((((int64_t)e_3) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((float*)P_s)[(((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)]));
+                  ((float*)GS_s)[((e_3 * 128) + ((int)threadIdx.x))] = ((((float*)P_s)[(((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63)) + 72)]) + (((float*)P_s)[((((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63)) + 144)] + ((float*)P_s)[((((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63)) + 216)]));
                 }
               }
             } else {
               if (groups == 2) {
-                for (int e_4 = 0; e_4 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_4) {
+                #pragma unroll
+                for (int e_4 = 0; e_4 < 8; ++e_4) {
                   if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((((((int64_t)e_4) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((float*)P_s)[(((((int64_t)e_4) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]);
+                    ((float*)GS_s)[((e_4 * 128) + ((int)threadIdx.x))] = (((float*)P_s)[(((e_4 * 288) + ((((int)threadIdx.x) >> 6) * 144)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_4 * 288) + ((((int)threadIdx.x) >> 6) * 144)) + (((int)threadIdx.x) & 63)) + 72)]);
                   }
                 }
               } else {
                 if (groups == 1) {
-                  for (int e_5 = 0; e_5 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_5) {
+                  #pragma unroll
+                  for (int e_5 = 0; e_5 < 8; ++e_5) {
                     if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                      ((float*)GS_s)[((((((int64_t)e_5) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((float*)P_s)[(((((int64_t)e_5) * (int64_t)144) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))];
+                      ((float*)GS_s)[((e_5 * 128) + ((int)threadIdx.x))] = ((float*)P_s)[(((e_5 * 144) + ((((int)threadIdx.x) >> 6) * 72)) + (((int)threadIdx.x) & 63))];
                     }
                   }
                 } else {
@@ -546,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
                     }
                     __syncthreads();
                     if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                      ((float*)GS_s)[((((((int64_t)e_6) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = gsum;
+                      ((float*)GS_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = gsum;
                     }
                   }
                 }
@@ -568,7 +571,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
               }
               float condval_25;
               if (((ch_2 * 64) < condval_26)) {
-                condval_25 = max(((float*)GS_s)[((((((int64_t)e_7) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)], 0x0p+0f/*0.000000e+00*/);
+                condval_25 = max(((float*)GS_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))], 0x0p+0f/*0.000000e+00*/);
               } else {
                 condval_25 = 0x0p+0f/*0.000000e+00*/;
               }
@@ -577,11 +580,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
           }
         }
       }
-      __syncthreads();
-      if ((((int)threadIdx.x) < tile_tokens) && (((int)threadIdx.x) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-        ((float*)GS_s)[(((int)threadIdx.x) * 65)] = ((float*)GS_s)[((((int)threadIdx.x) * 65) + 64)];
-      }
-      __syncthreads();
     }
   }
 }
@@ -604,9 +602,9 @@ extern "C" const char* infllmv2_group_scores_bf16_d64_sm80_last_error() {
 extern "C" int infllmv2_group_scores_bf16_d64_sm80_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_group_scores_bf16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_group_scores_bf16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 30784);
+    cudaError_t result_infllmv2_group_scores_bf16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_group_scores_bf16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 30720);
     if (result_infllmv2_group_scores_bf16_d64_sm80_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 30784, cudaGetErrorString(result_infllmv2_group_scores_bf16_d64_sm80_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 30720, cudaGetErrorString(result_infllmv2_group_scores_bf16_d64_sm80_kernel));
         return -1;
     }
 
@@ -625,7 +623,7 @@ extern "C" int infllmv2_group_scores_bf16_d64_sm80_call(bfloat16_t* __restrict__
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 30784;
+		config.dynamicSmemBytes = 30720;
 		cudaLaunchKernelEx(&config, infllmv2_group_scores_bf16_d64_sm80_kernel, CK, NK, Q, S, cu_seqlens_c, cu_seqlens_k, cu_seqlens_n, cu_seqlens_q, approx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, norm_stride, norm_window, scale_log2, tile_tokens, total_c, total_n, total_q, width);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_group_scores_bf16_d64_sm80_kernel");

@@ -20,15 +20,14 @@
 #endif
 
 extern "C" __global__ void infllmv2_select_blocks_fp16_d128_sm80_kernel(const half_t* __restrict__ CK, const half_t* __restrict__ NK, const half_t* __restrict__ Q, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int init_blocks, int local_blocks, int max_tiles, int norm_stride, int norm_window, float scale_log2, int score_stride, int tile_tokens, int topk, int total_c, int total_n, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16_d128_sm80_kernel(const half_t* __restrict__ CK, const half_t* __restrict__ NK, const half_t* __restrict__ Q, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int init_blocks, int local_blocks, int max_tiles, int norm_stride, int norm_window, float scale_log2, int score_stride, int tile_tokens, int topk, int total_c, int total_n, int total_q) {
+extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_fp16_d128_sm80_kernel(const half_t* __restrict__ CK, const half_t* __restrict__ NK, const half_t* __restrict__ Q, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int init_blocks, int local_blocks, int max_tiles, int norm_stride, int norm_window, float scale_log2, int score_stride, int tile_tokens, int topk, int total_c, int total_n, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* P_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* hist_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* st_s = ((void*)((char*)buf_dyn_shmem + 4096));
+  void* st_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* SC_s = ((void*)((char*)buf_dyn_shmem + 16384));
   void* GS_s = ((void*)((char*)buf_dyn_shmem + 40960));
-  void* P_s = ((void*)((char*)buf_dyn_shmem + 45120));
+  void* hist_s = ((void*)((char*)buf_dyn_shmem + 40960));
   half_t Q_f[64];
   int rowpos[2];
   float m_run[2];
@@ -43,7 +42,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
   float m_fine[2];
   float l_fine[2];
   float m_fine_clear[2];
+  float last_r[2];
   float gsum = 0x0p+0f/*0.000000e+00*/;
+  float pool_r[2];
   int rs[8];
   uint ru[4];
   uint kk[4];
@@ -162,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
     for (int ch = 0; ch < ((condval_10 + 63) >> 6); ++ch) {
       #pragma unroll
       for (int i_3 = 0; i_3 < 8; ++i_3) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && (((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
+        tl::cp_async_gs_conditional<16>((&(((half_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && (((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
       }
       tl::cp_async_commit();
       tl::cp_async_wait<0>();
@@ -177,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         for (int ki = 0; ki < 8; ++ki) {
           #pragma unroll
           for (int i_5 = 0; i_5 < 4; ++i_5) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((((ki >> 2) * 4096) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
+            tl::ptx_ldmatrix_x4((&(((half_t*)P_s)[((((((((ki >> 2) * 4096) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
           }
           for (int j = 0; j < 4; ++j) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki * 8)), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
@@ -299,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       for (int ch_1 = 0; ch_1 < ((condval_15 + 63) >> 6); ++ch_1) {
         #pragma unroll
         for (int i_11 = 0; i_11 < 8; ++i_11) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_11) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
+          tl::cp_async_gs_conditional<16>((&(((half_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_11) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
         }
         tl::cp_async_commit();
         tl::cp_async_wait<0>();
@@ -314,7 +315,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
             #pragma unroll
             for (int i_13 = 0; i_13 < 4; ++i_13) {
-              tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((((ki_1 >> 2) * 4096) + (i_13 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_13 * 8)])));
+              tl::ptx_ldmatrix_x4((&(((half_t*)P_s)[((((((((ki_1 >> 2) * 4096) + (i_13 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_13 * 8)])));
             }
             for (int j_1 = 0; j_1 < 4; ++j_1) {
               tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_1 * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki_1 * 8)), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -417,17 +418,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         ((float*)SC_s)[((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = -CUDART_INF_F;
       }
     }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    for (int e_1 = 0; e_1 < 9; ++e_1) {
-      if (((e_1 * 8) + (((int)threadIdx.x) >> 4)) < 65) {
-        ((float*)GS_s)[((e_1 * 128) + ((int)threadIdx.x))] = -CUDART_INF_F;
-      }
+    #pragma unroll
+    for (int e_1 = 0; e_1 < 2; ++e_1) {
+      last_r[e_1] = -CUDART_INF_F;
     }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     int condval_20;
     if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
       condval_20 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
@@ -435,9 +429,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       condval_20 = 0;
     }
     for (int ch_2 = 0; ch_2 < ((condval_20 + 63) >> 6); ++ch_2) {
+      __syncthreads();
       #pragma unroll
       for (int i_20 = 0; i_20 < 8; ++i_20) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_20 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_20) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
+        tl::cp_async_gs_conditional<16>((&(((half_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_20 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_20) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
       }
       tl::cp_async_commit();
       tl::cp_async_wait<0>();
@@ -452,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
           #pragma unroll
           for (int i_22 = 0; i_22 < 4; ++i_22) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((((ki_2 >> 2) * 4096) + (i_22 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_2 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_22 * 8)])));
+            tl::ptx_ldmatrix_x4((&(((half_t*)P_s)[((((((((ki_2 >> 2) * 4096) + (i_22 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_2 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_22 * 8)])));
           }
           for (int j_2 = 0; j_2 < 4; ++j_2) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_2 * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -468,6 +463,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         condval_21 = 0;
       }
       if (((ch_2 * 64) + 64) <= condval_21) {
+        __syncthreads();
         #pragma unroll
         for (int i_23 = 0; i_23 < 16; ++i_23) {
           float2 __14;
@@ -482,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
             __15.y = (__16.y-v__17.y);
           __14.x = exp2f(__15.x);
           __14.y = exp2f(__15.y);
-          *(float2*)(((float*)P_s) + ((((((((int)threadIdx.x) >> 5) * 1152) + ((i_23 & 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_23 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = __14;
+          *(float2*)(((float*)P_s) + (((((((((i_23 >> 3) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + ((i_23 & 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_23 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_23 & 3) >> 1)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2))) = __14;
         }
       } else {
         #pragma unroll
@@ -499,42 +495,47 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
           } else {
             condval_22 = -CUDART_INF_F;
           }
-          ((float*)P_s)[(((((((((int)threadIdx.x) >> 5) * 1152) + (((i_24 & 3) >> 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_24 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_24 & 1))] = condval_22;
+          ((float*)P_s)[((((((((((i_24 >> 4) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + (((i_24 & 3) >> 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_24 & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_24 & 7) >> 2)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2)) + (i_24 & 1))] = condval_22;
         }
       }
       __syncthreads();
       if (groups == 16) {
-        for (int e_2 = 0; e_2 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_2) {
+        #pragma unroll
+        for (int e_2 = 0; e_2 < 2; ++e_2) {
           if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-            ((float*)GS_s)[((((((int64_t)e_2) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((((float*)P_s)[(((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)]))) + (((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)576)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)648)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)720)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)792)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)864)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)936)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1008)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1080)]))));
+            ((float*)GS_s)[((e_2 * 128) + ((int)threadIdx.x))] = ((((((float*)P_s)[((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((int)threadIdx.x) & 31))] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 128)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 160)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 192)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 224)]))) + (((((float*)P_s)[(((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((int)threadIdx.x) & 31)) + 256)] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 288)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 320)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 352)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 384)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 416)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 448)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 480)]))));
           }
         }
       } else {
         if (groups == 8) {
-          for (int e_3 = 0; e_3 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_3) {
+          #pragma unroll
+          for (int e_3 = 0; e_3 < 4; ++e_3) {
             if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-              ((float*)GS_s)[((((((int64_t)e_3) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((((float*)P_s)[(((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)])));
+              ((float*)GS_s)[((e_3 * 128) + ((int)threadIdx.x))] = (((((float*)P_s)[((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((int)threadIdx.x) & 31))] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 128)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 160)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 192)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 224)])));
             }
           }
         } else {
           if (groups == 4) {
-            for (int e_4 = 0; e_4 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_4) {
+            #pragma unroll
+            for (int e_4 = 0; e_4 < 8; ++e_4) {
               if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                ((float*)GS_s)[((((((int64_t)e_4) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((float*)P_s)[(((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)]));
+                ((float*)GS_s)[((e_4 * 128) + ((int)threadIdx.x))] = ((((float*)P_s)[(((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((int)threadIdx.x) & 15))] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)]));
               }
             }
           } else {
             if (groups == 2) {
-              for (int e_5 = 0; e_5 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_5) {
+              #pragma unroll
+              for (int e_5 = 0; e_5 < 8; ++e_5) {
                 if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                  ((float*)GS_s)[((((((int64_t)e_5) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((float*)P_s)[(((((int64_t)e_5) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_5) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]);
+                  ((float*)GS_s)[((e_5 * 128) + ((int)threadIdx.x))] = (((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_5 * 128)) + ((((int)threadIdx.x) >> 6) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (e_5 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((int)threadIdx.x) & 7))] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_5 * 128)) + ((((int)threadIdx.x) >> 6) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (e_5 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]);
                 }
               }
             } else {
               if (groups == 1) {
-                for (int e_6 = 0; e_6 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_6) {
+                #pragma unroll
+                for (int e_6 = 0; e_6 < 8; ++e_6) {
                   if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((((((int64_t)e_6) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((float*)P_s)[(((((int64_t)e_6) * (int64_t)144) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))];
+                    ((float*)GS_s)[((e_6 * 128) + ((int)threadIdx.x))] = ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_6 * 64)) + ((((int)threadIdx.x) >> 6) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((e_6 & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (e_6 & 1)) & 1) * 8)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 4)) + (((int)threadIdx.x) & 3))];
                   }
                 }
               } else {
@@ -545,15 +546,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
                   __syncthreads();
                   if (((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
                     for (int h4 = 0; h4 < (groups >> 2); ++h4) {
-                      gsum = (gsum + ((((float*)P_s)[(((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])));
+                      gsum = (gsum + ((((float*)P_s)[(((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)32)]) + (((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)2) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)1) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)64)] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)96)])));
                     }
                     for (int h = 0; h < (groups & 3); ++h) {
-                      gsum = (gsum + ((float*)P_s)[(((((((int64_t)groups) >> (int64_t)2) * (int64_t)288) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)h) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))]);
+                      gsum = (gsum + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + ((((int64_t)groups) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((int64_t)h) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((int64_t)groups) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) >> (int64_t)2)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))]);
                     }
                   }
                   __syncthreads();
                   if (((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((((((int64_t)e_7) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = gsum;
+                    ((float*)GS_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = gsum;
                   }
                 }
               }
@@ -562,47 +563,62 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         }
       }
       __syncthreads();
-      for (int e_8 = 0; e_8 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 7) >> 3); ++e_8) {
-        __syncthreads();
+      #pragma unroll
+      for (int e_8 = 0; e_8 < 2; ++e_8) {
         if (((e_8 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
-          if ((((ch_2 * 16) + (((int)threadIdx.x) & 15)) <= ((((((e_8 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((ch_2 * 16) + (((int)threadIdx.x) & 15)) < score_stride)) {
-            ((float*)SC_s)[(((((int64_t)ch_2) * (int64_t)16) + (((((int64_t)e_8) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = max(max(max(((float*)GS_s)[(((((int64_t)e_8) * (int64_t)520) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)65)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4))], ((float*)GS_s)[((((((int64_t)e_8) * (int64_t)520) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)65)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)) + (int64_t)1)]), max(((float*)GS_s)[((((((int64_t)e_8) * (int64_t)520) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)65)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)) + (int64_t)2)], ((float*)GS_s)[((((((int64_t)e_8) * (int64_t)520) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)65)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)) + (int64_t)3)])), ((float*)GS_s)[((((((int64_t)e_8) * (int64_t)520) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)65)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)) + (int64_t)4)]);
+          float condval_24;
+          if (((((int)threadIdx.x) % 16) == 0)) {
+            condval_24 = last_r[e_8];
+          } else {
+            condval_24 = ((float*)GS_s)[(((e_8 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + max((((((int)threadIdx.x) & 15) * 4) - 1), 0))];
+          }
+          pool_r[e_8] = max(max(max(condval_24, ((float*)GS_s)[((e_8 * 512) + (((int)threadIdx.x) * 4))]), max(((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 1)], ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 2)])), ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 3)]);
+          if ((((int)threadIdx.x) % 16) == 0) {
+            last_r[e_8] = ((float*)GS_s)[(((e_8 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + 63)];
           }
         }
       }
       __syncthreads();
-      if ((((int)threadIdx.x) < tile_tokens) && (((int)threadIdx.x) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-        ((float*)GS_s)[(((int)threadIdx.x) * 65)] = ((float*)GS_s)[((((int)threadIdx.x) * 65) + 64)];
+      #pragma unroll
+      for (int e_9 = 0; e_9 < 2; ++e_9) {
+        if (((e_9 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+          if ((((ch_2 * 16) + (((int)threadIdx.x) & 15)) <= ((((((e_9 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((ch_2 * 16) + (((int)threadIdx.x) & 15)) < score_stride)) {
+            ((float*)SC_s)[(((((int64_t)ch_2) * (int64_t)16) + (((((int64_t)e_9) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = pool_r[e_9];
+          }
+        }
       }
-      __syncthreads();
     }
-    if ((((int)threadIdx.x) < tile_tokens) && (((int)threadIdx.x) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-      int condval_24;
-      if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_24 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
-      } else {
-        condval_24 = 0;
-      }
-      int condval_25;
-      if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
-      } else {
-        condval_25 = 0;
-      }
-      if (((((condval_24 + 63) >> 6) * 16) <= ((((len_k + (((int)blockIdx.x) * tile_tokens)) + ((int)threadIdx.x)) - len_q) >> 6)) && ((((condval_25 + 63) >> 6) * 16) < score_stride)) {
-        int64_t condval_26;
-        if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-          condval_26 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+    __syncthreads();
+    #pragma unroll
+    for (int e_10 = 0; e_10 < 2; ++e_10) {
+      if ((((e_10 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) && ((((int)threadIdx.x) % 16) == 0)) {
+        int condval_25;
+        if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+          condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
         } else {
-          condval_26 = (int64_t)0;
+          condval_25 = 0;
         }
-        int64_t condval_27;
-        if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-          condval_27 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+        int condval_26;
+        if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+          condval_26 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
         } else {
-          condval_27 = (int64_t)0;
+          condval_26 = 0;
         }
-        ((float*)SC_s)[((((condval_27 + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) * ((int64_t)score_stride)))] = ((float*)GS_s)[(((int)threadIdx.x) * 65)];
+        if (((((condval_25 + 63) >> 6) * 16) <= ((((((e_10 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((condval_26 + 63) >> 6) * 16) < score_stride)) {
+          int64_t condval_27;
+          if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
+            condval_27 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+          } else {
+            condval_27 = (int64_t)0;
+          }
+          int64_t condval_28;
+          if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
+            condval_28 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+          } else {
+            condval_28 = (int64_t)0;
+          }
+          ((float*)SC_s)[((((condval_28 + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_10) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_10];
+        }
       }
     }
     __syncthreads();
@@ -614,21 +630,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
       if ((((rnd * 4) + (((int)threadIdx.x) >> 5)) < tile_tokens) && (((rnd * 4) + (((int)threadIdx.x) >> 5)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
         for (int i_25 = 0; i_25 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 31) >> 5); ++i_25) {
           if ((((i_25 * 32) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((i_25 * 32) + (((int)threadIdx.x) & 31)) < score_stride)) {
-            float condval_28;
+            float condval_29;
             if (((((i_25 * 32) + (((int)threadIdx.x) & 31)) < init_blocks) || ((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) - local_blocks) <= ((i_25 * 32) + (((int)threadIdx.x) & 31))))) {
-              condval_28 = CUDART_INF_F;
+              condval_29 = CUDART_INF_F;
             } else {
-              condval_28 = ((float*)SC_s)[(((((int64_t)i_25) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
+              condval_29 = ((float*)SC_s)[(((((int64_t)i_25) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
             }
-            float _reinterpret_tmp = condval_28;
+            float _reinterpret_tmp = condval_29;
             ru[2] = (*(uint *)(&(_reinterpret_tmp)));
-            uint condval_29;
+            uint condval_30;
             if (((ru[2] >> (uint)31) != (uint)0)) {
-              condval_29 = (~ru[2]);
+              condval_30 = (~ru[2]);
             } else {
-              condval_29 = (ru[2] | (uint)2147483648);
+              condval_30 = (ru[2] | (uint)2147483648);
             }
-            ru[2] = condval_29;
+            ru[2] = condval_30;
             uint v__18 = ru[2];
             ((float*)SC_s)[(((((int64_t)i_25) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__18)));
             if ((uint)8388607 < ru[2]) {
@@ -658,13 +674,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
               for (int u = 0; u < 4; ++u) {
                 float v__19 = ((float*)SC_s)[(min((((((int64_t)i_26) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
                 kk[u] = (*(uint *)(&(v__19)));
-                int condval_30;
+                int condval_31;
                 if ((((((((i_26 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_26 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
-                  condval_30 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
+                  condval_31 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
                 } else {
-                  condval_30 = 256;
+                  condval_31 = 256;
                 }
-                bins[u] = condval_30;
+                bins[u] = condval_31;
               }
               #pragma unroll
               for (int u_1 = 0; u_1 < 4; ++u_1) {
@@ -715,25 +731,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_blocks_fp16
         for (int i_27 = 0; i_27 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_27) {
           #pragma unroll
           for (int u_2 = 0; u_2 < 4; ++u_2) {
-            uint condval_31;
+            uint condval_32;
             if ((((((i_27 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_27 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) < score_stride))) {
               float v__20 = ((float*)SC_s)[(min((((((int64_t)i_27) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
-              condval_31 = (*(uint *)(&(v__20)));
+              condval_32 = (*(uint *)(&(v__20)));
             } else {
-              condval_31 = (uint)0;
+              condval_32 = (uint)0;
             }
-            kk[u_2] = condval_31;
+            kk[u_2] = condval_32;
           }
           #pragma unroll
           for (int u_3 = 0; u_3 < 4; ++u_3) {
             rs[4] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, ((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])))));
-            int condval_32;
+            int condval_33;
             if (((ru[3] < kk[u_3]) || (((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])) && ((((uint)rs[3]) + __popc((((uint)rs[4]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)rs[1]))))) {
-              condval_32 = 1;
+              condval_33 = 1;
             } else {
-              condval_32 = 0;
+              condval_33 = 0;
             }
-            rs[5] = condval_32;
+            rs[5] = condval_33;
             rs[6] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, (rs[5] != 0))));
             if (rs[5] != 0) {
               if ((((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)topk)) {
@@ -780,9 +796,9 @@ extern "C" const char* infllmv2_select_blocks_fp16_d128_sm80_last_error() {
 extern "C" int infllmv2_select_blocks_fp16_d128_sm80_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_select_blocks_fp16_d128_sm80_kernel = cudaFuncSetAttribute(infllmv2_select_blocks_fp16_d128_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 63552);
+    cudaError_t result_infllmv2_select_blocks_fp16_d128_sm80_kernel = cudaFuncSetAttribute(infllmv2_select_blocks_fp16_d128_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 45056);
     if (result_infllmv2_select_blocks_fp16_d128_sm80_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 63552, cudaGetErrorString(result_infllmv2_select_blocks_fp16_d128_sm80_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 45056, cudaGetErrorString(result_infllmv2_select_blocks_fp16_d128_sm80_kernel));
         return -1;
     }
 
@@ -801,7 +817,7 @@ extern "C" int infllmv2_select_blocks_fp16_d128_sm80_call(half_t* __restrict__ Q
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 63552;
+		config.dynamicSmemBytes = 45056;
 		cudaLaunchKernelEx(&config, infllmv2_select_blocks_fp16_d128_sm80_kernel, CK, NK, Q, cu_seqlens_c, cu_seqlens_k, cu_seqlens_n, cu_seqlens_q, topk_idx, approx, batch, batch_plus_one, groups, heads, heads_k, init_blocks, local_blocks, max_tiles, norm_stride, norm_window, scale_log2, score_stride, tile_tokens, topk, total_c, total_n, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_select_blocks_fp16_d128_sm80_kernel");

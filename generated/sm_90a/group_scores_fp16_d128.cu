@@ -23,10 +23,9 @@
 extern "C" __global__ void infllmv2_group_scores_fp16_d128_sm90a_kernel(const half_t* __restrict__ CK, const half_t* __restrict__ NK, const half_t* __restrict__ Q, float* __restrict__ S, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int norm_stride, int norm_window, float scale_log2, int tile_tokens, int total_c, int total_n, int total_q, int width);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_d128_sm90a_kernel(const half_t* __restrict__ CK, const half_t* __restrict__ NK, const half_t* __restrict__ Q, float* __restrict__ S, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int norm_stride, int norm_window, float scale_log2, int tile_tokens, int total_c, int total_n, int total_q, int width) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* P_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* GS_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* P_s = ((void*)((char*)buf_dyn_shmem + 20544));
   half_t Q_f[64];
   int rowpos[2];
   float m_run[2];
@@ -41,6 +40,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
   float m_fine[2];
   float l_fine[2];
   float m_fine_clear[2];
+  float last_r[2];
   float gsum = 0x0p+0f/*0.000000e+00*/;
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
@@ -156,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
     for (int ch = 0; ch < ((condval_10 + 63) >> 6); ++ch) {
       #pragma unroll
       for (int i_3 = 0; i_3 < 8; ++i_3) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && (((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
+        tl::cp_async_gs_conditional<16>((&(((half_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && (((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
       }
       tl::cp_async_commit();
       tl::cp_async_wait<0>();
@@ -168,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
       }
       {
         tl::GmmaDescriptor desc_b;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)P_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_f + 0), 32);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         tl::warpgroup_arrive();
@@ -296,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
       for (int ch_1 = 0; ch_1 < ((condval_15 + 63) >> 6); ++ch_1) {
         #pragma unroll
         for (int i_10 = 0; i_10 < 8; ++i_10) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_10 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_10) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
+          tl::cp_async_gs_conditional<16>((&(((half_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_10 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_10) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_10 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
         }
         tl::cp_async_commit();
         tl::cp_async_wait<0>();
@@ -308,7 +308,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         }
         {
           tl::GmmaDescriptor desc_b_1;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)K_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)P_s)[0])));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_f + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
@@ -412,15 +412,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         }
       }
     }
-    for (int e = 0; e < 9; ++e) {
-      if (((e * 8) + (((int)threadIdx.x) >> 4)) < 65) {
-        ((float*)GS_s)[((e * 128) + ((int)threadIdx.x))] = -CUDART_INF_F;
-      }
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      last_r[e] = -CUDART_INF_F;
     }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     for (int ch_2 = 0; ch_2 < ((width + 63) >> 6); ++ch_2) {
+      __syncthreads();
       int condval_20;
       if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         condval_20 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
@@ -430,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
       if (ch_2 < ((condval_20 + 63) >> 6)) {
         #pragma unroll
         for (int i_18 = 0; i_18 < 8; ++i_18) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_18 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_18) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
+          tl::cp_async_gs_conditional<16>((&(((half_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_18 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_18) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_18 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
         }
         tl::cp_async_commit();
         tl::cp_async_wait<0>();
@@ -442,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         }
         {
           tl::GmmaDescriptor desc_b_2;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((half_t*)K_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((half_t*)P_s)[0])));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_f + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
@@ -456,22 +453,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_f + 0), 32);
         }
-      }
-      __syncthreads();
-      int condval_21;
-      if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_21 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
-      } else {
-        condval_21 = 0;
-      }
-      if (ch_2 < ((condval_21 + 63) >> 6)) {
-        int condval_22;
+        __syncthreads();
+        int condval_21;
         if ((31 <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          condval_22 = min(n_c, (((((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q) - 31) >> 4) + 1));
+          condval_21 = min(n_c, (((((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q) - 31) >> 4) + 1));
         } else {
-          condval_22 = 0;
+          condval_21 = 0;
         }
-        if (((ch_2 * 64) + 64) <= condval_22) {
+        if (((ch_2 * 64) + 64) <= condval_21) {
+          __syncthreads();
           #pragma unroll
           for (int i_20 = 0; i_20 < 16; ++i_20) {
             float2 __14;
@@ -486,59 +476,64 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
               __15.y = (__16.y-v__17.y);
             __14.x = exp2f(__15.x);
             __14.y = exp2f(__15.y);
-            *(float2*)(((float*)P_s) + ((((((((int)threadIdx.x) >> 5) * 1152) + ((i_20 & 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_20 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = __14;
+            *(float2*)(((float*)P_s) + (((((((((i_20 >> 3) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + ((i_20 & 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_20 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_20 & 3) >> 1)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2))) = __14;
           }
         } else {
           #pragma unroll
           for (int i_21 = 0; i_21 < 32; ++i_21) {
-            int condval_24;
+            int condval_23;
             if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-              condval_24 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+              condval_23 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
             } else {
-              condval_24 = 0;
+              condval_23 = 0;
             }
-            float condval_23;
-            if (((((((ch_2 * 64) + ((i_21 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_21 & 1)) < condval_24) && ((((((ch_2 * 1024) + ((i_21 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_21 & 1) * 16)) + 31) <= rowpos[((i_21 & 3) >> 1)]))) {
-              condval_23 = exp2f(((acc_s[i_21] * scale_log2) - lse2[((i_21 & 3) >> 1)]));
+            float condval_22;
+            if (((((((ch_2 * 64) + ((i_21 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_21 & 1)) < condval_23) && ((((((ch_2 * 1024) + ((i_21 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_21 & 1) * 16)) + 31) <= rowpos[((i_21 & 3) >> 1)]))) {
+              condval_22 = exp2f(((acc_s[i_21] * scale_log2) - lse2[((i_21 & 3) >> 1)]));
             } else {
-              condval_23 = -CUDART_INF_F;
+              condval_22 = -CUDART_INF_F;
             }
-            ((float*)P_s)[(((((((((int)threadIdx.x) >> 5) * 1152) + (((i_21 & 3) >> 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_21 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_21 & 1))] = condval_23;
+            ((float*)P_s)[((((((((((i_21 >> 4) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + (((i_21 & 3) >> 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_21 & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_21 & 7) >> 2)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2)) + (i_21 & 1))] = condval_22;
           }
         }
         __syncthreads();
         if (groups == 16) {
-          for (int e_1 = 0; e_1 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_1) {
+          #pragma unroll
+          for (int e_1 = 0; e_1 < 2; ++e_1) {
             if (((e_1 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-              ((float*)GS_s)[((((((int64_t)e_1) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((((float*)P_s)[(((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)]))) + (((((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)576)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)648)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)720)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)792)])) + ((((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)864)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)936)]) + (((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1008)] + ((float*)P_s)[((((((int64_t)e_1) * (int64_t)2304) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)1152)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1080)]))));
+              ((float*)GS_s)[((e_1 * 128) + ((int)threadIdx.x))] = ((((((float*)P_s)[((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((int)threadIdx.x) & 31))] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 128)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 160)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 192)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 224)]))) + (((((float*)P_s)[(((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((int)threadIdx.x) & 31)) + 256)] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 288)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 320)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 352)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 384)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 416)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 448)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_1 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 480)]))));
             }
           }
         } else {
           if (groups == 8) {
-            for (int e_2 = 0; e_2 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_2) {
+            #pragma unroll
+            for (int e_2 = 0; e_2 < 4; ++e_2) {
               if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                ((float*)GS_s)[((((((int64_t)e_2) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((((float*)P_s)[(((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])) + ((((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)288)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)360)]) + (((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)432)] + ((float*)P_s)[((((((int64_t)e_2) * (int64_t)1152) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)576)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)504)])));
+                ((float*)GS_s)[((e_2 * 128) + ((int)threadIdx.x))] = (((((float*)P_s)[((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((int)threadIdx.x) & 31))] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 128)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 160)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 192)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 224)])));
               }
             }
           } else {
             if (groups == 4) {
-              for (int e_3 = 0; e_3 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_3) {
+              #pragma unroll
+              for (int e_3 = 0; e_3 < 8; ++e_3) {
                 if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                  ((float*)GS_s)[((((((int64_t)e_3) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((((float*)P_s)[(((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)e_3) * (int64_t)576) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)288)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)]));
+                  ((float*)GS_s)[((e_3 * 128) + ((int)threadIdx.x))] = ((((float*)P_s)[(((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((int)threadIdx.x) & 15))] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)]));
                 }
               }
             } else {
               if (groups == 2) {
-                for (int e_4 = 0; e_4 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_4) {
+                #pragma unroll
+                for (int e_4 = 0; e_4 < 8; ++e_4) {
                   if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((((((int64_t)e_4) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = (((float*)P_s)[(((((int64_t)e_4) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)e_4) * (int64_t)288) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)144)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]);
+                    ((float*)GS_s)[((e_4 * 128) + ((int)threadIdx.x))] = (((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 128)) + ((((int)threadIdx.x) >> 6) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (e_4 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((int)threadIdx.x) & 7))] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 128)) + ((((int)threadIdx.x) >> 6) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (e_4 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]);
                   }
                 }
               } else {
                 if (groups == 1) {
-                  for (int e_5 = 0; e_5 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_5) {
+                  #pragma unroll
+                  for (int e_5 = 0; e_5 < 8; ++e_5) {
                     if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                      ((float*)GS_s)[((((((int64_t)e_5) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = ((float*)P_s)[(((((int64_t)e_5) * (int64_t)144) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))];
+                      ((float*)GS_s)[((e_5 * 128) + ((int)threadIdx.x))] = ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_5 * 64)) + ((((int)threadIdx.x) >> 6) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((e_5 & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (e_5 & 1)) & 1) * 8)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 4)) + (((int)threadIdx.x) & 3))];
                     }
                   }
                 } else {
@@ -549,15 +544,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
                     __syncthreads();
                     if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
                       for (int h4 = 0; h4 < (groups >> 2); ++h4) {
-                        gsum = (gsum + ((((float*)P_s)[(((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])));
+                        gsum = (gsum + ((((float*)P_s)[(((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + ((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + (((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)32)]) + (((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)2) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)1) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)64)] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)96)])));
                       }
                       for (int h = 0; h < (groups & 3); ++h) {
-                        gsum = (gsum + ((float*)P_s)[(((((((int64_t)groups) >> (int64_t)2) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)h) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))]);
+                        gsum = (gsum + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + ((((int64_t)groups) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((int64_t)h) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((int64_t)groups) >> (int64_t)2) + (((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) >> (int64_t)2)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))]);
                       }
                     }
                     __syncthreads();
                     if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                      ((float*)GS_s)[((((((int64_t)e_6) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)] = gsum;
+                      ((float*)GS_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = gsum;
                     }
                   }
                 }
@@ -571,28 +566,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         if ((((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) && (((ch_2 * 64) + (((int)threadIdx.x) & 63)) < width)) {
           if (0 <= ((((e_7 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
             if (((((e_7 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-              int condval_26;
+              int condval_25;
               if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-                condval_26 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+                condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
               } else {
-                condval_26 = 0;
+                condval_25 = 0;
               }
-              float condval_25;
-              if (((ch_2 * 64) < condval_26)) {
-                condval_25 = max(((float*)GS_s)[((((((int64_t)e_7) * (int64_t)130) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)6) * (int64_t)65)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)1)], 0x0p+0f/*0.000000e+00*/);
+              float condval_24;
+              if (((ch_2 * 64) < condval_25)) {
+                condval_24 = max(((float*)GS_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))], 0x0p+0f/*0.000000e+00*/);
               } else {
-                condval_25 = 0x0p+0f/*0.000000e+00*/;
+                condval_24 = 0x0p+0f/*0.000000e+00*/;
               }
-              S[((((((int64_t)ch_2) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)width))) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] = condval_25;
+              S[((((((int64_t)ch_2) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)width))) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] = condval_24;
             }
           }
         }
       }
-      __syncthreads();
-      if ((((int)threadIdx.x) < tile_tokens) && (((int)threadIdx.x) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-        ((float*)GS_s)[(((int)threadIdx.x) * 65)] = ((float*)GS_s)[((((int)threadIdx.x) * 65) + 64)];
-      }
-      __syncthreads();
     }
   }
 }
@@ -615,9 +605,9 @@ extern "C" const char* infllmv2_group_scores_fp16_d128_sm90a_last_error() {
 extern "C" int infllmv2_group_scores_fp16_d128_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_group_scores_fp16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_group_scores_fp16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 38976);
+    cudaError_t result_infllmv2_group_scores_fp16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_group_scores_fp16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 20480);
     if (result_infllmv2_group_scores_fp16_d128_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 38976, cudaGetErrorString(result_infllmv2_group_scores_fp16_d128_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 20480, cudaGetErrorString(result_infllmv2_group_scores_fp16_d128_sm90a_kernel));
         return -1;
     }
 
@@ -636,7 +626,7 @@ extern "C" int infllmv2_group_scores_fp16_d128_sm90a_call(half_t* __restrict__ Q
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 38976;
+		config.dynamicSmemBytes = 20480;
 		cudaLaunchKernelEx(&config, infllmv2_group_scores_fp16_d128_sm90a_kernel, CK, NK, Q, S, cu_seqlens_c, cu_seqlens_k, cu_seqlens_n, cu_seqlens_q, approx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, norm_stride, norm_window, scale_log2, tile_tokens, total_c, total_n, total_q, width);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_group_scores_fp16_d128_sm90a_kernel");
