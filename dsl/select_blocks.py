@@ -309,7 +309,15 @@ def _scoring(kernel, dtype, D, arch):
                         SC_s[e * THREADS + tx] = NEG_INF
             for e in T.unroll(POOL_STEPS):
                 last_r[e] = NEG_INF
-            n_load = T.ceildiv(n_fine, BN)
+            if select:
+                # blocks from the last token's local window on are forced for every token of the
+                # tile (or in a token's future), so their scores are never read: the chunks that
+                # hold only their keys (the last two or so, the masked ones) are not computed.
+                # Block b needs keys 4b-1 .. 4b+3, so the first local_blocks-free blocks need
+                # POOL * (last block - local_blocks) keys.
+                n_load = T.ceildiv(T.min(n_fine, T.max(p_last // BLOCK - local_blocks, 0) * POOL), BN)
+            else:
+                n_load = T.ceildiv(n_fine, BN)
             n_chunks = n_load if select else T.ceildiv(out_cols, BN)
 
             # pass 2: probabilities, group sums, block pooling (or the sums themselves)

@@ -429,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
     } else {
       condval_20 = 0;
     }
-    for (int ch_2 = 0; ch_2 < ((condval_20 + 63) >> 6); ++ch_2) {
+    for (int ch_2 = 0; ch_2 < ((min(condval_20, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6); ++ch_2) {
       __syncthreads();
       #pragma unroll
       for (int i_20 = 0; i_20 < 4; ++i_20) {
@@ -604,7 +604,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
         } else {
           condval_26 = 0;
         }
-        if (((((condval_25 + 63) >> 6) * 16) <= ((((((e_10 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((condval_26 + 63) >> 6) * 16) < score_stride)) {
+        if (((((min(condval_25, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) <= ((((((e_10 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((min(condval_26, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) < score_stride)) {
           int64_t condval_27;
           if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
             condval_27 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
@@ -617,7 +617,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
           } else {
             condval_28 = (int64_t)0;
           }
-          ((float*)SC_s)[((((condval_28 + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_10) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_10];
+          ((float*)SC_s)[((((min(condval_28, (max(((((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) - (int64_t)1) >> (int64_t)6) - ((int64_t)local_blocks)), (int64_t)0) * (int64_t)4)) + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_10) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_10];
         }
       }
     }
