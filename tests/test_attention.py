@@ -153,7 +153,6 @@ def test_cuda_matches_reference(dtype, head_dim, G, lengths):
 
 @pytest.mark.gpu
 def test_cuda_dense_path_torch_compile_fullgraph():
-    # the sparse path reads cu_seqlens_k on the host to size the compressed keys: a graph break
     q, k, v, cu_q, cu_k = _qkv([200, 100], [200, 100], 16, 128, torch.bfloat16, "cuda")
 
     def f(q, k, v):
@@ -161,6 +160,33 @@ def test_cuda_dense_path_torch_compile_fullgraph():
 
     out_c = torch.compile(f, fullgraph=True)(q, k, v)
     assert torch.equal(out_c, f(q, k, v))
+
+
+@pytest.mark.gpu
+def test_cuda_sparse_path_without_host_reads_and_torch_compile_fullgraph():
+    """With max_seqlen_q/k given, compression, selection and sparse attention, forward and
+    backward, read nothing on the host (a training step can be captured), and the call traces
+    into one graph."""
+    q, k, v, cu_q, cu_k = _qkv([700, 65, 1], [900, 65, 1], 16, 128, torch.bfloat16, "cuda", seed=7)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def f(q, k, v):
+        return infllmv2.attention(q, k, v, cu_q, cu_k, 700, 900, config=SMALL)
+
+    want = f(q, k, v)
+    want_grads = torch.autograd.grad(want.float().sum(), (q, k, v))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = f(q, k, v)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(out, want)
+    for g, w in zip(grads, want_grads):
+        assert torch.equal(g, w)
+    out_c = torch.compile(f, fullgraph=True)(q, k, v)
+    assert torch.equal(out_c, want)
 
 
 # ------------------------------------------------------------- the one-call C entry point

@@ -158,6 +158,28 @@ def test_select_blocks_end_to_end_and_deterministic():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("phsa", [False, True], ids=["plain", "phsa"])
+def test_select_blocks_without_host_reads(phsa):
+    """With max_seqlen_q/k given, select_blocks sizes the compressed keys by a bound and computes
+    their offsets on the GPU: no host synchronisation, and the same picks as the checked path."""
+    lq, lk = [1, 63, 700, 65, 64, 3000], [1, 64, 900, 65, 4096, 3000]
+    q = random_tokens(lq, 32, 128, torch.bfloat16, "cuda", seed=5)
+    k = random_tokens(lk, 2, 128, torch.bfloat16, "cuda", seed=6)
+    cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+    mask = (torch.rand(sum(lk), device="cuda") < 0.2) if phsa else None
+    for approx in (True, False):
+        want = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=40, approx_lse=approx, punct_mask=mask)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=40, approx_lse=approx, punct_mask=mask,
+                                         max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert torch.equal(got, want), f"approx={approx}: the host-free path picks differently"
+
+
+@pytest.mark.gpu
 def test_select_blocks_phsa_and_scale():
     lq = lk = [1500]
     q = random_tokens(lq, 8, 64, torch.float16, "cuda", seed=5)

@@ -8,6 +8,7 @@ torch.compile traces them.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -110,6 +111,36 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
     ck = _compress_keys_op(
         k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, offs_c[-1], max(counts), kernel_size, kernel_stride
     )
+    return ck, cu_seqlens_c
+
+
+def _compress_keys_on_device(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda, max_seqlen_k):
+    """``compress_keys`` without reading the offsets on the host, for callers that know
+    ``max_seqlen_k``: ``cu_seqlens_c`` is computed on the GPU and the output has
+    ``total_k // kernel_stride`` rows (a bound on the sum of ``(L - w) // s + 1`` when ``w >= s``),
+    the rows past the last sequence's keys unwritten (the scoring kernels never read them)."""
+    _check_tensor3(k, "k")
+    _check_int(kernel_size, "kernel_size", 1)
+    _check_int(kernel_stride, "kernel_stride", 1)
+    if kernel_size < kernel_stride:
+        # windows with gaps: the bound above does not hold, count on the host
+        return compress_keys(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
+    _check_offsets((("cu_seqlens_k", cu_seqlens_k),), k.device)
+    if punct_mask is not None:
+        _check_punct_mask(punct_mask, k)
+        if not punct_mask.is_contiguous():
+            raise ValueError("punct_mask must be contiguous")
+    phsa_lambda = float(phsa_lambda)
+    if not (0.0 <= phsa_lambda <= 1.0):
+        raise ValueError(f"phsa_lambda must be in [0, 1], got {phsa_lambda}")
+    _check_kernel_tensor(k, "k")
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    counts = torch.where(lengths >= kernel_size, torch.div(lengths - kernel_size, kernel_stride, rounding_mode="floor") + 1,
+                         torch.zeros_like(lengths))
+    cu_seqlens_c = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+    max_nc = (max_seqlen_k - kernel_size) // kernel_stride + 1 if max_seqlen_k >= kernel_size else 0
+    ck = _compress_keys_op(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, k.shape[0] // kernel_stride, max_nc,
+                           kernel_size, kernel_stride)
     return ck, cu_seqlens_c
 
 
@@ -546,8 +577,11 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
     CUDA runs ``compress_keys`` and one fused selection kernel (bf16/fp16, D 64/128, G <= 64;
     compression 32/16 and block 64, the DSL build parameters; K <= 8192; sequences up to 512K
     keys on sm_90a, 384K on sm_80/sm_89): the score matrices never exist in device memory.
-    Ties at the K-th score go to the lower block index. Reads ``cu_seqlens_k`` on the host (compression sizes its output) and
-    the offsets for ``max_seqlen_q/k`` unless given. CPU runs the reference.
+    Ties at the K-th score go to the lower block index. With ``max_seqlen_q`` and ``max_seqlen_k``
+    given nothing is read on the host (no synchronisation): the compressed keys' offsets are
+    computed on the GPU and their buffers sized by a bound, and the offsets are trusted as the
+    C ABI trusts them (inconsistent ones give wrong selections, never an out-of-bounds access).
+    Otherwise ``cu_seqlens_k`` is read and checked on the host. CPU runs the reference.
     """
     _check_tensor3(q, "q")
     _check_tensor3(k, "k")
@@ -567,12 +601,18 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
         raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
     _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
     q, k = q.detach(), k.detach()
-    ck, cu_c = compress_keys(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
-    norm_keys = cu_norm = None
     if approx_lse:
         _check_int(norm_kernel_size, "norm_kernel_size", 1)
         _check_int(norm_kernel_stride, "norm_kernel_stride", 1)
-        norm_keys, cu_norm = compress_keys(k, cu_seqlens_k, norm_kernel_size, norm_kernel_stride, punct_mask, phsa_lambda)
+    if max_seqlen_q is not None and max_seqlen_k is not None:
+        max_seqlen_k = _check_int(max_seqlen_k, "max_seqlen_k", 0)
+        compress = functools.partial(_compress_keys_on_device, max_seqlen_k=max_seqlen_k)
+    else:
+        compress = compress_keys
+    ck, cu_c = compress(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
+    norm_keys = cu_norm = None
+    if approx_lse:
+        norm_keys, cu_norm = compress(k, cu_seqlens_k, norm_kernel_size, norm_kernel_stride, punct_mask, phsa_lambda)
     _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_c, norm_keys, cu_norm, kernel_size, kernel_stride,
                         softmax_scale)
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
