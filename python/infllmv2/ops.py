@@ -73,6 +73,18 @@ def _(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, total_c, max_nc, k
     return k.new_empty((total_c, k.shape[1], k.shape[2]))
 
 
+def _check_phsa_args(punct_mask, phsa_lambda, k):
+    """Checks compression's PHSA arguments; returns ``phsa_lambda`` as a float."""
+    if punct_mask is not None:
+        _check_punct_mask(punct_mask, k)
+        if not punct_mask.is_contiguous():
+            raise ValueError("punct_mask must be contiguous")
+    phsa_lambda = float(phsa_lambda)
+    if not (0.0 <= phsa_lambda <= 1.0):
+        raise ValueError(f"phsa_lambda must be in [0, 1], got {phsa_lambda}")
+    return phsa_lambda
+
+
 def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=None, phsa_lambda=0.5):
     """Stage 0: mean-pooled compressed keys ("semantic kernels"), optionally PHSA-weighted.
 
@@ -97,13 +109,7 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
     offs = _offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0])
     if len(offs) < 2:
         raise ValueError("cu_seqlens_k must describe at least one sequence (B+1 >= 2 entries)")
-    if punct_mask is not None:
-        _check_punct_mask(punct_mask, k)
-        if not punct_mask.is_contiguous():
-            raise ValueError("punct_mask must be contiguous")
-    phsa_lambda = float(phsa_lambda)
-    if not (0.0 <= phsa_lambda <= 1.0):
-        raise ValueError(f"phsa_lambda must be in [0, 1], got {phsa_lambda}")
+    phsa_lambda = _check_phsa_args(punct_mask, phsa_lambda, k)
     if k.is_cuda:
         _check_kernel_tensor(k, "k")
     counts, offs_c = _compressed_offsets(offs, kernel_size, kernel_stride)
@@ -126,13 +132,7 @@ def _compress_keys_on_device(k, cu_seqlens_k, kernel_size, kernel_stride, punct_
         # windows with gaps: the bound above does not hold, count on the host
         return compress_keys(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
     _check_offsets((("cu_seqlens_k", cu_seqlens_k),), k.device)
-    if punct_mask is not None:
-        _check_punct_mask(punct_mask, k)
-        if not punct_mask.is_contiguous():
-            raise ValueError("punct_mask must be contiguous")
-    phsa_lambda = float(phsa_lambda)
-    if not (0.0 <= phsa_lambda <= 1.0):
-        raise ValueError(f"phsa_lambda must be in [0, 1], got {phsa_lambda}")
+    phsa_lambda = _check_phsa_args(punct_mask, phsa_lambda, k)
     _check_kernel_tensor(k, "k")
     lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     counts = torch.where(lengths >= kernel_size, torch.div(lengths - kernel_size, kernel_stride, rounding_mode="floor") + 1,
