@@ -177,6 +177,11 @@ def test_select_blocks_without_host_reads(phsa):
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert torch.equal(got, want), f"approx={approx}: the host-free path picks differently"
+    # an upper bound beyond every sequence (and beyond the keys there are) is fine too
+    got = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=40, punct_mask=mask, max_seqlen_q=max(lq),
+                                 max_seqlen_k=4 * sum(lk))
+    assert torch.equal(got, infllmv2.select_blocks(q, k, cu_q, cu_k, topk=40, punct_mask=mask,
+                                                   max_seqlen_k=4 * sum(lk)))
 
 
 @pytest.mark.gpu

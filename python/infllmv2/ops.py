@@ -138,9 +138,11 @@ def _compress_keys_on_device(k, cu_seqlens_k, kernel_size, kernel_stride, punct_
     counts = torch.where(lengths >= kernel_size, torch.div(lengths - kernel_size, kernel_stride, rounding_mode="floor") + 1,
                          torch.zeros_like(lengths))
     cu_seqlens_c = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
-    max_nc = (max_seqlen_k - kernel_size) // kernel_stride + 1 if max_seqlen_k >= kernel_size else 0
-    ck = _compress_keys_op(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, k.shape[0] // kernel_stride, max_nc,
-                           kernel_size, kernel_stride)
+    total_c = k.shape[0] // kernel_stride
+    # a max_seqlen_k beyond the keys there are (an upper bound) must not ask for more rows
+    max_nc = min((max_seqlen_k - kernel_size) // kernel_stride + 1 if max_seqlen_k >= kernel_size else 0, total_c)
+    ck = _compress_keys_op(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, total_c, max_nc, kernel_size,
+                           kernel_stride)
     return ck, cu_seqlens_c
 
 
