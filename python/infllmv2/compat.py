@@ -49,7 +49,7 @@ import operator
 import torch
 
 from . import ops
-from .ops import _check_offsets
+from .ops import _check_offsets, _lengths, _offsets_of
 
 _FINE = (32, 16)  # the original's compression: window 32, stride 16 (MiniCPM4.1 sparse_config)
 _COARSE = (128, 64)  # its normaliser keys
@@ -79,15 +79,6 @@ def _as_int(value, name, minimum=0):
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
-
-
-def _lengths(cu):
-    return cu[1:] - cu[:-1]
-
-
-def _offsets_of(lengths):
-    """int32 offsets (B+1) of per-sequence lengths, computed where they are (no host read)."""
-    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
 
 
 def _cache_lens(cache_lens, batch, device):

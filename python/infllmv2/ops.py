@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from . import _lib, reference
-from .reference import _check_int, _check_punct_mask, _check_tensor3, _compressed_offsets, _offsets
+from .reference import _check_int, _check_punct_mask, _check_tensor3, _compressed_offsets, _num_windows, _offsets
 
 _KERNEL_DTYPES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
 _KERNEL_HEAD_DIMS = (64, 128)
@@ -120,6 +120,15 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
     return ck, cu_seqlens_c
 
 
+def _lengths(cu):
+    return cu[1:] - cu[:-1]
+
+
+def _offsets_of(lengths):
+    """int32 offsets (B+1) of per-sequence lengths, computed where they are (no host read)."""
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+
+
 def _compress_keys_on_device(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda, max_seqlen_k):
     """``compress_keys`` without reading the offsets on the host, for callers that know
     ``max_seqlen_k``: ``cu_seqlens_c`` is computed on the GPU and the output has
@@ -134,13 +143,14 @@ def _compress_keys_on_device(k, cu_seqlens_k, kernel_size, kernel_stride, punct_
     _check_offsets((("cu_seqlens_k", cu_seqlens_k),), k.device)
     phsa_lambda = _check_phsa_args(punct_mask, phsa_lambda, k)
     _check_kernel_tensor(k, "k")
-    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    lengths = _lengths(cu_seqlens_k)
+    # reference._num_windows, elementwise
     counts = torch.where(lengths >= kernel_size, torch.div(lengths - kernel_size, kernel_stride, rounding_mode="floor") + 1,
                          torch.zeros_like(lengths))
-    cu_seqlens_c = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+    cu_seqlens_c = _offsets_of(counts)
     total_c = k.shape[0] // kernel_stride
     # a max_seqlen_k beyond the keys there are (an upper bound) must not ask for more rows
-    max_nc = min((max_seqlen_k - kernel_size) // kernel_stride + 1 if max_seqlen_k >= kernel_size else 0, total_c)
+    max_nc = min(_num_windows(max_seqlen_k, kernel_size, kernel_stride), total_c)
     ck = _compress_keys_op(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, total_c, max_nc, kernel_size,
                            kernel_stride)
     return ck, cu_seqlens_c
