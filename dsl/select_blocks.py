@@ -51,7 +51,10 @@ import math
 
 import tilelang.language as T
 
+from dsl import EXP_NVCC_FLAGS
+
 OP = "select_blocks"
+NVCC_FLAGS = EXP_NVCC_FLAGS
 
 FINE_W = 32  # fine compression window (DSL parameter; C1 must be compressed with it)
 FINE_S = 16  # fine compression stride

@@ -44,7 +44,10 @@ import math
 
 import tilelang.language as T
 
+from dsl import EXP_NVCC_FLAGS
+
 OP = "sparse_attn"
+NVCC_FLAGS = EXP_NVCC_FLAGS
 
 BLOCK_N = 64  # keys per selected block (the InfLLM-V2 block size)
 BLOCK_M = 64  # GEMM rows per query tile: T tokens x G heads
