@@ -255,331 +255,444 @@ static const infllmv2_compress_keys_phsa_unit infllmv2_compress_keys_phsa_units[
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- dense_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, tile_tokens, causal, scale_log2, total_q, heads, total_k, heads_k, batch_plus_one, stream)
-typedef int (*infllmv2_dense_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+// ---- dense_attn_bwd_dkdv: call(Q, K, V, dO, Stats, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, causal, scale_log2, total_q, heads, total_k, heads_k, q_pad, batch_plus_one, stream)
+typedef int (*infllmv2_dense_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 struct infllmv2_dense_attn_bwd_dkdv_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
   int head_dim;
   int block_m;
+  int block_n;
   int (*init)(); infllmv2_dense_attn_bwd_dkdv_call_fn call; const char* (*last_error)();
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_dense_attn_bwd_dkdv_unit infllmv2_dense_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 82944, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 66304, 128, 0, 128, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 82944, 256, 0, 128, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 66304, 128, 0, 128, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 199680, 256, 0, 128, 128, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 132608, 384, 0, 128, 64, 128, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 50176, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 33536, 128, 0, 64, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 50176, 256, 0, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 33536, 128, 0, 64, 64, 64, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 117760, 256, 0, 64, 128, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 67072, 384, 0, 64, 64, 128, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 82944, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 66304, 128, 1, 128, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 82944, 256, 1, 128, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 66304, 128, 1, 128, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 199680, 256, 1, 128, 128, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 132608, 384, 1, 128, 64, 128, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 50176, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 33536, 128, 1, 64, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 50176, 256, 1, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 33536, 128, 1, 64, 64, 64, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 117760, 256, 1, 64, 128, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 67072, 384, 1, 64, 64, 128, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- dense_attn_bwd_dq: call(Q, K, V, dO, LSE, Delta, cu_seqlens_q, cu_seqlens_k, dQ, batch, max_tiles, groups, tile_tokens, causal, scale_log2, total_q, heads, total_k, heads_k, batch_plus_one, stream)
-typedef int (*infllmv2_dense_attn_bwd_dq_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+// ---- dense_attn_bwd_dq: call(Q, K, V, dO, Stats, cu_seqlens_q, cu_seqlens_k, dQ, batch, max_tiles, groups, causal, scale_log2, total_q, heads, total_k, heads_k, q_pad, batch_plus_one, stream)
+typedef int (*infllmv2_dense_attn_bwd_dq_call_fn)(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 struct infllmv2_dense_attn_bwd_dq_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
   int head_dim;
   int block_m;
+  int block_n;
   int (*init)(); infllmv2_dense_attn_bwd_dq_call_fn call; const char* (*last_error)();
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_init();
-extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_dense_attn_bwd_dq_unit infllmv2_dense_attn_bwd_dq_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq_bf16_d128", "sm_80", 80, 73984, 128, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_last_error},
+  {"dense_attn_bwd_dq_bf16_d128", "sm_80", 80, 98304, 256, 0, 128, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq_bf16_d128", "sm_89", 89, 73984, 128, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_last_error},
+  {"dense_attn_bwd_dq_bf16_d128", "sm_89", 89, 98304, 256, 0, 128, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_bf16_d128", "sm_90a", 90, 74752, 128, 0, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dq_bf16_d128", "sm_90a", 90, 131072, 384, 0, 128, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq_bf16_d64", "sm_80", 80, 41216, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_last_error},
+  {"dense_attn_bwd_dq_bf16_d64", "sm_80", 80, 49152, 256, 0, 64, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq_bf16_d64", "sm_89", 89, 41216, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_last_error},
+  {"dense_attn_bwd_dq_bf16_d64", "sm_89", 89, 49152, 256, 0, 64, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_bf16_d64", "sm_90a", 90, 41984, 128, 0, 64, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dq_bf16_d64", "sm_90a", 90, 65536, 384, 0, 64, 128, 64, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq_fp16_d128", "sm_80", 80, 73984, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_last_error},
+  {"dense_attn_bwd_dq_fp16_d128", "sm_80", 80, 98304, 256, 1, 128, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq_fp16_d128", "sm_89", 89, 73984, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_last_error},
+  {"dense_attn_bwd_dq_fp16_d128", "sm_89", 89, 98304, 256, 1, 128, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_fp16_d128", "sm_90a", 90, 74752, 128, 1, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_last_error},
+  {"dense_attn_bwd_dq_fp16_d128", "sm_90a", 90, 131072, 384, 1, 128, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq_fp16_d64", "sm_80", 80, 41216, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_last_error},
+  {"dense_attn_bwd_dq_fp16_d64", "sm_80", 80, 49152, 256, 1, 64, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq_fp16_d64", "sm_89", 89, 41216, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_last_error},
+  {"dense_attn_bwd_dq_fp16_d64", "sm_89", 89, 49152, 256, 1, 64, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq_fp16_d64", "sm_90a", 90, 41984, 128, 1, 64, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_last_error},
+  {"dense_attn_bwd_dq_fp16_d64", "sm_90a", 90, 65536, 384, 1, 64, 128, 64, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_dq_fp16_d64_sm90a_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- dense_attn_fwd: call(Q, K, V, cu_seqlens_q, cu_seqlens_k, O, LSE, batch, max_tiles, groups, tile_tokens, causal, scale_log2, total_q, heads, total_k, heads_k, batch_plus_one, stream)
-typedef int (*infllmv2_dense_attn_fwd_call_fn)(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+// ---- dense_attn_bwd_preprocess: call(O, dO, LSE, Stats, total_q, heads, q_pad, stream)
+typedef int (*infllmv2_dense_attn_bwd_preprocess_call_fn)(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+struct infllmv2_dense_attn_bwd_preprocess_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int block_n;
+  int (*init)(); infllmv2_dense_attn_bwd_preprocess_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm80_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm89_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm90a_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm80_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm89_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm80_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm89_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm90a_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm80_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm80_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm89_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm89_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm90a_init();
+extern "C" int infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm90a_call(void* O, void* dO, void* LSE, void* Stats, int total_q, int heads, int q_pad, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_dense_attn_bwd_preprocess_unit infllmv2_dense_attn_bwd_preprocess_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_preprocess_bf16_d128", "sm_80", 80, 0, 128, 0, 128, 32, 4, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm80_init, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm80_call, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_preprocess_bf16_d128", "sm_89", 89, 0, 128, 0, 128, 32, 4, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm89_init, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm89_call, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_preprocess_bf16_d128", "sm_90a", 90, 0, 128, 0, 128, 32, 4, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm90a_init, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm90a_call, infllmv2_dense_attn_bwd_preprocess_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_preprocess_bf16_d64", "sm_80", 80, 0, 128, 0, 64, 32, 4, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm80_init, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm80_call, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_preprocess_bf16_d64", "sm_89", 89, 0, 128, 0, 64, 32, 4, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm89_init, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm89_call, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_preprocess_bf16_d64", "sm_90a", 90, 0, 128, 0, 64, 32, 4, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_init, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_call, infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_preprocess_fp16_d128", "sm_80", 80, 0, 128, 1, 128, 32, 4, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm80_init, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm80_call, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_preprocess_fp16_d128", "sm_89", 89, 0, 128, 1, 128, 32, 4, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm89_init, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm89_call, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_preprocess_fp16_d128", "sm_90a", 90, 0, 128, 1, 128, 32, 4, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm90a_init, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm90a_call, infllmv2_dense_attn_bwd_preprocess_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_bwd_preprocess_fp16_d64", "sm_80", 80, 0, 128, 1, 64, 32, 4, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm80_init, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm80_call, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_bwd_preprocess_fp16_d64", "sm_89", 89, 0, 128, 1, 64, 32, 4, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm89_init, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm89_call, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_bwd_preprocess_fp16_d64", "sm_90a", 90, 0, 128, 1, 64, 32, 4, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm90a_init, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm90a_call, infllmv2_dense_attn_bwd_preprocess_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- dense_attn_fwd: call(Q, K, V, cu_seqlens_q, cu_seqlens_k, O, LSE, batch, max_tiles, groups, causal, scale_log2, total_q, heads, total_k, heads_k, batch_plus_one, stream)
+typedef int (*infllmv2_dense_attn_fwd_call_fn)(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 struct infllmv2_dense_attn_fwd_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
   int head_dim;
   int block_m;
+  int block_n;
   int (*init)(); infllmv2_dense_attn_fwd_call_fn call; const char* (*last_error)();
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm80_init();
-extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm89_init();
-extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm90a_init();
-extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm80_init();
-extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm89_init();
-extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm90a_init();
-extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm80_init();
-extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm89_init();
-extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm90a_init();
-extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm80_init();
-extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_init();
-extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_init();
-extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream);
 extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_dense_attn_fwd_unit infllmv2_dense_attn_fwd_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd_bf16_d128", "sm_80", 80, 49408, 128, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm80_init, infllmv2_dense_attn_fwd_bf16_d128_sm80_call, infllmv2_dense_attn_fwd_bf16_d128_sm80_last_error},
+  {"dense_attn_fwd_bf16_d128", "sm_80", 80, 65536, 256, 0, 128, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm80_init, infllmv2_dense_attn_fwd_bf16_d128_sm80_call, infllmv2_dense_attn_fwd_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd_bf16_d128", "sm_89", 89, 49408, 128, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm89_init, infllmv2_dense_attn_fwd_bf16_d128_sm89_call, infllmv2_dense_attn_fwd_bf16_d128_sm89_last_error},
+  {"dense_attn_fwd_bf16_d128", "sm_89", 89, 65536, 256, 0, 128, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm89_init, infllmv2_dense_attn_fwd_bf16_d128_sm89_call, infllmv2_dense_attn_fwd_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_bf16_d128", "sm_90a", 90, 50176, 128, 0, 128, 64, infllmv2_dense_attn_fwd_bf16_d128_sm90a_init, infllmv2_dense_attn_fwd_bf16_d128_sm90a_call, infllmv2_dense_attn_fwd_bf16_d128_sm90a_last_error},
+  {"dense_attn_fwd_bf16_d128", "sm_90a", 90, 163840, 384, 0, 128, 128, 128, infllmv2_dense_attn_fwd_bf16_d128_sm90a_init, infllmv2_dense_attn_fwd_bf16_d128_sm90a_call, infllmv2_dense_attn_fwd_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd_bf16_d64", "sm_80", 80, 24832, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm80_init, infllmv2_dense_attn_fwd_bf16_d64_sm80_call, infllmv2_dense_attn_fwd_bf16_d64_sm80_last_error},
+  {"dense_attn_fwd_bf16_d64", "sm_80", 80, 32768, 256, 0, 64, 128, 64, infllmv2_dense_attn_fwd_bf16_d64_sm80_init, infllmv2_dense_attn_fwd_bf16_d64_sm80_call, infllmv2_dense_attn_fwd_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd_bf16_d64", "sm_89", 89, 24832, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm89_init, infllmv2_dense_attn_fwd_bf16_d64_sm89_call, infllmv2_dense_attn_fwd_bf16_d64_sm89_last_error},
+  {"dense_attn_fwd_bf16_d64", "sm_89", 89, 32768, 256, 0, 64, 128, 64, infllmv2_dense_attn_fwd_bf16_d64_sm89_init, infllmv2_dense_attn_fwd_bf16_d64_sm89_call, infllmv2_dense_attn_fwd_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_bf16_d64", "sm_90a", 90, 25600, 128, 0, 64, 64, infllmv2_dense_attn_fwd_bf16_d64_sm90a_init, infllmv2_dense_attn_fwd_bf16_d64_sm90a_call, infllmv2_dense_attn_fwd_bf16_d64_sm90a_last_error},
+  {"dense_attn_fwd_bf16_d64", "sm_90a", 90, 81920, 384, 0, 64, 128, 128, infllmv2_dense_attn_fwd_bf16_d64_sm90a_init, infllmv2_dense_attn_fwd_bf16_d64_sm90a_call, infllmv2_dense_attn_fwd_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd_fp16_d128", "sm_80", 80, 49408, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm80_init, infllmv2_dense_attn_fwd_fp16_d128_sm80_call, infllmv2_dense_attn_fwd_fp16_d128_sm80_last_error},
+  {"dense_attn_fwd_fp16_d128", "sm_80", 80, 65536, 256, 1, 128, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm80_init, infllmv2_dense_attn_fwd_fp16_d128_sm80_call, infllmv2_dense_attn_fwd_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd_fp16_d128", "sm_89", 89, 49408, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm89_init, infllmv2_dense_attn_fwd_fp16_d128_sm89_call, infllmv2_dense_attn_fwd_fp16_d128_sm89_last_error},
+  {"dense_attn_fwd_fp16_d128", "sm_89", 89, 65536, 256, 1, 128, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm89_init, infllmv2_dense_attn_fwd_fp16_d128_sm89_call, infllmv2_dense_attn_fwd_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_fp16_d128", "sm_90a", 90, 50176, 128, 1, 128, 64, infllmv2_dense_attn_fwd_fp16_d128_sm90a_init, infllmv2_dense_attn_fwd_fp16_d128_sm90a_call, infllmv2_dense_attn_fwd_fp16_d128_sm90a_last_error},
+  {"dense_attn_fwd_fp16_d128", "sm_90a", 90, 163840, 384, 1, 128, 128, 128, infllmv2_dense_attn_fwd_fp16_d128_sm90a_init, infllmv2_dense_attn_fwd_fp16_d128_sm90a_call, infllmv2_dense_attn_fwd_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd_fp16_d64", "sm_80", 80, 24832, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm80_init, infllmv2_dense_attn_fwd_fp16_d64_sm80_call, infllmv2_dense_attn_fwd_fp16_d64_sm80_last_error},
+  {"dense_attn_fwd_fp16_d64", "sm_80", 80, 32768, 256, 1, 64, 128, 64, infllmv2_dense_attn_fwd_fp16_d64_sm80_init, infllmv2_dense_attn_fwd_fp16_d64_sm80_call, infllmv2_dense_attn_fwd_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd_fp16_d64", "sm_89", 89, 24832, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm89_init, infllmv2_dense_attn_fwd_fp16_d64_sm89_call, infllmv2_dense_attn_fwd_fp16_d64_sm89_last_error},
+  {"dense_attn_fwd_fp16_d64", "sm_89", 89, 32768, 256, 1, 64, 128, 64, infllmv2_dense_attn_fwd_fp16_d64_sm89_init, infllmv2_dense_attn_fwd_fp16_d64_sm89_call, infllmv2_dense_attn_fwd_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd_fp16_d64", "sm_90a", 90, 25600, 128, 1, 64, 64, infllmv2_dense_attn_fwd_fp16_d64_sm90a_init, infllmv2_dense_attn_fwd_fp16_d64_sm90a_call, infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error},
+  {"dense_attn_fwd_fp16_d64", "sm_90a", 90, 81920, 384, 1, 64, 128, 128, infllmv2_dense_attn_fwd_fp16_d64_sm90a_init, infllmv2_dense_attn_fwd_fp16_d64_sm90a_call, infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 // ---- group_scores: call(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, S, batch, max_tiles, groups, tile_tokens, norm_window, norm_stride, approx, scale_log2, total_q, heads, total_c, heads_k, total_n, batch_plus_one, width, stream)
@@ -1411,112 +1524,148 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"compress_keys_phsa", "compress_keys_phsa_fp16_d64", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_80", 82944, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_80", 66304, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_89", 82944, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_89", 66304, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 199680, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d128", "sm_90a", 132608, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_80", 50176, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_80", 33536, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_89", 50176, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_89", 33536, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 117760, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_bf16_d64", "sm_90a", 67072, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_80", 82944, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_80", 66304, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_89", 82944, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_89", 66304, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 199680, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d128", "sm_90a", 132608, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_80", 50176, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_80", 33536, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_89", 50176, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_89", 33536, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 117760, 256},
+  {"dense_attn_bwd_dkdv", "dense_attn_bwd_dkdv_fp16_d64", "sm_90a", 67072, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_80", 73984, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_80", 98304, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_89", 73984, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_89", 98304, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_90a", 74752, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d128", "sm_90a", 131072, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_80", 41216, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_80", 49152, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_89", 41216, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_89", 49152, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_90a", 41984, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_bf16_d64", "sm_90a", 65536, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_80", 73984, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_80", 98304, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_89", 73984, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_89", 98304, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_90a", 74752, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d128", "sm_90a", 131072, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_80", 41216, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_80", 49152, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_89", 41216, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_89", 49152, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_90a", 41984, 128},
+  {"dense_attn_bwd_dq", "dense_attn_bwd_dq_fp16_d64", "sm_90a", 65536, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_80", 49408, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_bf16_d128", "sm_80", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_89", 49408, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_bf16_d128", "sm_89", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_90a", 50176, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_bf16_d128", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_80", 24832, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_bf16_d64", "sm_80", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_89", 24832, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_bf16_d64", "sm_89", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_90a", 25600, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_bf16_d64", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_80", 49408, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_fp16_d128", "sm_80", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_89", 49408, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_fp16_d128", "sm_89", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_90a", 50176, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_fp16_d128", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_80", 24832, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_fp16_d64", "sm_80", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_89", 24832, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_fp16_d64", "sm_89", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_90a", 25600, 128},
+  {"dense_attn_bwd_preprocess", "dense_attn_bwd_preprocess_fp16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_80", 65536, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_89", 65536, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d128", "sm_90a", 163840, 384},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_80", 32768, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_89", 32768, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_bf16_d64", "sm_90a", 81920, 384},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_80", 65536, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_89", 65536, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d128", "sm_90a", 163840, 384},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_80", 32768, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_89", 32768, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_90a", 81920, 384},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"group_scores", "group_scores_bf16_d128", "sm_80", 20480, 128},

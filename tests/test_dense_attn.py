@@ -1,5 +1,7 @@
 """dense_attn: the dense kernels against the reference, forward and backward, every layer."""
 
+import re
+
 import pytest
 import torch
 
@@ -162,10 +164,15 @@ def test_c_abi_errors():
     pb = [t.data_ptr() for t in (q, k, v, q, q, q, cu_q, cu_k, q, k, v, q)]
     st = lib.infllmv2_dense_attn_bwd(*pb, 16, 1, 128, 128, 128, 128, 8, 2, 128, 1, 0, 0.0, None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
-    # key blocks past the grid's z limit are refused before any pointer is read
-    n = 65536 * 64
-    st = lib.infllmv2_dense_attn_bwd(*pb, 1 << 20, 1, 128, n, 128, n, 8, 2, 128, 1, 0, 0.0, None)
-    assert st == _lib.ERR_UNSUPPORTED and "max_seqlen_k must be at most 4194240" in lib.infllmv2_last_error().decode()
+    # key blocks past the grid's z limit (65535 blocks of 128 keys on sm_90a, 64 elsewhere) are
+    # refused before any kernel runs
+    n = 65536 * 128
+    st = lib.infllmv2_dense_attn_bwd(*pb, 1 << 30, 1, 128, n, 128, n, 8, 2, 128, 1, 0, 0.0, None)
+    assert st == _lib.ERR_UNSUPPORTED
+    assert re.search(r"max_seqlen_k must be at most (8388480|4194240)", lib.infllmv2_last_error().decode())
+    # TMA and vector loads need 16-byte aligned tensors
+    st = lib.infllmv2_dense_attn_fwd(p[0] + 2, *p[1:], 1, 128, 128, 128, 128, 8, 2, 128, 1, 0, 0.0, None)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "q must be 16-byte aligned" in lib.infllmv2_last_error().decode()
 
 
 # ---------------------------------------------------------------------------------- CPU tier

@@ -185,10 +185,12 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
  *   t <= p (p = Lk - Lq + i) when causal != 0, over all Lk keys when causal == 0. A query with
  *   no visible key (causal with Lq > Lk, or Lk = 0) gets out = 0 and lse = -inf.
  *
- *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse  as for infllmv2_sparse_attn_fwd
+ *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse  as for infllmv2_sparse_attn_fwd; q, k
+ *                      and v 16-byte aligned (the kernels load tiles of them by TMA on sm_90a)
  *   [in]  max_seqlen_q, max_seqlen_k  the longest query and key sequences (size the grid)
  *   [in]  causal       0 or 1
- *   No workspace. No host synchronisation: usable inside CUDA graphs.
+ *   heads at most 65535 (a grid axis). No workspace. No host synchronisation: usable inside
+ *   CUDA graphs.
  */
 INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
     const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
@@ -196,14 +198,16 @@ INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
     int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t causal,
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
-/* Bytes of device workspace infllmv2_dense_attn_bwd needs (fp32 rowsum(dout * out)). */
+/* Bytes of device workspace infllmv2_dense_attn_bwd needs: fp32 (2, heads, total_q rounded up
+ * to a multiple of 4), lse * log2(e) and rowsum(dout * out) in rows the kernels can load by TMA. */
 INFLLMV2_API size_t infllmv2_dense_attn_bwd_workspace_size(int64_t total_q, int32_t heads);
 
 /*
  * infllmv2_dense_attn_bwd: dq, dk, dv of infllmv2_dense_attn_fwd (dk, dv summed over each
  * group's G query heads). Arguments as for the forward plus out, lse (what it returned),
- * dout, and a workspace of infllmv2_dense_attn_bwd_workspace_size() bytes. Deterministic (no
- * atomics): repeated calls are bitwise identical.
+ * dout, and a workspace of infllmv2_dense_attn_bwd_workspace_size() bytes; dout and workspace
+ * 16-byte aligned too. max_seqlen_k at most 65535 key blocks (128 keys on sm_90a, 64
+ * elsewhere). Deterministic (no atomics): repeated calls are bitwise identical.
  */
 INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(
     const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <climits>
+#include <cstdint>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -143,6 +144,13 @@ infllmv2_status check_device_pointers(const char* op, const Device& dev,
     infllmv2_status st = check_device_pointer(op, p.first, p.second, dev);
     if (st != INFLLMV2_OK) return st;
   }
+  return INFLLMV2_OK;
+}
+
+infllmv2_status check_aligned(const char* op, std::initializer_list<std::pair<const char*, const void*>> ptrs) {
+  for (const auto& p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p.second) % 16 != 0)
+      return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: %s must be 16-byte aligned, got address %p", op, p.first, p.second);
   return INFLLMV2_OK;
 }
 

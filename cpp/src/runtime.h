@@ -42,6 +42,10 @@ infllmv2_status check_device_pointer(const char* op, const char* name, const voi
 infllmv2_status check_device_pointers(const char* op, const Device& dev,
                                       std::initializer_list<std::pair<const char*, const void*>> ptrs);
 
+// Checks that each pointer is 16-byte aligned, as TMA (sm_90a) and 16-byte vector loads need;
+// a NULL pointer passes (it is checked, where it matters, by check_device_pointer).
+infllmv2_status check_aligned(const char* op, std::initializer_list<std::pair<const char*, const void*>> ptrs);
+
 // The checks every attention-shaped op shares: bf16/fp16, head_dim 64/128, batch and heads_k
 // within a grid dimension, heads a multiple of heads_k with a group of at most 64 rows.
 infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int batch, int heads, int heads_k);

@@ -18,193 +18,293 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel(const half_t* __restrict__ K, const half_t* __restrict__ Q, const float* __restrict__ Stats, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, int q_pad, float scale_log2, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel(const half_t* __restrict__ K, const half_t* __restrict__ Q, const float* __restrict__ Stats, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, int q_pad, float scale_log2, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 8192));
-  void* rowlim = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 16640));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 24832));
-  void* dS_s = ((void*)((char*)buf_dyn_shmem + 33024));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 40960));
   float lse_r[2];
   float delta_r[2];
   float acc_dq[32];
   float acc_s[32];
   float acc_dp[32];
+  half_t ds_cast[32];
   int condval;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval = cu_seqlens_q[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval = 0;
   }
   int q0 = condval;
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_1 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_1 = 0;
   }
   int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
   int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_3 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_3 - k0);
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+  int len_k = (condval_2 - condval_3);
+  int condval_4;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_4 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_4 = 0;
+  }
+  int condval_5;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_5 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_5 = 0;
+  }
+  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + condval_4) + 128) - condval_5) - (max_tiles * 128))), 0);
+  int condval_6;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_7 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_7 = 0;
+  }
+  int condval_8;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_8 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_8 = 0;
+  }
+  int condval_9;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_9 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_9 = 0;
+  }
+  int p0 = (((((((max_tiles * 128) + condval_6) + condval_7) - condval_8) - condval_9) - (((int)blockIdx.x) * 128)) - 128);
+  int condval_10;
+  if ((causal != 0)) {
+    int condval_11;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_11 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_11 = 0;
+    }
+    int condval_12;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_12 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_12 = 0;
+    }
+    int condval_13;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_13 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_13 = 0;
+    }
+    int condval_14;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_14 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_14 = 0;
+    }
+    int condval_15;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_15 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_15 = 0;
+    }
+    int condval_16;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_16 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_16 = 0;
+    }
+    int condval_17;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_17 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_17 = 0;
+    }
+    int condval_18;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_18 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_18 = 0;
+    }
+    condval_10 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_11) + 128) - condval_12) - (max_tiles * 128))), 0)) + condval_13) + condval_14) - condval_15) - condval_16) - (((int)blockIdx.x) * 128)) - 128), (condval_17 - condval_18)), 0) + 63) >> 6);
+  } else {
+    int condval_19;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_19 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_19 = 0;
+    }
+    int condval_20;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_20 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_20 = 0;
+    }
+    condval_10 = (((condval_19 + 63) - condval_20) >> 6);
+  }
+  int n_blk = condval_10;
+  int condval_21;
+  if ((causal != 0)) {
+    int condval_22;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_22 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_22 = 0;
+    }
+    int condval_23;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_23 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_23 = 0;
+    }
+    int condval_24;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_24 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_24 = 0;
+    }
+    int condval_25;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_25 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_25 = 0;
+    }
+    int condval_26;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_26 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_26 = 0;
+    }
+    int condval_27;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_27 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_27 = 0;
+    }
+    condval_21 = (max(min((((((((max_tiles * 128) + condval_22) + condval_23) - condval_24) - condval_25) - (((int)blockIdx.x) * 128)) - 127), (condval_26 - condval_27)), 0) >> 6);
+  } else {
+    int condval_28;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_28 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_28 = 0;
+    }
+    int condval_29;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_29 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_29 = 0;
+    }
+    condval_21 = ((condval_28 - condval_29) >> 6);
+  }
+  int n_full = condval_21;
+  if (0 < n_tok) {
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_1 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_2 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      int rmod_3 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv_1 = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      uint4 condval_4;
-      if ((((((((i * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      uint4 condval_30;
+      if ((((((((max_tiles * 128) + (i * 32)) + (((int)threadIdx.x) >> 3)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) && (1 <= ((((((i * 32) + (((int)threadIdx.x) >> 3)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))))) {
+        condval_30 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((((int64_t)max_tiles) * (int64_t)128) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+        condval_30 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((half_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((half_t*)Q_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_30;
+    }
+    #pragma unroll
+    for (int i_1 = 0; i_1 < 4; ++i_1) {
       half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
-      int rmod_8 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_9 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_10 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv_4 = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      int rmod_11 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv_5 = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      uint4 condval_5;
-      if ((((((((i * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_4 : (rdiv_4 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) < total_q))) {
-        int64_t rmod_12 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_13 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_6 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        int64_t rmod_14 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_15 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_7 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        condval_5 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)groups) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rmod_14 : (rmod_14 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rdiv_7 : (rdiv_7 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      uint4 condval_31;
+      if ((((((((max_tiles * 128) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) && (1 <= ((((((i_1 * 32) + (((int)threadIdx.x) >> 3)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))))) {
+        condval_31 = *(uint4*)(dO + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((((int64_t)max_tiles) * (int64_t)128) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
+        condval_31 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((half_t*)dO_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((half_t*)dO_s) + (((((i_1 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_31;
     }
     #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
-      float condval_6;
-      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int rmod_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        float condval_7;
-        if (((((0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_16)) || ((groups < 0) && (rmod_16 <= 0))) ? rdiv_8 : (rdiv_8 - 1)))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads))) {
-          int64_t rmod_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-          int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-          condval_7 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rmod_22 : (rmod_22 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)))];
+    for (int i_2 = 0; i_2 < 2; ++i_2) {
+      float condval_32;
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok)) {
+        float condval_33;
+        if (((1 <= ((((((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))) && (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (q_pad + 128)))) {
+          condval_33 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128)];
         } else {
-          condval_7 = 0x0p+0f/*0.000000e+00*/;
+          condval_33 = 0x0p+0f/*0.000000e+00*/;
         }
-        condval_6 = (condval_7 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+        condval_32 = condval_33;
       } else {
-        condval_6 = -CUDART_INF_F;
+        condval_32 = -CUDART_INF_F;
       }
-      lse_r[i_1] = condval_6;
-      int rmod_24 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-      int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      float condval_8;
-      if ((((((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_24)) || ((groups < 0) && (rmod_24 <= 0))) ? rdiv_12 : (rdiv_12 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads))) {
-        int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-        int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-        condval_8 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rmod_30 : (rmod_30 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))];
+      lse_r[i_2] = condval_32;
+      float condval_34;
+      if ((((((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) && (1 <= ((((((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x)))) && (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (q_pad + 128)))) {
+        condval_34 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((((int64_t)heads) + ((int64_t)((int)blockIdx.y))) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128)];
       } else {
-        condval_8 = 0x0p+0f/*0.000000e+00*/;
+        condval_34 = 0x0p+0f/*0.000000e+00*/;
       }
-      delta_r[i_1] = condval_8;
-    }
-    if (((int)threadIdx.x) < 64) {
-      int condval_9;
-      if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int condval_10;
-        if ((causal != 0)) {
-          int rmod_32 = (((int)threadIdx.x) % groups);
-          int rdiv_16 = (((int)threadIdx.x) / groups);
-          condval_10 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1))) - len_q), (len_k - 1));
-        } else {
-          condval_10 = (len_k - 1);
-        }
-        condval_9 = condval_10;
-      } else {
-        condval_9 = -1;
-      }
-      ((int*)rowlim)[((int)threadIdx.x)] = condval_9;
+      delta_r[i_2] = condval_34;
     }
     #pragma unroll
-    for (int i_2 = 0; i_2 < 8; ++i_2) {
+    for (int i_3 = 0; i_3 < 8; ++i_3) {
       float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_dq + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+      *(float4*)(acc_dq + (i_3 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
     }
   }
   __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    int condval_11;
-    if ((causal != 0)) {
-      condval_11 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_11 = ((len_k + 63) >> 6);
-    }
-    if (0 < condval_11) {
+  if (0 < n_tok) {
+    if (0 < n_blk) {
       #pragma unroll
-      for (int i_3 = 0; i_3 < 4; ++i_3) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_3) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_4 = 0; i_4 < 2; ++i_4) {
+        int64_t rmod = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_1 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_1 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_2 = (((int)blockIdx.y) % groups);
+        int rdiv_2 = (((int)blockIdx.y) / groups);
+        int rmod_3 = (((int)blockIdx.y) % groups);
+        int rdiv_3 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_1)) || ((((int64_t)groups) < (int64_t)0) && (rmod_1 <= (int64_t)0))) ? rdiv_1 : (rdiv_1 - (int64_t)1)) * (int64_t)64) + (((((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_4 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_4 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1)))));
       }
       tl::cp_async_commit();
       #pragma unroll
-      for (int i_4 = 0; i_4 < 4; ++i_4) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_4 * 16) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_4 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_4 * 16) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_5 = 0; i_5 < 2; ++i_5) {
+        int64_t rmod_4 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_4 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_5 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_5 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_6 = (((int)blockIdx.y) % groups);
+        int rdiv_6 = (((int)blockIdx.y) / groups);
+        int rmod_7 = (((int)blockIdx.y) % groups);
+        int rdiv_7 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_5)) || ((((int64_t)groups) < (int64_t)0) && (rmod_5 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1)) * (int64_t)64) + (((((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_5 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_5 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_5 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_7)) || ((groups < 0) && (rmod_7 <= 0))) ? rdiv_7 : (rdiv_7 - 1)))));
       }
       tl::cp_async_commit();
     }
-    int condval_12;
-    if ((causal != 0)) {
-      condval_12 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_12 = ((len_k + 63) >> 6);
-    }
-    for (int blk = 0; blk < (condval_12 - 1); ++blk) {
+    for (int blk = 0; blk < (n_blk - 1); ++blk) {
       #pragma unroll
-      for (int i_5 = 0; i_5 < 8; ++i_5) {
+      for (int i_6 = 0; i_6 < 8; ++i_6) {
         float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+        *(float4*)(acc_s + (i_6 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
       }
       tl::cp_async_wait<0>();
       __syncthreads();
@@ -214,8 +314,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
         for (int ki = 0; ki < 4; ++ki) {
           tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
           #pragma unroll
-          for (int i_6 = 0; i_6 < 4; ++i_6) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((i_6 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_6 * 8)])));
+          for (int i_7 = 0; i_7 < 4; ++i_7) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((i_7 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
           }
           for (int j = 0; j < 4; ++j) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
@@ -223,45 +323,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
           }
         }
       }
-      int condval_13;
-      if ((causal != 0)) {
-        condval_13 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
-      } else {
-        condval_13 = len_k;
-      }
-      if (((blk * 64) + 64) <= condval_13) {
-        #pragma unroll
-        for (int i_7 = 0; i_7 < 16; ++i_7) {
-          float2 __1;
-          float2 __2;
-            float2 __3;
-              float2 v_ = *(float2*)(acc_s + (i_7 * 2));
-              float2 v__1 = make_float2(scale_log2, scale_log2);
-              __3.x = (v_.x*v__1.x);
-              __3.y = (v_.y*v__1.y);
-            float2 v__2 = make_float2(lse_r[(i_7 & 1)], lse_r[(i_7 & 1)]);
-            __2.x = (__3.x-v__2.x);
-            __2.y = (__3.y-v__2.y);
-          __1.x = exp2f(__2.x);
-          __1.y = exp2f(__2.y);
-          *(float2*)(acc_s + (i_7 * 2)) = __1;
-        }
-      } else {
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 32; ++i_8) {
-          float condval_14;
-          if (((((((blk * 64) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))]) && (lse_r[((i_8 & 3) >> 1)] != -CUDART_INF_F))) {
-            condval_14 = exp2f(((acc_s[i_8] * scale_log2) - lse_r[((i_8 & 3) >> 1)]));
-          } else {
-            condval_14 = 0x0p+0f/*0.000000e+00*/;
-          }
-          acc_s[i_8] = condval_14;
-        }
-      }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 8; ++i_9) {
+      for (int i_8 = 0; i_8 < 8; ++i_8) {
         float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_9 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+        *(float4*)(acc_dp + (i_8 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -271,8 +336,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
         for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
           tl::ptx_ldmatrix_x4((&(((half_t*)dO_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_10 = 0; i_10 < 4; ++i_10) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[((((((i_10 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
+          for (int i_9 = 0; i_9 < 4; ++i_9) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[((((((i_9 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_9 * 8)])));
           }
           for (int j_1 = 0; j_1 < 4; ++j_1) {
             tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -282,58 +347,86 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
       }
       __syncthreads();
       #pragma unroll
-      for (int i_11 = 0; i_11 < 4; ++i_11) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_11 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_11) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_10 = 0; i_10 < 2; ++i_10) {
+        int64_t rmod_8 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_8 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_9 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_9 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_10 = (((int)blockIdx.y) % groups);
+        int rdiv_10 = (((int)blockIdx.y) / groups);
+        int rmod_11 = (((int)blockIdx.y) % groups);
+        int rdiv_11 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_10 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)groups) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_10) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((((blk * 64) + (i_10 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_10 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_10 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_10 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_10 : (rdiv_10 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_11 : (rdiv_11 - 1)))));
       }
       tl::cp_async_commit();
-      __syncthreads();
-      #pragma unroll
-      for (int i_12 = 0; i_12 < 16; ++i_12) {
-        half_t dS_s_local_cast[2];
-        uint1 __4;
-        float2 __5;
-          float2 v__3 = *(float2*)(acc_s + (i_12 * 2));
-          float2 __6;
-            float2 v__4 = *(float2*)(acc_dp + (i_12 * 2));
-            float2 v__5 = make_float2(delta_r[(i_12 & 1)], delta_r[(i_12 & 1)]);
-            __6.x = (v__4.x-v__5.x);
-            __6.y = (v__4.y-v__5.y);
-          __5.x = (v__3.x*__6.x);
-          __5.y = (v__3.y*__6.y);
-        ((half2*)(&__4))[0] = __float22half2_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_s_local_cast + 0) = __4;
-        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_12 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_12 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
+      if (blk < n_full) {
+        #pragma unroll
+        for (int i_11 = 0; i_11 < 16; ++i_11) {
+          uint1 __1;
+          float2 __2;
+            float2 __3;
+            float2 __4;
+              float2 __5;
+                float2 v_ = *(float2*)(acc_s + (i_11 * 2));
+                float2 v__1 = make_float2(scale_log2, scale_log2);
+                __5.x = (v_.x*v__1.x);
+                __5.y = (v_.y*v__1.y);
+              float2 v__2 = make_float2(lse_r[(i_11 & 1)], lse_r[(i_11 & 1)]);
+              __4.x = (__5.x-v__2.x);
+              __4.y = (__5.y-v__2.y);
+            __3.x = exp2f(__4.x);
+            __3.y = exp2f(__4.y);
+            float2 __6;
+              float2 v__3 = *(float2*)(acc_dp + (i_11 * 2));
+              float2 v__4 = make_float2(delta_r[(i_11 & 1)], delta_r[(i_11 & 1)]);
+              __6.x = (v__3.x-v__4.x);
+              __6.y = (v__3.y-v__4.y);
+            __2.x = (__3.x*__6.x);
+            __2.y = (__3.y*__6.y);
+          ((half2*)(&__1))[0] = __float22half2_rn(((float2*)(&__2))[0]);
+          *(uint1*)(ds_cast + (i_11 * 2)) = __1;
+        }
+      } else {
+        #pragma unroll
+        for (int i_12 = 0; i_12 < 32; ++i_12) {
+          float condval_35;
+          if ((((((((blk * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) < len_k) && ((causal == 0) || (((((blk * 64) + ((i_12 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) <= (((((((int)threadIdx.x) >> 5) * 16) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0)))) && (lse_r[((i_12 & 3) >> 1)] != -CUDART_INF_F))) {
+            condval_35 = (exp2f(((acc_s[i_12] * scale_log2) - lse_r[((i_12 & 3) >> 1)])) * (acc_dp[i_12] - delta_r[((i_12 & 3) >> 1)]));
+          } else {
+            condval_35 = 0x0p+0f/*0.000000e+00*/;
+          }
+          ds_cast[i_12] = ((half_t)condval_35);
+        }
       }
       {
-        half_t A_local_2[8];
         half_t B_local_2[32];
-        __syncthreads();
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-          tl::ptx_ldmatrix_x4((&(((half_t*)dS_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
           for (int i_13 = 0; i_13 < 4; ++i_13) {
             tl::ptx_ldmatrix_x4_trans((&(((half_t*)K_s)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
           }
           for (int j_2 = 0; j_2 < 4; ++j_2) {
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_2 * 8)), reinterpret_cast<const unsigned*>(ds_cast + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(ds_cast + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
           }
         }
       }
       __syncthreads();
       #pragma unroll
-      for (int i_14 = 0; i_14 < 4; ++i_14) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_14 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_14) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_14 = 0; i_14 < 2; ++i_14) {
+        int64_t rmod_12 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_12 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_13 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_13 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_14 = (((int)blockIdx.y) % groups);
+        int rdiv_14 = (((int)blockIdx.y) / groups);
+        int rmod_15 = (((int)blockIdx.y) % groups);
+        int rdiv_15 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_14 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_13)) || ((((int64_t)groups) < (int64_t)0) && (rmod_13 <= (int64_t)0))) ? rdiv_13 : (rdiv_13 - (int64_t)1)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_14) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((((blk * 64) + (i_14 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_14 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_14 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_14 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_14)) || ((groups < 0) && (rmod_14 <= 0))) ? rdiv_14 : (rdiv_14 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_15)) || ((groups < 0) && (rmod_15 <= 0))) ? rdiv_15 : (rdiv_15 - 1)))));
       }
       tl::cp_async_commit();
     }
-    int condval_15;
-    if ((causal != 0)) {
-      condval_15 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_15 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_15) {
+    if (1 <= n_blk) {
       #pragma unroll
       for (int i_15 = 0; i_15 < 8; ++i_15) {
         float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
@@ -342,187 +435,114 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_
     }
     tl::cp_async_wait<0>();
     __syncthreads();
-    int condval_16;
-    if ((causal != 0)) {
-      condval_16 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_16 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_16) {
+    if (1 <= n_blk) {
       {
-        half_t A_local_3[8];
+        half_t A_local_2[8];
         half_t B_local_3[32];
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-          tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
+          tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
           for (int i_16 = 0; i_16 < 4; ++i_16) {
             tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[((((((i_16 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_16 * 8)])));
           }
           for (int j_3 = 0; j_3 < 4; ++j_3) {
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_3 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_3 * 8) + 4)));
           }
-        }
-      }
-      int condval_17;
-      if ((causal != 0)) {
-        condval_17 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-      } else {
-        condval_17 = ((len_k + 63) >> 6);
-      }
-      int condval_18;
-      if ((causal != 0)) {
-        condval_18 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
-      } else {
-        condval_18 = len_k;
-      }
-      if ((condval_17 * 64) <= condval_18) {
-        #pragma unroll
-        for (int i_17 = 0; i_17 < 16; ++i_17) {
-          float2 __7;
-          float2 __8;
-            float2 __9;
-              float2 v__6 = *(float2*)(acc_s + (i_17 * 2));
-              float2 v__7 = make_float2(scale_log2, scale_log2);
-              __9.x = (v__6.x*v__7.x);
-              __9.y = (v__6.y*v__7.y);
-            float2 v__8 = make_float2(lse_r[(i_17 & 1)], lse_r[(i_17 & 1)]);
-            __8.x = (__9.x-v__8.x);
-            __8.y = (__9.y-v__8.y);
-          __7.x = exp2f(__8.x);
-          __7.y = exp2f(__8.y);
-          *(float2*)(acc_s + (i_17 * 2)) = __7;
-        }
-      } else {
-        #pragma unroll
-        for (int i_18 = 0; i_18 < 32; ++i_18) {
-          int condval_20;
-          if ((causal != 0)) {
-            condval_20 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-          } else {
-            condval_20 = ((len_k + 63) >> 6);
-          }
-          float condval_19;
-          if (((((((condval_20 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_18 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64)) && (lse_r[((i_18 & 3) >> 1)] != -CUDART_INF_F))) {
-            condval_19 = exp2f(((acc_s[i_18] * scale_log2) - lse_r[((i_18 & 3) >> 1)]));
-          } else {
-            condval_19 = 0x0p+0f/*0.000000e+00*/;
-          }
-          acc_s[i_18] = condval_19;
         }
       }
       #pragma unroll
-      for (int i_19 = 0; i_19 < 8; ++i_19) {
+      for (int i_17 = 0; i_17 < 8; ++i_17) {
         float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_19 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+        *(float4*)(acc_dp + (i_17 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
       }
     }
     tl::cp_async_wait<1>();
     __syncthreads();
-    int condval_21;
-    if ((causal != 0)) {
-      condval_21 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_21 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_21) {
+    if (1 <= n_blk) {
       {
-        half_t A_local_4[8];
+        half_t A_local_3[8];
         half_t B_local_4[32];
         for (int ki_4 = 0; ki_4 < 4; ++ki_4) {
-          tl::ptx_ldmatrix_x4((&(((half_t*)dO_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_4 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_4[0])));
+          tl::ptx_ldmatrix_x4((&(((half_t*)dO_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_4 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
           #pragma unroll
-          for (int i_20 = 0; i_20 < 4; ++i_20) {
-            tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[((((((i_20 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_4 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_20 * 8)])));
+          for (int i_18 = 0; i_18 < 4; ++i_18) {
+            tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[((((((i_18 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_4 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_18 * 8)])));
           }
           for (int j_4 = 0; j_4 < 4; ++j_4) {
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_4 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_4 * 8)));
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_4 + 0), reinterpret_cast<const unsigned*>(B_local_4 + ((j_4 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_4 * 8)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_4 + ((j_4 * 8) + 4)));
           }
         }
       }
-    }
-    __syncthreads();
-    int condval_22;
-    if ((causal != 0)) {
-      condval_22 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_22 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_22) {
-      #pragma unroll
-      for (int i_21 = 0; i_21 < 16; ++i_21) {
-        half_t dS_s_local_cast_1[2];
-        uint1 __10;
-        float2 __11;
-          float2 v__9 = *(float2*)(acc_s + (i_21 * 2));
-          float2 __12;
-            float2 v__10 = *(float2*)(acc_dp + (i_21 * 2));
-            float2 v__11 = make_float2(delta_r[(i_21 & 1)], delta_r[(i_21 & 1)]);
-            __12.x = (v__10.x-v__11.x);
-            __12.y = (v__10.y-v__11.y);
-          __11.x = (v__9.x*__12.x);
-          __11.y = (v__9.y*__12.y);
-        ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&__11))[0]);
-        *(uint1*)(dS_s_local_cast_1 + 0) = __10;
-        *(uint1*)(((half_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_21 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_21 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_21 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_21 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
+      if (n_blk <= n_full) {
+        #pragma unroll
+        for (int i_19 = 0; i_19 < 16; ++i_19) {
+          uint1 __7;
+          float2 __8;
+            float2 __9;
+            float2 __10;
+              float2 __11;
+                float2 v__5 = *(float2*)(acc_s + (i_19 * 2));
+                float2 v__6 = make_float2(scale_log2, scale_log2);
+                __11.x = (v__5.x*v__6.x);
+                __11.y = (v__5.y*v__6.y);
+              float2 v__7 = make_float2(lse_r[(i_19 & 1)], lse_r[(i_19 & 1)]);
+              __10.x = (__11.x-v__7.x);
+              __10.y = (__11.y-v__7.y);
+            __9.x = exp2f(__10.x);
+            __9.y = exp2f(__10.y);
+            float2 __12;
+              float2 v__8 = *(float2*)(acc_dp + (i_19 * 2));
+              float2 v__9 = make_float2(delta_r[(i_19 & 1)], delta_r[(i_19 & 1)]);
+              __12.x = (v__8.x-v__9.x);
+              __12.y = (v__8.y-v__9.y);
+            __8.x = (__9.x*__12.x);
+            __8.y = (__9.y*__12.y);
+          ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&__8))[0]);
+          *(uint1*)(ds_cast + (i_19 * 2)) = __7;
+        }
+      } else {
+        #pragma unroll
+        for (int i_20 = 0; i_20 < 32; ++i_20) {
+          float condval_36;
+          if ((((((((n_blk * 64) + ((i_20 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_20 & 1)) < (len_k + 64)) && ((causal == 0) || (((((n_blk * 64) + ((i_20 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_20 & 1)) <= ((((((((int)threadIdx.x) >> 5) * 16) + (((i_20 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0) + 64)))) && (lse_r[((i_20 & 3) >> 1)] != -CUDART_INF_F))) {
+            condval_36 = (exp2f(((acc_s[i_20] * scale_log2) - lse_r[((i_20 & 3) >> 1)])) * (acc_dp[i_20] - delta_r[((i_20 & 3) >> 1)]));
+          } else {
+            condval_36 = 0x0p+0f/*0.000000e+00*/;
+          }
+          ds_cast[i_20] = ((half_t)condval_36);
+        }
       }
-    }
-    __syncthreads();
-    int condval_23;
-    if ((causal != 0)) {
-      condval_23 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_23 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_23) {
       {
-        half_t A_local_5[8];
         half_t B_local_5[32];
         for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-          tl::ptx_ldmatrix_x4((&(((half_t*)dS_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_5 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_5 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_5[0])));
           #pragma unroll
-          for (int i_22 = 0; i_22 < 4; ++i_22) {
-            tl::ptx_ldmatrix_x4_trans((&(((half_t*)K_s)[(((((ki_5 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_22 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_22 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_22 * 8)])));
+          for (int i_21 = 0; i_21 < 4; ++i_21) {
+            tl::ptx_ldmatrix_x4_trans((&(((half_t*)K_s)[(((((ki_5 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_21 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_21 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_21 * 8)])));
           }
           for (int j_5 = 0; j_5 < 4; ++j_5) {
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_5 + 0), reinterpret_cast<const unsigned*>(B_local_5 + (j_5 * 8)));
-            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_5 + 0), reinterpret_cast<const unsigned*>(B_local_5 + ((j_5 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_5 * 8)), reinterpret_cast<const unsigned*>(ds_cast + (ki_5 * 8)), reinterpret_cast<const unsigned*>(B_local_5 + (j_5 * 8)));
+            tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(ds_cast + (ki_5 * 8)), reinterpret_cast<const unsigned*>(B_local_5 + ((j_5 * 8) + 4)));
           }
         }
       }
     }
     #pragma unroll
-    for (int i_23 = 0; i_23 < 16; ++i_23) {
-      half_t dQ_local_cast_2[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+    for (int i_22 = 0; i_22 < 16; ++i_22) {
+      half_t dQ_local_cast[2];
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
         uint1 __13;
         float2 __14;
-          float2 v__12 = *(float2*)(acc_dq + (i_23 * 2));
-          float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-          __14.x = (v__12.x*v__13.x);
-          __14.y = (v__12.y*v__13.y);
+          float2 v__10 = *(float2*)(acc_dq + (i_22 * 2));
+          float2 v__11 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+          __14.x = (v__10.x*v__11.x);
+          __14.y = (v__10.y*v__11.y);
         ((half2*)(&__13))[0] = __float22half2_rn(((float2*)(&__14))[0]);
-        *(uint1*)(dQ_local_cast_2 + 0) = __13;
-        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
-              }
-            }
+        *(uint1*)(dQ_local_cast + 0) = __13;
+        if (1 <= ((((((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))) {
+          if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) {
+            *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_22) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
           }
         }
       }
@@ -548,16 +568,16 @@ extern "C" const char* infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_last_error() {
 extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 41216);
+    cudaError_t result_infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 49152);
     if (result_infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 41216, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 49152, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ Stats, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -567,10 +587,10 @@ extern "C" int infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_call(half_t* __restrict_
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_tiles, batch, heads_k);
-		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 41216;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dO, dQ, batch, batch_plus_one, causal, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, total_k, total_q);
+		config.gridDim = dim3(max_tiles, heads, batch);
+		config.blockDim = dim3(256, 1, 1);
+		config.dynamicSmemBytes = 49152;
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel, K, Q, Stats, V, cu_seqlens_k, cu_seqlens_q, dO, dQ, batch, batch_plus_one, causal, groups, heads, heads_k, max_tiles, q_pad, scale_log2, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dq_fp16_d64_sm80_kernel");
 

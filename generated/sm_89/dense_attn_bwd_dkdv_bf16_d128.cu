@@ -9,7 +9,6 @@
 #endif
 #include <tl_templates/cuda/instruction/mma.h>
 #include <tl_templates/cuda/copy.h>
-#include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
 #include <tl_templates/cuda/ldsm.h>
@@ -18,25 +17,21 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel(const bfloat16_t* __restrict__ K, const bfloat16_t* __restrict__ Q, const float* __restrict__ Stats, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, int q_pad, float scale_log2, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel(const bfloat16_t* __restrict__ K, const bfloat16_t* __restrict__ Q, const float* __restrict__ Stats, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, int q_pad, float scale_log2, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 512));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 16896));
-  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 33280));
-  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 49664));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 66048));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 66304));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 66560));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 74752));
-  int tile0 = 0;
-  float acc_dk[32];
-  float acc_dv[32];
-  int n_m = 0;
-  float acc_sT[16];
-  float acc_dpT[16];
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 49152));
+  void* delta_s = ((void*)((char*)buf_dyn_shmem + 65536));
+  void* lse_s = ((void*)((char*)buf_dyn_shmem + 65920));
+  float acc_dk[64];
+  float acc_dv[64];
+  float acc_sT[32];
+  float acc_dpT[32];
+  bfloat16_t pT_cast[32];
+  bfloat16_t dsT_cast[32];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -65,381 +60,814 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkd
     condval_3 = 0;
   }
   int len_k = (condval_3 - k0);
-  int condval_4;
-  if ((causal != 0)) {
-    int rmod = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-    int rdiv = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-    condval_4 = ((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
-  } else {
-    condval_4 = 0;
-  }
-  tile0 = condval_4;
   if ((((int)blockIdx.z) * 64) < len_k) {
-    if (((int)threadIdx.x) < 64) {
-      int rmod_1 = (((int)threadIdx.x) % groups);
-      int rdiv_1 = (((int)threadIdx.x) / groups);
-      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
-      int rmod_2 = (((int)threadIdx.x) % groups);
-      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rmod_2 : (rmod_2 + groups)));
-    }
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 8; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
-      if (((((((((int)blockIdx.z) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      uint4 condval_4;
+      if (((((((((int)blockIdx.z) * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0)))) {
+        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
     }
     #pragma unroll
-    for (int i_1 = 0; i_1 < 4; ++i_1) {
+    for (int i_1 = 0; i_1 < 8; ++i_1) {
       bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_6;
-      if (((((((((int)blockIdx.z) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      uint4 condval_5;
+      if (((((((((int)blockIdx.z) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0)))) {
+        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
     }
     #pragma unroll
-    for (int i_2 = 0; i_2 < 8; ++i_2) {
+    for (int i_2 = 0; i_2 < 16; ++i_2) {
       float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dk + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
     }
     #pragma unroll
-    for (int i_3 = 0; i_3 < 8; ++i_3) {
+    for (int i_3 = 0; i_3 < 16; ++i_3) {
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
-    }
-    int rmod_3 = (((len_q + tile_tokens) - 1) % tile_tokens);
-    int rdiv_2 = (((len_q + tile_tokens) - 1) / tile_tokens);
-    n_m = max((((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) - tile0), 0);
-    if (0 < n_m) {
-      for (int i_4 = 0; i_4 < 4; ++i_4) {
-        __syncthreads();
-        int condval_7;
-        if ((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_7 = ((int*)rtok_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))];
-        } else {
-          condval_7 = 0;
-        }
-        int row = ((q0 + (tile0 * tile_tokens)) + condval_7);
-        __syncthreads();
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))])));
-        __syncthreads();
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 4))])));
-      }
     }
   }
   __syncthreads();
   if ((((int)blockIdx.z) * 64) < len_k) {
-    if (0 < n_m) {
-      if (((int)threadIdx.x) < 64) {
+    int condval_6;
+    if ((causal != 0)) {
+      condval_6 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+    } else {
+      condval_6 = 0;
+    }
+    if (0 < (max((((len_q + 63) >> 6) - condval_6), 0) * groups)) {
+      if (((int)threadIdx.x) < 96) {
+        int64_t condval_7;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_7 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_7 = (int64_t)0;
+        }
         int64_t condval_8;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_8 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_8 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
           condval_8 = (int64_t)0;
         }
-        int64_t condval_9;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_9 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+                int condval_9;
+        if ((causal != 0)) {
+          condval_9 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_9 = (int64_t)0;
+          condval_9 = 0;
         }
-                int condval_10;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_10 = ((int*)rtok_s)[((int)threadIdx.x)];
+        int condval_10;
+        if ((causal != 0)) {
+          condval_10 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
           condval_10 = 0;
         }
         int condval_11;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_11 = ((int*)rtok_s)[((int)threadIdx.x)];
+        if ((causal != 0)) {
+          condval_11 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
           condval_11 = 0;
         }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)tile0) * ((int64_t)tile_tokens))) + condval_9)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + (tile0 * tile_tokens)) + condval_10) < total_q)) && (0 <= ((q0 + (tile0 * tile_tokens)) + condval_11))));
-      }
-    }
-  }
-  __syncthreads();
-  if ((((int)blockIdx.z) * 64) < len_k) {
-    if (0 < n_m) {
-      if (((int)threadIdx.x) < 64) {
-        int64_t condval_12;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_12 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+        int condval_12;
+        if ((causal != 0)) {
+          condval_12 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_12 = (int64_t)0;
+          condval_12 = 0;
         }
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stats[((((condval_8 * (int64_t)64) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + ((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), (((((((((condval_9 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= (((condval_10 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))) && ((((condval_11 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= (((condval_12 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+      }
+      tl::cp_async_commit();
+      #pragma unroll
+      for (int i_4 = 0; i_4 < 8; ++i_4) {
         int64_t condval_13;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_13 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_13 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
           condval_13 = (int64_t)0;
         }
-                int condval_14;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_14 = ((int*)rtok_s)[((int)threadIdx.x)];
+        int64_t condval_14;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_14 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_14 = 0;
+          condval_14 = (int64_t)0;
         }
-        int condval_15;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_15 = ((int*)rtok_s)[((int)threadIdx.x)];
+                int condval_15;
+        if ((causal != 0)) {
+          condval_15 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
           condval_15 = 0;
         }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)tile0) * ((int64_t)tile_tokens))) + condval_13)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + (tile0 * tile_tokens)) + condval_14) < total_q)) && (0 <= ((q0 + (tile0 * tile_tokens)) + condval_15))));
+        int condval_16;
+        if ((causal != 0)) {
+          condval_16 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_16 = 0;
+        }
+        int condval_17;
+        if ((causal != 0)) {
+          condval_17 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_17 = 0;
+        }
+        int condval_18;
+        if ((causal != 0)) {
+          condval_18 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_18 = 0;
+        }
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((condval_14 * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((((condval_15 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= ((((condval_16 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((condval_17 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= ((((condval_18 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))));
       }
-    }
-    if (0 < n_m) {
+      tl::cp_async_commit();
+      if (((int)threadIdx.x) < 96) {
+        int64_t condval_19;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_19 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_19 = (int64_t)0;
+        }
+        int64_t condval_20;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_20 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_20 = (int64_t)0;
+        }
+                int condval_21;
+        if ((causal != 0)) {
+          condval_21 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_21 = 0;
+        }
+        int condval_22;
+        if ((causal != 0)) {
+          condval_22 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_22 = 0;
+        }
+        int condval_23;
+        if ((causal != 0)) {
+          condval_23 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_23 = 0;
+        }
+        int condval_24;
+        if ((causal != 0)) {
+          condval_24 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_24 = 0;
+        }
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(Stats[(((((condval_20 * (int64_t)64) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((int64_t)q_pad) * ((int64_t)heads))) + ((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), (((((((((condval_21 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= (((condval_22 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))) && ((((condval_23 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= (((condval_24 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+      }
+      tl::cp_async_commit();
+      #pragma unroll
+      for (int i_5 = 0; i_5 < 8; ++i_5) {
+        int64_t condval_25;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_25 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_25 = (int64_t)0;
+        }
+        int64_t condval_26;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_26 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_26 = (int64_t)0;
+        }
+                int condval_27;
+        if ((causal != 0)) {
+          condval_27 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_27 = 0;
+        }
+        int condval_28;
+        if ((causal != 0)) {
+          condval_28 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_28 = 0;
+        }
+        int condval_29;
+        if ((causal != 0)) {
+          condval_29 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_29 = 0;
+        }
+        int condval_30;
+        if ((causal != 0)) {
+          condval_30 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_30 = 0;
+        }
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((condval_26 * (int64_t)64) + (((int64_t)i_5) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((((condval_27 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= ((((condval_28 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((condval_29 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= ((((condval_30 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))));
+      }
       tl::cp_async_commit();
     }
-    for (int j = 0; j < n_m; ++j) {
-      if (0 < j) {
-        for (int i_5 = 0; i_5 < 4; ++i_5) {
-          __syncthreads();
-          int condval_16;
-          if ((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
-            condval_16 = ((int*)rtok_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))];
-          } else {
-            condval_16 = 0;
-          }
-          int row_1 = ((q0 + ((tile0 + j) * tile_tokens)) + condval_16);
-          __syncthreads();
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))])));
-          __syncthreads();
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))]) * (int64_t)128) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 4))])));
-        }
-      }
-      __syncthreads();
-      if (0 < j) {
-        if (((int)threadIdx.x) < 64) {
-          int64_t condval_17;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-            condval_17 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-          } else {
-            condval_17 = (int64_t)0;
-          }
-          int64_t condval_18;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-            condval_18 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-          } else {
-            condval_18 = (int64_t)0;
-          }
-                    int condval_19;
-          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
-            condval_19 = ((int*)rtok_s)[((int)threadIdx.x)];
-          } else {
-            condval_19 = 0;
-          }
-          int condval_20;
-          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
-            condval_20 = ((int*)rtok_s)[((int)threadIdx.x)];
-          } else {
-            condval_20 = 0;
-          }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens))) + condval_18)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + ((tile0 + j) * tile_tokens)) + condval_19) < total_q)) && (0 <= ((q0 + ((tile0 + j) * tile_tokens)) + condval_20))));
-        }
-      }
-      __syncthreads();
-      if (0 < j) {
-        if (((int)threadIdx.x) < 64) {
-          int64_t condval_21;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-            condval_21 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-          } else {
-            condval_21 = (int64_t)0;
-          }
-          int64_t condval_22;
-          if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-            condval_22 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-          } else {
-            condval_22 = (int64_t)0;
-          }
-                    int condval_23;
-          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
-            condval_23 = ((int*)rtok_s)[((int)threadIdx.x)];
-          } else {
-            condval_23 = 0;
-          }
-          int condval_24;
-          if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups))) {
-            condval_24 = ((int*)rtok_s)[((int)threadIdx.x)];
-          } else {
-            condval_24 = 0;
-          }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((((int64_t)tile0) + ((int64_t)j)) * ((int64_t)tile_tokens))) + condval_22)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - ((tile0 + j) * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + ((tile0 + j) * tile_tokens)) + condval_23) < total_q)) && (0 <= ((q0 + ((tile0 + j) * tile_tokens)) + condval_24))));
-        }
-        tl::cp_async_commit();
-      }
-      tl::cp_async_wait<0>();
-      __syncthreads();
-      int t0 = ((tile0 + j) * tile_tokens);
+    int condval_31;
+    if ((causal != 0)) {
+      condval_31 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+    } else {
+      condval_31 = 0;
+    }
+    for (int j = 0; j < ((max((((len_q + 63) >> 6) - condval_31), 0) * groups) - 1); ++j) {
       #pragma unroll
-      for (int i_6 = 0; i_6 < 4; ++i_6) {
+      for (int i_6 = 0; i_6 < 8; ++i_6) {
         float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
         *(float4*)(acc_sT + (i_6 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
       }
+      tl::cp_async_wait<0>();
+      __syncthreads();
       {
         bfloat16_t A_local[8];
-        bfloat16_t B_local[16];
+        bfloat16_t B_local[32];
         for (int ki = 0; ki < 8; ++ki) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[(((((((ki >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
+          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[(((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
           #pragma unroll
-          for (int i_7 = 0; i_7 < 2; ++i_7) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s0)[(((((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_7 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
+          for (int i_7 = 0; i_7 < 4; ++i_7) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[((((((((ki >> 2) * 4096) + (i_7 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
           }
-          for (int j_1 = 0; j_1 < 2; ++j_1) {
+          for (int j_1 = 0; j_1 < 4; ++j_1) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_1 * 8)));
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j_1 * 8) + 4)));
           }
         }
       }
-      int condval_25;
-      if ((causal != 0)) {
-        condval_25 = min((((len_k + t0) + 1) - len_q), len_k);
-      } else {
-        condval_25 = len_k;
-      }
-      if (((min(tile_tokens, (len_q - t0)) * groups) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_25)) {
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 8; ++i_8) {
-          float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-          float2 __1;
-          float2 __2;
-            float2 __3;
-              float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
-              float2 v__1 = make_float2(scale_log2, scale_log2);
-              __3.x = (v_.x*v__1.x);
-              __3.y = (v_.y*v__1.y);
-            float2 __4;
-              float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-              float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
-              __4.x = (v__2.x*v__3.x);
-              __4.y = (v__2.y*v__3.y);
-            __2.x = (__3.x-__4.x);
-            __2.y = (__3.y-__4.y);
-          __1.x = exp2f(__2.x);
-          __1.y = exp2f(__2.y);
-          *(float2*)(acc_sT + (i_8 * 2)) = __1;
-        }
-      } else {
-        #pragma unroll
-        for (int i_9 = 0; i_9 < 16; ++i_9) {
-          float condval_26;
-          if ((((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
-            condval_26 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-          } else {
-            condval_26 = 0x0p+0f/*0.000000e+00*/;
-          }
-          acc_sT[i_9] = condval_26;
-        }
-      }
       #pragma unroll
-      for (int i_10 = 0; i_10 < 4; ++i_10) {
-        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+      for (int i_8 = 0; i_8 < 8; ++i_8) {
+        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dpT + (i_8 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
       }
+      tl::cp_async_wait<2>();
+      __syncthreads();
       {
         bfloat16_t A_local_1[8];
-        bfloat16_t B_local_1[16];
+        bfloat16_t B_local_1[32];
         for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[(((((((ki_1 >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
+          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[(((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_11 = 0; i_11 < 2; ++i_11) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s0)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_11 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_11 * 8)])));
+          for (int i_9 = 0; i_9 < 4; ++i_9) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[((((((((ki_1 >> 2) * 4096) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_9 * 8)])));
           }
-          for (int j_2 = 0; j_2 < 2; ++j_2) {
+          for (int j_2 = 0; j_2 < 4; ++j_2) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_2 * 8)));
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_2 * 8) + 4)));
           }
         }
       }
+      tl::cp_async_wait<3>();
       __syncthreads();
+      int condval_32;
+      if ((causal != 0)) {
+        condval_32 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      } else {
+        condval_32 = 0;
+      }
+      int rmod = (j % groups);
+      int rdiv = (j / groups);
+      int condval_33;
+      if ((causal != 0)) {
+        int rmod_1 = (j % groups);
+        int rdiv_1 = (j / groups);
+        condval_33 = min(((((((max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) * 64)) + len_k) + 1) - len_q), len_k);
+      } else {
+        condval_33 = len_k;
+      }
+      if ((min(64, ((len_q - (condval_32 * 64)) - (((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_33)) {
+        #pragma unroll
+        for (int i_10 = 0; i_10 < 32; ++i_10) {
+          acc_sT[i_10] = exp2f(((acc_sT[i_10] * scale_log2) - ((float*)lse_s)[(((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_10 & 1))]));
+        }
+      } else {
+        #pragma unroll
+        for (int i_11 = 0; i_11 < 32; ++i_11) {
+          int condval_35;
+          if ((causal != 0)) {
+            condval_35 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_35 = 0;
+          }
+          int rmod_2 = (j % groups);
+          int rdiv_2 = (j / groups);
+          int condval_36;
+          if ((causal != 0)) {
+            condval_36 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_36 = 0;
+          }
+          int rmod_3 = (j % groups);
+          int rdiv_3 = (j / groups);
+          float condval_34;
+          if ((((((((i_11 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < ((len_q - (condval_35 * 64)) - (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) * 64))) && (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((condval_36 * 64) + (((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1)) * 64)) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_11 & 1)) - len_q))))) {
+            condval_34 = exp2f(((acc_sT[i_11] * scale_log2) - ((float*)lse_s)[(((((i_11 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_11 & 1))]));
+          } else {
+            condval_34 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_sT[i_11] = condval_34;
+        }
+      }
+      __syncthreads();
+      if (((int)threadIdx.x) < 96) {
+        int64_t condval_37;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_37 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_37 = (int64_t)0;
+        }
+        int64_t rmod_4 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_4 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+        int64_t rmod_5 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t condval_38;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_38 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_38 = (int64_t)0;
+        }
+        int64_t rmod_6 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_5 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+        int64_t rmod_7 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+                int condval_39;
+        if ((causal != 0)) {
+          condval_39 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_39 = 0;
+        }
+        int rmod_8 = ((j + 1) % groups);
+        int rdiv_6 = ((j + 1) / groups);
+        int condval_40;
+        if ((causal != 0)) {
+          condval_40 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_40 = 0;
+        }
+        int rmod_9 = ((j + 1) % groups);
+        int rdiv_7 = ((j + 1) / groups);
+        int rmod_10 = ((j + 1) % groups);
+        int rmod_11 = ((j + 1) % groups);
+        int condval_41;
+        if ((causal != 0)) {
+          condval_41 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_41 = 0;
+        }
+        int rmod_12 = ((j + 1) % groups);
+        int rdiv_8 = ((j + 1) / groups);
+        int condval_42;
+        if ((causal != 0)) {
+          condval_42 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_42 = 0;
+        }
+        int rmod_13 = ((j + 1) % groups);
+        int rdiv_9 = ((j + 1) / groups);
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stats[(((((condval_38 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1)) * (int64_t)64)) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rmod_7 : (rmod_7 + ((int64_t)groups)))) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), ((((((((((condval_39 * 64) + (((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= ((((condval_40 * 64) + (((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + groups))))) && (((((condval_41 * 64) + (((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_8 : (rdiv_8 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= ((((condval_42 * 64) + (((((0 <= groups) && (0 <= rmod_13)) || ((groups < 0) && (rmod_13 <= 0))) ? rdiv_9 : (rdiv_9 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+      }
+      tl::cp_async_commit();
       #pragma unroll
       for (int i_12 = 0; i_12 < 8; ++i_12) {
-        bfloat16_t pT_s_local_cast[2];
-        uint1 __5;
-        float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
-        (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
-        *(uint1*)(pT_s_local_cast + 0) = __5;
-        *(uint1*)(((bfloat16_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
-      }
-      #pragma unroll
-      for (int i_13 = 0; i_13 < 8; ++i_13) {
-        float delta_s0_local_cast_2[2];
-        bfloat16_t dsT_s_local_cast_1[2];
-        *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-        uint1 __6;
-        float2 __7;
-          float2 v__5 = *(float2*)(acc_sT + (i_13 * 2));
-          float2 __8;
-            float2 v__6 = *(float2*)(acc_dpT + (i_13 * 2));
-            float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
-            __8.x = (v__6.x-v__7.x);
-            __8.y = (v__6.y-v__7.y);
-          __7.x = (v__5.x*__8.x);
-          __7.y = (v__5.y*__8.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-        *(uint1*)(dsT_s_local_cast_1 + 0) = __6;
-        *(uint1*)(((bfloat16_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
+        uint2 __1;
+        float4 v_ = *(float4*)(acc_sT + (i_12 * 4));
+        (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&v_))[1]);
+        *(uint2*)(pT_cast + (i_12 * 4)) = __1;
       }
       {
-        bfloat16_t A_local_2[8];
-        bfloat16_t B_local_2[32];
-        __syncthreads();
+        bfloat16_t B_local_2[64];
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
-          for (int i_14 = 0; i_14 < 4; ++i_14) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
+          for (int i_13 = 0; i_13 < 8; ++i_13) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s)[(((((((i_13 >> 2) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
           }
-          for (int j_3 = 0; j_3 < 4; ++j_3) {
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_3 * 8)));
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_3 * 8) + 4)));
-          }
-        }
-      }
-      {
-        bfloat16_t A_local_3[8];
-        bfloat16_t B_local_3[32];
-        for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dsT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
-          #pragma unroll
-          for (int i_15 = 0; i_15 < 4; ++i_15) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_15 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_15 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
-          }
-          for (int j_4 = 0; j_4 < 4; ++j_4) {
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_4 * 8)));
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_4 * 8) + 4)));
+          for (int j_3 = 0; j_3 < 8; ++j_3) {
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_3 * 8)), reinterpret_cast<const unsigned*>(pT_cast + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_3 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(pT_cast + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + ((j_3 * 8) + 4)));
           }
         }
       }
       __syncthreads();
+      #pragma unroll
+      for (int i_14 = 0; i_14 < 8; ++i_14) {
+        int64_t rmod_14 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t condval_43;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_43 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_43 = (int64_t)0;
+        }
+        int64_t rmod_15 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_10 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+        int64_t rmod_16 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t condval_44;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_44 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_44 = (int64_t)0;
+        }
+        int64_t rmod_17 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_11 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+                int condval_45;
+        if ((causal != 0)) {
+          condval_45 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_45 = 0;
+        }
+        int rmod_18 = ((j + 1) % groups);
+        int rdiv_12 = ((j + 1) / groups);
+        int condval_46;
+        if ((causal != 0)) {
+          condval_46 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_46 = 0;
+        }
+        int rmod_19 = ((j + 1) % groups);
+        int rdiv_13 = ((j + 1) / groups);
+        int condval_47;
+        if ((causal != 0)) {
+          condval_47 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_47 = 0;
+        }
+        int rmod_20 = ((j + 1) % groups);
+        int rdiv_14 = ((j + 1) / groups);
+        int condval_48;
+        if ((causal != 0)) {
+          condval_48 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_48 = 0;
+        }
+        int rmod_21 = ((j + 1) % groups);
+        int rdiv_15 = ((j + 1) / groups);
+        int rmod_22 = ((j + 1) % groups);
+        int rmod_23 = ((j + 1) % groups);
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rmod_16 : (rmod_16 + ((int64_t)groups))) * (int64_t)128)) + (((((((condval_44 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)groups) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)) * (int64_t)64)) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((((condval_45 * 64) + (((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_12 : (rdiv_12 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= (((((condval_46 * 64) + (((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_13 : (rdiv_13 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((((condval_47 * 64) + (((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rdiv_14 : (rdiv_14 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= (((((condval_48 * 64) + (((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_15 : (rdiv_15 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_22)) || ((groups < 0) && (rmod_22 <= 0))) ? rmod_22 : (rmod_22 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_23)) || ((groups < 0) && (rmod_23 <= 0))) ? rmod_23 : (rmod_23 + groups))))));
+      }
+      tl::cp_async_commit();
+      tl::cp_async_wait<3>();
+      __syncthreads();
+      #pragma unroll
+      for (int i_15 = 0; i_15 < 32; ++i_15) {
+        dsT_cast[i_15] = ((bfloat16_t)(acc_sT[i_15] * (acc_dpT[i_15] - ((float*)delta_s)[(((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_15 & 1))])));
+      }
+      __syncthreads();
+      if (((int)threadIdx.x) < 96) {
+        int64_t condval_49;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_49 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_49 = (int64_t)0;
+        }
+        int64_t rmod_24 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_16 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+        int64_t rmod_25 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t condval_50;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_50 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_50 = (int64_t)0;
+        }
+        int64_t rmod_26 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_17 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+        int64_t rmod_27 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+                int condval_51;
+        if ((causal != 0)) {
+          condval_51 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_51 = 0;
+        }
+        int rmod_28 = ((j + 1) % groups);
+        int rdiv_18 = ((j + 1) / groups);
+        int condval_52;
+        if ((causal != 0)) {
+          condval_52 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_52 = 0;
+        }
+        int rmod_29 = ((j + 1) % groups);
+        int rdiv_19 = ((j + 1) / groups);
+        int rmod_30 = ((j + 1) % groups);
+        int rmod_31 = ((j + 1) % groups);
+        int condval_53;
+        if ((causal != 0)) {
+          condval_53 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_53 = 0;
+        }
+        int rmod_32 = ((j + 1) % groups);
+        int rdiv_20 = ((j + 1) / groups);
+        int condval_54;
+        if ((causal != 0)) {
+          condval_54 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_54 = 0;
+        }
+        int rmod_33 = ((j + 1) % groups);
+        int rdiv_21 = ((j + 1) / groups);
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(Stats[((((((condval_50 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_26)) || ((((int64_t)groups) < (int64_t)0) && (rmod_26 <= (int64_t)0))) ? rdiv_17 : (rdiv_17 - (int64_t)1)) * (int64_t)64)) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((int64_t)q_pad) * ((int64_t)heads))) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)groups) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rmod_27 : (rmod_27 + ((int64_t)groups)))) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), ((((((((((condval_51 * 64) + (((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_18 : (rdiv_18 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= ((((condval_52 * 64) + (((((0 <= groups) && (0 <= rmod_29)) || ((groups < 0) && (rmod_29 <= 0))) ? rdiv_19 : (rdiv_19 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rmod_30 : (rmod_30 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_31)) || ((groups < 0) && (rmod_31 <= 0))) ? rmod_31 : (rmod_31 + groups))))) && (((((condval_53 * 64) + (((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_20 : (rdiv_20 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= ((((condval_54 * 64) + (((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_21 : (rdiv_21 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+      }
+      tl::cp_async_commit();
+      {
+        bfloat16_t B_local_3[64];
+        __syncthreads();
+        for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+          #pragma unroll
+          for (int i_16 = 0; i_16 < 8; ++i_16) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s)[(((((((i_16 >> 2) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_16 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_16 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_16 * 8)])));
+          }
+          for (int j_4 = 0; j_4 < 8; ++j_4) {
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_4 * 8)), reinterpret_cast<const unsigned*>(dsT_cast + (ki_3 * 8)), reinterpret_cast<const unsigned*>(B_local_3 + (j_4 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(dsT_cast + (ki_3 * 8)), reinterpret_cast<const unsigned*>(B_local_3 + ((j_4 * 8) + 4)));
+          }
+        }
+      }
+      __syncthreads();
+      #pragma unroll
+      for (int i_17 = 0; i_17 < 8; ++i_17) {
+        int64_t rmod_34 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t condval_55;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_55 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_55 = (int64_t)0;
+        }
+        int64_t rmod_35 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_22 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+        int64_t rmod_36 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t condval_56;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_56 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+        } else {
+          condval_56 = (int64_t)0;
+        }
+        int64_t rmod_37 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
+        int64_t rdiv_23 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
+                int condval_57;
+        if ((causal != 0)) {
+          condval_57 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_57 = 0;
+        }
+        int rmod_38 = ((j + 1) % groups);
+        int rdiv_24 = ((j + 1) / groups);
+        int condval_58;
+        if ((causal != 0)) {
+          condval_58 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_58 = 0;
+        }
+        int rmod_39 = ((j + 1) % groups);
+        int rdiv_25 = ((j + 1) / groups);
+        int condval_59;
+        if ((causal != 0)) {
+          condval_59 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_59 = 0;
+        }
+        int rmod_40 = ((j + 1) % groups);
+        int rdiv_26 = ((j + 1) / groups);
+        int condval_60;
+        if ((causal != 0)) {
+          condval_60 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_60 = 0;
+        }
+        int rmod_41 = ((j + 1) % groups);
+        int rdiv_27 = ((j + 1) / groups);
+        int rmod_42 = ((j + 1) % groups);
+        int rmod_43 = ((j + 1) % groups);
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_17 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_36)) || ((((int64_t)groups) < (int64_t)0) && (rmod_36 <= (int64_t)0))) ? rmod_36 : (rmod_36 + ((int64_t)groups))) * (int64_t)128)) + (((((((condval_56 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_37)) || ((((int64_t)groups) < (int64_t)0) && (rmod_37 <= (int64_t)0))) ? rdiv_23 : (rdiv_23 - (int64_t)1)) * (int64_t)64)) + (((int64_t)i_17) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((((condval_57 * 64) + (((((0 <= groups) && (0 <= rmod_38)) || ((groups < 0) && (rmod_38 <= 0))) ? rdiv_24 : (rdiv_24 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= (((((condval_58 * 64) + (((((0 <= groups) && (0 <= rmod_39)) || ((groups < 0) && (rmod_39 <= 0))) ? rdiv_25 : (rdiv_25 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((((condval_59 * 64) + (((((0 <= groups) && (0 <= rmod_40)) || ((groups < 0) && (rmod_40 <= 0))) ? rdiv_26 : (rdiv_26 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= (((((condval_60 * 64) + (((((0 <= groups) && (0 <= rmod_41)) || ((groups < 0) && (rmod_41 <= 0))) ? rdiv_27 : (rdiv_27 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_42)) || ((groups < 0) && (rmod_42 <= 0))) ? rmod_42 : (rmod_42 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_43)) || ((groups < 0) && (rmod_43 <= 0))) ? rmod_43 : (rmod_43 + groups))))));
+      }
+      tl::cp_async_commit();
+    }
+    int condval_61;
+    if ((causal != 0)) {
+      condval_61 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+    } else {
+      condval_61 = 0;
+    }
+    if (1 <= (max((((len_q + 63) >> 6) - condval_61), 0) * groups)) {
+      #pragma unroll
+      for (int i_18 = 0; i_18 < 8; ++i_18) {
+        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_sT + (i_18 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+      }
+    }
+    tl::cp_async_wait<0>();
+    __syncthreads();
+    int condval_62;
+    if ((causal != 0)) {
+      condval_62 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+    } else {
+      condval_62 = 0;
+    }
+    if (1 <= (max((((len_q + 63) >> 6) - condval_62), 0) * groups)) {
+      {
+        bfloat16_t A_local_2[8];
+        bfloat16_t B_local_4[32];
+        for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
+          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[(((((((ki_4 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
+          #pragma unroll
+          for (int i_19 = 0; i_19 < 4; ++i_19) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[((((((((ki_4 >> 2) * 4096) + (i_19 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_19 * 8)])));
+          }
+          for (int j_5 = 0; j_5 < 4; ++j_5) {
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_5 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_4 + ((j_5 * 8) + 4)));
+          }
+        }
+      }
+      #pragma unroll
+      for (int i_20 = 0; i_20 < 8; ++i_20) {
+        float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dpT + (i_20 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+      }
+    }
+    tl::cp_async_wait<2>();
+    __syncthreads();
+    int condval_63;
+    if ((causal != 0)) {
+      condval_63 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+    } else {
+      condval_63 = 0;
+    }
+    if (1 <= (max((((len_q + 63) >> 6) - condval_63), 0) * groups)) {
+      {
+        bfloat16_t A_local_3[8];
+        bfloat16_t B_local_5[32];
+        for (int ki_5 = 0; ki_5 < 8; ++ki_5) {
+          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[(((((((ki_5 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_5 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_5 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
+          #pragma unroll
+          for (int i_21 = 0; i_21 < 4; ++i_21) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[((((((((ki_5 >> 2) * 4096) + (i_21 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_5 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_5 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_21 * 8)])));
+          }
+          for (int j_6 = 0; j_6 < 4; ++j_6) {
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_6 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_5 + (j_6 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_6 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_5 + ((j_6 * 8) + 4)));
+          }
+        }
+      }
+    }
+    tl::cp_async_wait<3>();
+    __syncthreads();
+    int condval_64;
+    if ((causal != 0)) {
+      condval_64 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+    } else {
+      condval_64 = 0;
+    }
+    if (1 <= (max((((len_q + 63) >> 6) - condval_64), 0) * groups)) {
+      int condval_65;
+      if ((causal != 0)) {
+        condval_65 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      } else {
+        condval_65 = 0;
+      }
+      int condval_66;
+      if ((causal != 0)) {
+        condval_66 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      } else {
+        condval_66 = 0;
+      }
+      int rmod_44 = (((max((((len_q + 63) >> 6) - condval_66), 0) * groups) - 1) % groups);
+      int condval_67;
+      if ((causal != 0)) {
+        condval_67 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      } else {
+        condval_67 = 0;
+      }
+      int rdiv_28 = (((max((((len_q + 63) >> 6) - condval_67), 0) * groups) - 1) / groups);
+      int condval_68;
+      if ((causal != 0)) {
+        int rmod_45 = (((max((((len_q + 63) >> 6) - (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6)), 0) * groups) - 1) % groups);
+        int rdiv_29 = (((max((((len_q + 63) >> 6) - (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6)), 0) * groups) - 1) / groups);
+        condval_68 = min(((((((max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_45)) || ((groups < 0) && (rmod_45 <= 0))) ? rdiv_29 : (rdiv_29 - 1)) * 64)) + len_k) + 1) - len_q), len_k);
+      } else {
+        condval_68 = len_k;
+      }
+      if ((min(64, ((len_q - (condval_65 * 64)) - (((((0 <= groups) && (0 <= rmod_44)) || ((groups < 0) && (rmod_44 <= 0))) ? rdiv_28 : (rdiv_28 - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_68)) {
+        #pragma unroll
+        for (int i_22 = 0; i_22 < 32; ++i_22) {
+          acc_sT[i_22] = exp2f(((acc_sT[i_22] * scale_log2) - ((float*)lse_s)[(((((i_22 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_22 & 1))]));
+        }
+      } else {
+        #pragma unroll
+        for (int i_23 = 0; i_23 < 32; ++i_23) {
+          int condval_70;
+          if ((causal != 0)) {
+            condval_70 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_70 = 0;
+          }
+          int condval_71;
+          if ((causal != 0)) {
+            condval_71 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_71 = 0;
+          }
+          int rmod_46 = (((max((((len_q + 63) >> 6) - condval_71), 0) * groups) - 1) % groups);
+          int condval_72;
+          if ((causal != 0)) {
+            condval_72 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_72 = 0;
+          }
+          int rdiv_30 = (((max((((len_q + 63) >> 6) - condval_72), 0) * groups) - 1) / groups);
+          int condval_73;
+          if ((causal != 0)) {
+            condval_73 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_73 = 0;
+          }
+          int condval_74;
+          if ((causal != 0)) {
+            condval_74 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_74 = 0;
+          }
+          int rmod_47 = (((max((((len_q + 63) >> 6) - condval_74), 0) * groups) - 1) % groups);
+          int condval_75;
+          if ((causal != 0)) {
+            condval_75 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_75 = 0;
+          }
+          int rdiv_31 = (((max((((len_q + 63) >> 6) - condval_75), 0) * groups) - 1) / groups);
+          float condval_69;
+          if ((((((((i_23 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) < ((len_q - (condval_70 * 64)) - (((((0 <= groups) && (0 <= rmod_46)) || ((groups < 0) && (rmod_46 <= 0))) ? rdiv_30 : (rdiv_30 - 1)) * 64))) && (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_23 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_23 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((condval_73 * 64) + (((((0 <= groups) && (0 <= rmod_47)) || ((groups < 0) && (rmod_47 <= 0))) ? rdiv_31 : (rdiv_31 - 1)) * 64)) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_23 & 1)) - len_q))))) {
+            condval_69 = exp2f(((acc_sT[i_23] * scale_log2) - ((float*)lse_s)[(((((i_23 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_23 & 1))]));
+          } else {
+            condval_69 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_sT[i_23] = condval_69;
+        }
+      }
+      #pragma unroll
+      for (int i_24 = 0; i_24 < 8; ++i_24) {
+        uint2 __2;
+        float4 v__1 = *(float4*)(acc_sT + (i_24 * 4));
+        (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&v__1))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__2))[1] = __float22bfloat162_rn(((float2*)(&v__1))[1]);
+        *(uint2*)(pT_cast + (i_24 * 4)) = __2;
+      }
+      {
+        bfloat16_t B_local_6[64];
+        for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
+          #pragma unroll
+          for (int i_25 = 0; i_25 < 8; ++i_25) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s)[(((((((i_25 >> 2) * 4096) + (ki_6 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_25 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_25 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_6[(i_25 * 8)])));
+          }
+          for (int j_7 = 0; j_7 < 8; ++j_7) {
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_7 * 8)), reinterpret_cast<const unsigned*>(pT_cast + (ki_6 * 8)), reinterpret_cast<const unsigned*>(B_local_6 + (j_7 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_7 * 8) + 4)), reinterpret_cast<const unsigned*>(pT_cast + (ki_6 * 8)), reinterpret_cast<const unsigned*>(B_local_6 + ((j_7 * 8) + 4)));
+          }
+        }
+      }
+    }
+    tl::cp_async_wait<1>();
+    __syncthreads();
+    int condval_76;
+    if ((causal != 0)) {
+      condval_76 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+    } else {
+      condval_76 = 0;
+    }
+    if (1 <= (max((((len_q + 63) >> 6) - condval_76), 0) * groups)) {
+      #pragma unroll
+      for (int i_26 = 0; i_26 < 32; ++i_26) {
+        dsT_cast[i_26] = ((bfloat16_t)(acc_sT[i_26] * (acc_dpT[i_26] - ((float*)delta_s)[(((((i_26 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_26 & 1))])));
+      }
+      {
+        bfloat16_t B_local_7[64];
+        for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
+          #pragma unroll
+          for (int i_27 = 0; i_27 < 8; ++i_27) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s)[(((((((i_27 >> 2) * 4096) + (ki_7 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_27 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_27 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_7[(i_27 * 8)])));
+          }
+          for (int j_8 = 0; j_8 < 8; ++j_8) {
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_8 * 8)), reinterpret_cast<const unsigned*>(dsT_cast + (ki_7 * 8)), reinterpret_cast<const unsigned*>(B_local_7 + (j_8 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_8 * 8) + 4)), reinterpret_cast<const unsigned*>(dsT_cast + (ki_7 * 8)), reinterpret_cast<const unsigned*>(B_local_7 + ((j_8 * 8) + 4)));
+          }
+        }
+      }
     }
     #pragma unroll
-    for (int i_16 = 0; i_16 < 16; ++i_16) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __9;
-            float2 __10;
-              float2 v__8 = *(float2*)(acc_dk + (i_16 * 2));
-              float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __10.x = (v__8.x*v__9.x);
-              __10.y = (v__8.y*v__9.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__9))[0] = __float22bfloat162_rn(((float2*)(&__10))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
-            uint1 __11;
-            float2 v__10 = *(float2*)(acc_dv + (i_16 * 2));
-            (reinterpret_cast<__nv_bfloat162*>(&__11))[0] = __float22bfloat162_rn(((float2*)(&v__10))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __11;
+    for (int i_28 = 0; i_28 < 32; ++i_28) {
+      if (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_28 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_28 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_28 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+            uint1 __3;
+            float2 __4;
+              float2 v__2 = *(float2*)(acc_dk + (i_28 * 2));
+              float2 v__3 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __4.x = (v__2.x*v__3.x);
+              __4.y = (v__2.y*v__3.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__3))[0] = __float22bfloat162_rn(((float2*)(&__4))[0]);
+            *(uint1*)(dK + ((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __3;
+            uint1 __5;
+            float2 v__4 = *(float2*)(acc_dv + (i_28 * 2));
+            (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
+            *(uint1*)(dV + ((((((int64_t)((int)blockIdx.x)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
           }
         }
       }
@@ -465,16 +893,16 @@ extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_last_error() 
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 82944);
+    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 66304);
     if (result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 82944, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 66304, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ Stats, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -485,9 +913,9 @@ extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_call(bfloat16_t* __re
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(heads_k, batch, max_kblocks);
-		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 82944;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, batch, batch_plus_one, causal, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, total_k, total_q);
+		config.blockDim = dim3(128, 1, 1);
+		config.dynamicSmemBytes = 66304;
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel, K, Q, Stats, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, batch, batch_plus_one, causal, groups, heads, heads_k, max_kblocks, q_pad, scale_log2, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dkdv_bf16_d128_sm89_kernel");
 

@@ -18,13 +18,12 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel(const half_t* __restrict__ K, float* __restrict__ LSE, half_t* __restrict__ O, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel(const half_t* __restrict__ K, float* __restrict__ LSE, half_t* __restrict__ O, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel(const half_t* __restrict__ K, float* __restrict__ LSE, half_t* __restrict__ O, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel(const half_t* __restrict__ K, float* __restrict__ LSE, half_t* __restrict__ O, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* rowlim = ((void*)((char*)buf_dyn_shmem + 8192));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 8448));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 16640));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 24576));
   float acc_o[32];
   float l_sum[2];
   float m_cur[2];
@@ -37,73 +36,203 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
   float m_cur_clear[2];
   float m_cur_clear_1[2];
   int condval;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval = cu_seqlens_q[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval = 0;
   }
   int q0 = condval;
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_1 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_1 = 0;
   }
   int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
   int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_3 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_3 - k0);
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+  int len_k = (condval_2 - condval_3);
+  int condval_4;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_4 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_4 = 0;
+  }
+  int condval_5;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_5 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_5 = 0;
+  }
+  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + condval_4) + 128) - condval_5) - (max_tiles * 128))), 0);
+  int condval_6;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_7 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_7 = 0;
+  }
+  int condval_8;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_8 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_8 = 0;
+  }
+  int condval_9;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_9 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_9 = 0;
+  }
+  int p0 = (((((((max_tiles * 128) + condval_6) + condval_7) - condval_8) - condval_9) - (((int)blockIdx.x) * 128)) - 128);
+  int condval_10;
+  if ((causal != 0)) {
+    int condval_11;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_11 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_11 = 0;
+    }
+    int condval_12;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_12 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_12 = 0;
+    }
+    int condval_13;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_13 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_13 = 0;
+    }
+    int condval_14;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_14 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_14 = 0;
+    }
+    int condval_15;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_15 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_15 = 0;
+    }
+    int condval_16;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_16 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_16 = 0;
+    }
+    int condval_17;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_17 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_17 = 0;
+    }
+    int condval_18;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_18 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_18 = 0;
+    }
+    condval_10 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_11) + 128) - condval_12) - (max_tiles * 128))), 0)) + condval_13) + condval_14) - condval_15) - condval_16) - (((int)blockIdx.x) * 128)) - 128), (condval_17 - condval_18)), 0) + 63) >> 6);
+  } else {
+    int condval_19;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_19 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_19 = 0;
+    }
+    int condval_20;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_20 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_20 = 0;
+    }
+    condval_10 = (((condval_19 + 63) - condval_20) >> 6);
+  }
+  int n_blk = condval_10;
+  int condval_21;
+  if ((causal != 0)) {
+    int condval_22;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_22 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_22 = 0;
+    }
+    int condval_23;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_23 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_23 = 0;
+    }
+    int condval_24;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_24 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_24 = 0;
+    }
+    int condval_25;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_25 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_25 = 0;
+    }
+    int condval_26;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_26 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_26 = 0;
+    }
+    int condval_27;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_27 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_27 = 0;
+    }
+    condval_21 = (max(min((((((((max_tiles * 128) + condval_22) + condval_23) - condval_24) - condval_25) - (((int)blockIdx.x) * 128)) - 127), (condval_26 - condval_27)), 0) >> 6);
+  } else {
+    int condval_28;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_28 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_28 = 0;
+    }
+    int condval_29;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_29 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_29 = 0;
+    }
+    condval_21 = ((condval_28 - condval_29) >> 6);
+  }
+  int n_full = condval_21;
+  if (0 < n_tok) {
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_1 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_2 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      int rmod_3 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv_1 = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      uint4 condval_4;
-      if ((((((((i * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      uint4 condval_30;
+      if ((((((((max_tiles * 128) + (i * 32)) + (((int)threadIdx.x) >> 3)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) && (1 <= ((((((i * 32) + (((int)threadIdx.x) >> 3)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))))) {
+        condval_30 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((((int64_t)max_tiles) * (int64_t)128) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+        condval_30 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((half_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
-    }
-    if (((int)threadIdx.x) < 64) {
-      int condval_5;
-      if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int condval_6;
-        if ((causal != 0)) {
-          int rmod_8 = (((int)threadIdx.x) % groups);
-          int rdiv_4 = (((int)threadIdx.x) / groups);
-          condval_6 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) - len_q), (len_k - 1));
-        } else {
-          condval_6 = (len_k - 1);
-        }
-        condval_5 = condval_6;
-      } else {
-        condval_5 = -1;
-      }
-      ((int*)rowlim)[((int)threadIdx.x)] = condval_5;
+      *(uint4*)(((half_t*)Q_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_30;
     }
     #pragma unroll
     for (int i_1 = 0; i_1 < 8; ++i_1) {
@@ -116,40 +245,37 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_3, broadcast_var_3);
   }
   __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    int condval_7;
-    if ((causal != 0)) {
-      condval_7 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_7 = ((len_k + 63) >> 6);
-    }
-    if (0 < condval_7) {
+  if (0 < n_tok) {
+    if (0 < n_blk) {
       #pragma unroll
-      for (int i_2 = 0; i_2 < 4; ++i_2) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_2 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_2) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_2 = 0; i_2 < 2; ++i_2) {
+        int64_t rmod = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_1 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_1 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_2 = (((int)blockIdx.y) % groups);
+        int rdiv_2 = (((int)blockIdx.y) / groups);
+        int rmod_3 = (((int)blockIdx.y) % groups);
+        int rdiv_3 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_2 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_1)) || ((((int64_t)groups) < (int64_t)0) && (rmod_1 <= (int64_t)0))) ? rdiv_1 : (rdiv_1 - (int64_t)1)) * (int64_t)64) + (((((((int64_t)i_2) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((i_2 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_2 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_2 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_2 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1)))));
       }
       tl::cp_async_commit();
       #pragma unroll
-      for (int i_3 = 0; i_3 < 4; ++i_3) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_3) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_3 = 0; i_3 < 2; ++i_3) {
+        int64_t rmod_4 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_4 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_5 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_5 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_6 = (((int)blockIdx.y) % groups);
+        int rdiv_6 = (((int)blockIdx.y) / groups);
+        int rmod_7 = (((int)blockIdx.y) % groups);
+        int rdiv_7 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_3 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_5)) || ((((int64_t)groups) < (int64_t)0) && (rmod_5 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1)) * (int64_t)64) + (((((((int64_t)i_3) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((i_3 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_3 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_3 * 32) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_3 * 32) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_7)) || ((groups < 0) && (rmod_7 <= 0))) ? rdiv_7 : (rdiv_7 - 1)))));
       }
       tl::cp_async_commit();
     }
-    int condval_8;
-    if ((causal != 0)) {
-      condval_8 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_8 = ((len_k + 63) >> 6);
-    }
-    for (int blk = 0; blk < (condval_8 - 1); ++blk) {
-      __syncthreads();
-      int condval_9;
-      if ((causal != 0)) {
-        condval_9 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
-      } else {
-        condval_9 = len_k;
-      }
-      if (((blk * 64) + 64) <= condval_9) {
+    for (int blk = 0; blk < (n_blk - 1); ++blk) {
+      if (blk < n_full) {
         #pragma unroll
         for (int i_4 = 0; i_4 < 8; ++i_4) {
           float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
@@ -158,13 +284,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
       } else {
         #pragma unroll
         for (int i_5 = 0; i_5 < 32; ++i_5) {
-          float condval_10;
-          if ((((((blk * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))])) {
-            condval_10 = 0x0p+0f/*0.000000e+00*/;
+          float condval_31;
+          if (((((((blk * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < len_k) && ((causal == 0) || (((((blk * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) <= (((((((int)threadIdx.x) >> 5) * 16) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0))))) {
+            condval_31 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_10 = -CUDART_INF_F;
+            condval_31 = -CUDART_INF_F;
           }
-          acc_s[i_5] = condval_10;
+          acc_s[i_5] = condval_31;
         }
       }
       tl::cp_async_wait<1>();
@@ -186,8 +312,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
       }
       __syncthreads();
       #pragma unroll
-      for (int i_7 = 0; i_7 < 4; ++i_7) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_7 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_7) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_7 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_7 = 0; i_7 < 2; ++i_7) {
+        int64_t rmod_8 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_8 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_9 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_9 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_10 = (((int)blockIdx.y) % groups);
+        int rdiv_10 = (((int)blockIdx.y) / groups);
+        int rmod_11 = (((int)blockIdx.y) % groups);
+        int rdiv_11 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_7 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)groups) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rdiv_9 : (rdiv_9 - (int64_t)1)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_7) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((((blk * 64) + (i_7 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_7 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_7 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_7 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_10 : (rdiv_10 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_11 : (rdiv_11 - 1)))));
       }
       tl::cp_async_commit();
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
@@ -198,18 +332,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
         for (int rv = 0; rv < 16; ++rv) {
           m_cur_clear[i_8] = max(m_cur_clear[i_8], acc_s[((((rv & 7) * 4) + (i_8 * 2)) + (rv >> 3))]);
         }
-        m_cur_clear[i_8] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_8]);
+        m_cur_clear[i_8] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<256>>::run(m_cur_clear[i_8]);
         m_cur[i_8] = max(m_cur[i_8], m_cur_clear[i_8]);
       }
       #pragma unroll
       for (int i_9 = 0; i_9 < 2; ++i_9) {
-        float condval_11;
+        float condval_32;
         if ((m_cur[i_9] == -CUDART_INF_F)) {
-          condval_11 = 0x0p+0f/*0.000000e+00*/;
+          condval_32 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_11 = m_cur[i_9];
+          condval_32 = m_cur[i_9];
         }
-        m_safe[i_9] = condval_11;
+        m_safe[i_9] = condval_32;
         r_scale[i_9] = exp2f(((m_prev[i_9] - m_safe[i_9]) * scale_log2));
       }
       #pragma unroll
@@ -218,12 +352,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
         float2 __2;
           float2 __3;
             float2 v_ = *(float2*)(acc_s + (i_10 * 2));
-            float2 v__1 = make_float2(m_safe[(i_10 & 1)], m_safe[(i_10 & 1)]);
-            __3.x = (v_.x-v__1.x);
-            __3.y = (v_.y-v__1.y);
-          float2 v__2 = make_float2(scale_log2, scale_log2);
-          __2.x = (__3.x*v__2.x);
-          __2.y = (__3.y*v__2.y);
+            float2 v__1 = make_float2(scale_log2, scale_log2);
+            __3.x = (v_.x*v__1.x);
+            __3.y = (v_.y*v__1.y);
+          float2 v__2 = make_float2((m_safe[(i_10 & 1)] * scale_log2), (m_safe[(i_10 & 1)] * scale_log2));
+          __2.x = (__3.x-v__2.x);
+          __2.y = (__3.y-v__2.y);
         __1.x = exp2f(__2.x);
         __1.y = exp2f(__2.y);
         *(float2*)(acc_s + (i_10 * 2)) = __1;
@@ -235,7 +369,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
         for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
           r_sum[i_11] = (r_sum[i_11] + acc_s[((((rv_1 & 7) * 4) + (i_11 * 2)) + (rv_1 >> 3))]);
         }
-        r_sum[i_11] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_11]);
+        r_sum[i_11] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<256>>::run(r_sum[i_11]);
       }
       float2 __4;
         float2 __5;
@@ -281,32 +415,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
       }
       __syncthreads();
       #pragma unroll
-      for (int i_15 = 0; i_15 < 4; ++i_15) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_15 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_15) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_15 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
+      for (int i_15 = 0; i_15 < 2; ++i_15) {
+        int64_t rmod_12 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_12 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+        int64_t rmod_13 = (((int64_t)((int)blockIdx.y)) % ((int64_t)groups));
+        int64_t rdiv_13 = (((int64_t)((int)blockIdx.y)) / ((int64_t)groups));
+                int rmod_14 = (((int)blockIdx.y) % groups);
+        int rdiv_14 = (((int)blockIdx.y) / groups);
+        int rmod_15 = (((int)blockIdx.y) % groups);
+        int rdiv_15 = (((int)blockIdx.y) / groups);
+tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_15 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[((((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_13)) || ((((int64_t)groups) < (int64_t)0) && (rmod_13 <= (int64_t)0))) ? rdiv_13 : (rdiv_13 - (int64_t)1)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_15) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((((blk * 64) + (i_15 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_15 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_15 * 32)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_15 * 32)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((0 <= groups) && (0 <= rmod_14)) || ((groups < 0) && (rmod_14 <= 0))) ? rdiv_14 : (rdiv_14 - 1)) < heads_k)) && (0 <= ((((0 <= groups) && (0 <= rmod_15)) || ((groups < 0) && (rmod_15 <= 0))) ? rdiv_15 : (rdiv_15 - 1)))));
       }
       tl::cp_async_commit();
     }
-    __syncthreads();
-    int condval_12;
-    if ((causal != 0)) {
-      condval_12 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_12 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_12) {
-      int condval_13;
-      if ((causal != 0)) {
-        condval_13 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-      } else {
-        condval_13 = ((len_k + 63) >> 6);
-      }
-      int condval_14;
-      if ((causal != 0)) {
-        condval_14 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
-      } else {
-        condval_14 = len_k;
-      }
-      if ((condval_13 * 64) <= condval_14) {
+    if (1 <= n_blk) {
+      if (n_blk <= n_full) {
         #pragma unroll
         for (int i_16 = 0; i_16 < 8; ++i_16) {
           float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
@@ -315,31 +438,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
       } else {
         #pragma unroll
         for (int i_17 = 0; i_17 < 32; ++i_17) {
-          int condval_16;
-          if ((causal != 0)) {
-            condval_16 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+          float condval_33;
+          if (((((((n_blk * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) < (len_k + 64)) && ((causal == 0) || (((((n_blk * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) <= ((((((((int)threadIdx.x) >> 5) * 16) + (((i_17 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0) + 64))))) {
+            condval_33 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_16 = ((len_k + 63) >> 6);
+            condval_33 = -CUDART_INF_F;
           }
-          float condval_15;
-          if ((((((condval_16 * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_17 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64))) {
-            condval_15 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_15 = -CUDART_INF_F;
-          }
-          acc_s[i_17] = condval_15;
+          acc_s[i_17] = condval_33;
         }
       }
     }
     tl::cp_async_wait<1>();
     __syncthreads();
-    int condval_17;
-    if ((causal != 0)) {
-      condval_17 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_17 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_17) {
+    if (1 <= n_blk) {
       {
         half_t A_local_1[8];
         half_t B_local_2[32];
@@ -363,18 +474,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
         for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
           m_cur_clear_1[i_19] = max(m_cur_clear_1[i_19], acc_s[((((rv_2 & 7) * 4) + (i_19 * 2)) + (rv_2 >> 3))]);
         }
-        m_cur_clear_1[i_19] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_19]);
+        m_cur_clear_1[i_19] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<256>>::run(m_cur_clear_1[i_19]);
         m_cur[i_19] = max(m_cur[i_19], m_cur_clear_1[i_19]);
       }
       #pragma unroll
       for (int i_20 = 0; i_20 < 2; ++i_20) {
-        float condval_18;
+        float condval_34;
         if ((m_cur[i_20] == -CUDART_INF_F)) {
-          condval_18 = 0x0p+0f/*0.000000e+00*/;
+          condval_34 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_18 = m_cur[i_20];
+          condval_34 = m_cur[i_20];
         }
-        m_safe[i_20] = condval_18;
+        m_safe[i_20] = condval_34;
         r_scale[i_20] = exp2f(((m_prev[i_20] - m_safe[i_20]) * scale_log2));
       }
       #pragma unroll
@@ -383,12 +494,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
         float2 __9;
           float2 __10;
             float2 v__9 = *(float2*)(acc_s + (i_21 * 2));
-            float2 v__10 = make_float2(m_safe[(i_21 & 1)], m_safe[(i_21 & 1)]);
-            __10.x = (v__9.x-v__10.x);
-            __10.y = (v__9.y-v__10.y);
-          float2 v__11 = make_float2(scale_log2, scale_log2);
-          __9.x = (__10.x*v__11.x);
-          __9.y = (__10.y*v__11.y);
+            float2 v__10 = make_float2(scale_log2, scale_log2);
+            __10.x = (v__9.x*v__10.x);
+            __10.y = (v__9.y*v__10.y);
+          float2 v__11 = make_float2((m_safe[(i_21 & 1)] * scale_log2), (m_safe[(i_21 & 1)] * scale_log2));
+          __9.x = (__10.x-v__11.x);
+          __9.y = (__10.y-v__11.y);
         __8.x = exp2f(__9.x);
         __8.y = exp2f(__9.y);
         *(float2*)(acc_s + (i_21 * 2)) = __8;
@@ -400,7 +511,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
         for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
           r_sum[i_22] = (r_sum[i_22] + acc_s[((((rv_3 & 7) * 4) + (i_22 * 2)) + (rv_3 >> 3))]);
         }
-        r_sum[i_22] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_22]);
+        r_sum[i_22] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<256>>::run(r_sum[i_22]);
       }
       float2 __11;
         float2 __12;
@@ -432,13 +543,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
     }
     tl::cp_async_wait<0>();
     __syncthreads();
-    int condval_19;
-    if ((causal != 0)) {
-      condval_19 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_19 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_19) {
+    if (1 <= n_blk) {
       {
         half_t B_local_3[32];
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
@@ -456,41 +561,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
     #pragma unroll
     for (int i_26 = 0; i_26 < 16; ++i_26) {
       half_t O_local_cast[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
         float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
         uint1 __15;
-        float2 condval_20;
+        float2 condval_35;
         if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_26 & 1)])) {
           float2 __16;
             float2 v__18 = *(float2*)(acc_o + (i_26 * 2));
             float2 v__19 = make_float2(l_sum[(i_26 & 1)], l_sum[(i_26 & 1)]);
             __16.x = (v__18.x/v__19.x);
             __16.y = (v__18.y/v__19.y);
-          condval_20 = __16;
+          condval_35 = __16;
         } else {
-          condval_20 = make_float2(broadcast_var_6, broadcast_var_6);
+          condval_35 = make_float2(broadcast_var_6, broadcast_var_6);
         }
-        ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&condval_20))[0]);
+        ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&condval_35))[0]);
         *(uint1*)(O_local_cast + 0) = __15;
-        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
-              }
-            }
+        if (1 <= ((((((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))) {
+          if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) {
+            *(uint1*)(O + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
           }
         }
       }
@@ -498,32 +587,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp1
     if ((((int)threadIdx.x) % 4) == 0) {
       #pragma unroll
       for (int i_27 = 0; i_27 < 2; ++i_27) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-          if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
-                  float condval_21;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_27])) {
-                    condval_21 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
-                  } else {
-                    condval_21 = -CUDART_INF_F;
-                  }
-                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_21;
-                }
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
+          if (1 <= ((((((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))) {
+            if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) {
+              float condval_36;
+              if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_27])) {
+                condval_36 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+              } else {
+                condval_36 = -CUDART_INF_F;
               }
+              LSE[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)total_q))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128)] = condval_36;
             }
           }
         }
@@ -550,16 +623,16 @@ extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm89_last_error() {
 extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 24832);
+    cudaError_t result_infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768);
     if (result_infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 24832, cudaGetErrorString(result_infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 32768, cudaGetErrorString(result_infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ O, float* __restrict__ LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ O, float* __restrict__ LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -569,10 +642,10 @@ extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm89_call(half_t* __restrict__ Q
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_tiles, batch, heads_k);
-		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 24832;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel, K, LSE, O, Q, V, cu_seqlens_k, cu_seqlens_q, batch, batch_plus_one, causal, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, total_k, total_q);
+		config.gridDim = dim3(max_tiles, heads, batch);
+		config.blockDim = dim3(256, 1, 1);
+		config.dynamicSmemBytes = 32768;
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel, K, LSE, O, Q, V, cu_seqlens_k, cu_seqlens_q, batch, batch_plus_one, causal, groups, heads, heads_k, max_tiles, scale_log2, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_fwd_fp16_d64_sm89_kernel");
 

@@ -10,8 +10,7 @@
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy.h>
-#include <math_constants.h>
+#include <tl_templates/cuda/copy_sm90.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
 #include <tl_templates/cuda/ldsm.h>
@@ -20,644 +19,355 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_kblocks, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k);
+extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 512));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 1024));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 9216));
-  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 17408));
-  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 33792));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 50176));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 50688));
-  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 51200));
-  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 67584));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 83968));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 100352));
-  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 116736));
-  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 117248));
-  int tile0 = 0;
-  float acc_dk[16];
-  float acc_dv[16];
-  int n_m = 0;
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 49152));
+  void* delta_s = ((void*)((char*)buf_dyn_shmem + 65536));
+  void* lse_s = ((void*)((char*)buf_dyn_shmem + 66304));
+  __shared__ __align__(16) uint64_t mbarrier_mem[18];
+  auto mbarrier = reinterpret_cast<Barrier*>(mbarrier_mem);
+  float acc_dk[32];
+  float acc_dv[32];
   float acc_sT[32];
   float acc_dpT[32];
+  bfloat16_t pT_cast[32];
+  bfloat16_t dsT_cast[32];
+  if (tl::tl_shuffle_elect<0>()) {
+    tl::prefetch_tma_descriptor(K_desc);
+    tl::prefetch_tma_descriptor(V_desc);
+    tl::prefetch_tma_descriptor(Q_desc);
+    tl::prefetch_tma_descriptor(dO_desc);
+    tl::prefetch_tma_descriptor(Stats_desc);
+  }
+  if (tl::tl_shuffle_elect<0>()) {
+    mbarrier[0].init(1);
+    mbarrier[1].init(1);
+    mbarrier[2].init(1);
+    mbarrier[3].init(1);
+    mbarrier[4].init(1);
+    mbarrier[5].init(1);
+    mbarrier[6].init(1);
+    mbarrier[7].init(1);
+    mbarrier[8].init(256);
+    mbarrier[9].init(256);
+    mbarrier[10].init(256);
+    mbarrier[11].init(256);
+    mbarrier[12].init(256);
+    mbarrier[13].init(256);
+    mbarrier[14].init(256);
+    mbarrier[15].init(256);
+    mbarrier[16].init(1);
+    mbarrier[17].init(1);
+  }
+  tl::fence_barrier_init();
+  __syncthreads();
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval = cu_seqlens_q[((int)blockIdx.y)];
+    condval = cu_seqlens_k[((int)blockIdx.y)];
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int k0 = condval;
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
-  int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-  } else {
-    condval_2 = 0;
-  }
-  int len_q = (condval_2 - q0);
-  int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-  } else {
-    condval_3 = 0;
-  }
-  int len_k = (condval_3 - k0);
-  int condval_4;
-  if ((causal != 0)) {
-    int rmod = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) % tile_tokens);
-    int rdiv = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) / tile_tokens);
-    condval_4 = ((((0 <= tile_tokens) && (0 <= rmod)) || ((tile_tokens < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
-  } else {
-    condval_4 = 0;
-  }
-  tile0 = condval_4;
-  if ((((int)blockIdx.z) * 64) < len_k) {
+  int len_k = (condval_1 - k0);
+  if ((((int)blockIdx.z) * 128) < len_k) {
+    if (tl::tl_shuffle_elect<384>()) {
+      mbarrier[16].arrive_and_expect_tx(16384);
+      tl::tma_load(K_desc, mbarrier[16], (&(((bfloat16_t*)K_s)[0])), 0, ((((int)blockIdx.z) * 128) + k0), ((int)blockIdx.x));
+      mbarrier[17].arrive_and_expect_tx(16384);
+      tl::tma_load(V_desc, mbarrier[17], (&(((bfloat16_t*)V_s)[0])), 0, ((((int)blockIdx.z) * 128) + k0), ((int)blockIdx.x));
+    }
+    __syncthreads();
     if (((int)threadIdx.x) < 128) {
-      int rmod_1 = (((int)threadIdx.x) % groups);
-      int rdiv_1 = (((int)threadIdx.x) / groups);
-      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
-      int rmod_2 = (((int)threadIdx.x) % groups);
-      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rmod_2 : (rmod_2 + groups)));
-    }
-    #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
-      if (((((((((int)blockIdx.z) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      tl::warpgroup_reg_dealloc<24>();
+      int condval_2;
+      if ((((int)blockIdx.y) < batch_plus_one)) {
+        condval_2 = cu_seqlens_q[((int)blockIdx.y)];
       } else {
-        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        condval_2 = 0;
       }
-      *(uint4*)(((bfloat16_t*)K_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
-    }
-    #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
-      bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_6;
-      if (((((((((int)blockIdx.z) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      int q0 = condval_2;
+      int condval_3;
+      if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+        condval_3 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
       } else {
-        condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+        condval_3 = 0;
       }
-      *(uint4*)(((bfloat16_t*)V_s) + (((((i_1 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
-    }
-    #pragma unroll
-    for (int i_2 = 0; i_2 < 4; ++i_2) {
-      float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_dk + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
-    }
-    #pragma unroll
-    for (int i_3 = 0; i_3 < 4; ++i_3) {
-      float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
-    }
-    int rmod_3 = (((len_q + tile_tokens) - 1) % tile_tokens);
-    int rdiv_2 = (((len_q + tile_tokens) - 1) / tile_tokens);
-    n_m = max((((((0 <= tile_tokens) && (0 <= rmod_3)) || ((tile_tokens < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) - tile0), 0);
-    if (0 < n_m) {
-      for (int i_4 = 0; i_4 < 4; ++i_4) {
-        __syncthreads();
-        int condval_7;
-        if ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_7 = ((int*)rtok_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))];
-        } else {
-          condval_7 = 0;
-        }
-        int row = ((q0 + (tile0 * tile_tokens)) + condval_7);
-        __syncthreads();
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
-        __syncthreads();
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
-      }
-    }
-  }
-  __syncthreads();
-  if ((((int)blockIdx.z) * 64) < len_k) {
-    if (0 < n_m) {
-      if (((int)threadIdx.x) < 128) {
-        int64_t condval_8;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_8 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-        } else {
-          condval_8 = (int64_t)0;
-        }
-        int64_t condval_9;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_9 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-        } else {
-          condval_9 = (int64_t)0;
-        }
-                int condval_10;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_10 = ((int*)rtok_s)[((int)threadIdx.x)];
-        } else {
-          condval_10 = 0;
-        }
-        int condval_11;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_11 = ((int*)rtok_s)[((int)threadIdx.x)];
-        } else {
-          condval_11 = 0;
-        }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)tile0) * ((int64_t)tile_tokens))) + condval_9)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + (tile0 * tile_tokens)) + condval_10) < total_q)) && (0 <= ((q0 + (tile0 * tile_tokens)) + condval_11))));
-      }
-    }
-  }
-  __syncthreads();
-  if ((((int)blockIdx.z) * 64) < len_k) {
-    if (0 < n_m) {
-      if (((int)threadIdx.x) < 128) {
-        int64_t condval_12;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_12 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-        } else {
-          condval_12 = (int64_t)0;
-        }
-        int64_t condval_13;
-        if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)tile0) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-          condval_13 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-        } else {
-          condval_13 = (int64_t)0;
-        }
-                int condval_14;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_14 = ((int*)rtok_s)[((int)threadIdx.x)];
-        } else {
-          condval_14 = 0;
-        }
-        int condval_15;
-        if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups))) {
-          condval_15 = ((int*)rtok_s)[((int)threadIdx.x)];
-        } else {
-          condval_15 = 0;
-        }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)tile0) * ((int64_t)tile_tokens))) + condval_13)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - (tile0 * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + (tile0 * tile_tokens)) + condval_14) < total_q)) && (0 <= ((q0 + (tile0 * tile_tokens)) + condval_15))));
-      }
-    }
-    if (0 < n_m) {
-      tl::cp_async_commit();
-    }
-    for (int j = 0; j < n_m; ++j) {
-      if ((j + 1) < n_m) {
-        int t0 = (((tile0 + j) + 1) * tile_tokens);
-        if ((j % 2) == 0) {
-          for (int i_5 = 0; i_5 < 4; ++i_5) {
-            __syncthreads();
-            int condval_16;
-            if ((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_16 = ((int*)rtok_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))];
-            } else {
-              condval_16 = 0;
-            }
-            int row_1 = ((q0 + t0) + condval_16);
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
-          }
-          __syncthreads();
-          if (((int)threadIdx.x) < 128) {
-            int64_t condval_17;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_17 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_17 = (int64_t)0;
-            }
-            int64_t condval_18;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_18 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_18 = (int64_t)0;
-            }
-                        int condval_19;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_19 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_19 = 0;
-            }
-            int condval_20;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_20 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_20 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + condval_18)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + t0) + condval_19) < total_q)) && (0 <= ((q0 + t0) + condval_20))));
-          }
-          __syncthreads();
-          if (((int)threadIdx.x) < 128) {
-            int64_t condval_21;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_21 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_21 = (int64_t)0;
-            }
-            int64_t condval_22;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_22 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_22 = (int64_t)0;
-            }
-                        int condval_23;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_23 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_23 = 0;
-            }
-            int condval_24;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_24 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_24 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + condval_22)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + t0) + condval_23) < total_q)) && (0 <= ((q0 + t0) + condval_24))));
-          }
-        } else {
-          for (int i_6 = 0; i_6 < 4; ++i_6) {
-            __syncthreads();
-            int condval_25;
-            if ((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_25 = ((int*)rtok_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))];
-            } else {
-              condval_25 = 0;
-            }
-            int row_2 = ((q0 + t0) + condval_25);
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))])));
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - t0)) * groups)) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))])));
-          }
-          __syncthreads();
-          if (((int)threadIdx.x) < 128) {
-            int64_t condval_26;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_26 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_26 = (int64_t)0;
-            }
-            int64_t condval_27;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_27 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_27 = (int64_t)0;
-            }
-                        int condval_28;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_28 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_28 = 0;
-            }
-            int condval_29;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_29 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_29 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + condval_27)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + t0) + condval_28) < total_q)) && (0 <= ((q0 + t0) + condval_29))));
-          }
-          __syncthreads();
-          if (((int)threadIdx.x) < 128) {
-            int64_t condval_30;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_30 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_30 = (int64_t)0;
-            }
-            int64_t condval_31;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)len_q) - ((int64_t)t0))) * ((int64_t)groups)))) {
-              condval_31 = ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]);
-            } else {
-              condval_31 = (int64_t)0;
-            }
-                        int condval_32;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_32 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_32 = 0;
-            }
-            int condval_33;
-            if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups))) {
-              condval_33 = ((int*)rtok_s)[((int)threadIdx.x)];
-            } else {
-              condval_33 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + ((int64_t)t0)) + condval_31)])), (((((((int)threadIdx.x) < (min(tile_tokens, (len_q - t0)) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && (((q0 + t0) + condval_32) < total_q)) && (0 <= ((q0 + t0) + condval_33))));
-          }
-        }
-        tl::cp_async_commit();
-        tl::cp_async_wait<1>();
-        __syncthreads();
+      int len_q = (condval_3 - q0);
+      int condval_4;
+      if ((causal != 0)) {
+        condval_4 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
       } else {
-        tl::cp_async_wait<0>();
+        condval_4 = 0;
       }
-      __syncthreads();
-      int t0_1 = ((tile0 + j) * tile_tokens);
-      if ((j % 2) == 0) {
+      for (int j = 0; j < (max((((len_q + 63) >> 6) - condval_4), 0) * groups); ++j) {
+        mbarrier[((j & 1) + 8)].wait((((j & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[(j & 1)].arrive_and_expect_tx(8192);
+          int condval_5;
+          if ((causal != 0)) {
+            condval_5 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_5 = 0;
+          }
+          int rmod = (j % groups);
+          int rdiv = (j / groups);
+          int rmod_1 = (j % groups);
+          tl::tma_load(Q_desc, mbarrier[(j & 1)], (&(((bfloat16_t*)Q_s)[((j & 1) * 4096)])), 0, (((condval_5 * 64) + (((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * 64)) + q0), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))));
+        }
+        mbarrier[((j & 1) + 10)].wait((((j & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[((j & 1) + 2)].arrive_and_expect_tx(8192);
+          int condval_6;
+          if ((causal != 0)) {
+            condval_6 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_6 = 0;
+          }
+          int rmod_2 = (j % groups);
+          int rdiv_1 = (j / groups);
+          int rmod_3 = (j % groups);
+          tl::tma_load(dO_desc, mbarrier[((j & 1) + 2)], (&(((bfloat16_t*)dO_s)[((j & 1) * 4096)])), 0, (((condval_6 * 64) + (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) * 64)) + q0), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups))));
+        }
+        mbarrier[((j & 1) + 12)].wait((((j & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[((j & 1) + 4)].arrive_and_expect_tx(384);
+          int condval_7;
+          if ((causal != 0)) {
+            condval_7 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_7 = 0;
+          }
+          int rmod_4 = (j % groups);
+          int rdiv_2 = (j / groups);
+          int rmod_5 = (j % groups);
+          tl::tma_load(Stats_desc, mbarrier[((j & 1) + 4)], (&(((float*)lse_s)[((j & 1) * 96)])), (((condval_7 * 64) + (((((0 <= groups) && (0 <= rmod_4)) || ((groups < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) * 64)) + ((q0 >> 2) * 4)), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_5)) || ((groups < 0) && (rmod_5 <= 0))) ? rmod_5 : (rmod_5 + groups))), 0);
+        }
+        mbarrier[((j & 1) + 14)].wait((((j & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[((j & 1) + 6)].arrive_and_expect_tx(384);
+          int condval_8;
+          if ((causal != 0)) {
+            condval_8 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_8 = 0;
+          }
+          int rmod_6 = (j % groups);
+          int rdiv_3 = (j / groups);
+          int rmod_7 = (j % groups);
+          tl::tma_load(Stats_desc, mbarrier[((j & 1) + 6)], (&(((float*)delta_s)[((j & 1) * 96)])), (((condval_8 * 64) + (((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_3 : (rdiv_3 - 1)) * 64)) + ((q0 >> 2) * 4)), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_7)) || ((groups < 0) && (rmod_7 <= 0))) ? rmod_7 : (rmod_7 + groups))), 1);
+        }
+      }
+    } else {
+      tl::warpgroup_reg_alloc<240>();
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float broadcast_var = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dk + (i * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+      }
+      #pragma unroll
+      for (int i_1 = 0; i_1 < 8; ++i_1) {
+        float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dv + (i_1 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+      }
+      int condval_9;
+      if ((((int)blockIdx.y) < batch_plus_one)) {
+        condval_9 = cu_seqlens_q[((int)blockIdx.y)];
+      } else {
+        condval_9 = 0;
+      }
+      int q0_1 = condval_9;
+      int condval_10;
+      if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+        condval_10 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+      } else {
+        condval_10 = 0;
+      }
+      int len_q_1 = (condval_10 - q0_1);
+      int condval_11;
+      if ((causal != 0)) {
+        condval_11 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
+      } else {
+        condval_11 = 0;
+      }
+      for (int j_1 = 0; j_1 < (max((((len_q_1 + 63) >> 6) - condval_11), 0) * groups); ++j_1) {
         #pragma unroll
-        for (int i_7 = 0; i_7 < 8; ++i_7) {
-          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_sT + (i_7 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+        for (int i_2 = 0; i_2 < 8; ++i_2) {
+          float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_sT + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
         }
+        if (j_1 == 0) {
+          mbarrier[16].wait(0);
+        }
+        mbarrier[(j_1 & 1)].wait(((j_1 & 3) >> 1));
         {
           tl::GmmaDescriptor desc_a;
           tl::GmmaDescriptor desc_b;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b, ((j_1 & 1) * 8192));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 64);
           tl::warpgroup_arrive();
-          tl::fence_proxy_async();
           #pragma unroll
           for (int ki = 0; ki < 4; ++ki) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + (((((ki >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki & 1) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((((((int)threadIdx.x) >> 7) + 1) & 1) * 8192) + (ki * 32)) >> 4)), uint64_t(desc_b + ((ki * 32) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-        }
-        int condval_34;
-        if ((causal != 0)) {
-          condval_34 = min((((len_k + t0_1) + 1) - len_q), len_k);
-        } else {
-          condval_34 = len_k;
-        }
-        if (((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= condval_34)) {
-          #pragma unroll
-          for (int i_8 = 0; i_8 < 16; ++i_8) {
-            float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-            float2 __1;
-            float2 __2;
-              float2 __3;
-                float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
-                float2 v__1 = make_float2(scale_log2, scale_log2);
-                __3.x = (v_.x*v__1.x);
-                __3.y = (v_.y*v__1.y);
-              float2 __4;
-                float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-                float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
-                __4.x = (v__2.x*v__3.x);
-                __4.y = (v__2.y*v__3.y);
-              __2.x = (__3.x-__4.x);
-              __2.y = (__3.y-__4.y);
-            __1.x = exp2f(__2.x);
-            __1.y = exp2f(__2.y);
-            *(float2*)(acc_sT + (i_8 * 2)) = __1;
-          }
-        } else {
-          #pragma unroll
-          for (int i_9 = 0; i_9 < 32; ++i_9) {
-            float condval_35;
-            if ((((((((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))]) - len_q))))) {
-              condval_35 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-            } else {
-              condval_35 = 0x0p+0f/*0.000000e+00*/;
-            }
-            acc_sT[i_9] = condval_35;
-          }
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 64);
         }
         #pragma unroll
-        for (int i_10 = 0; i_10 < 8; ++i_10) {
-          float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+        for (int i_3 = 0; i_3 < 8; ++i_3) {
+          float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_dpT + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
         }
+        if (j_1 == 0) {
+          mbarrier[17].wait(0);
+        }
+        mbarrier[((j_1 & 1) + 2)].wait(((j_1 & 3) >> 1));
         {
           tl::GmmaDescriptor desc_a_1;
           tl::GmmaDescriptor desc_b_1;
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b_1, ((j_1 & 1) * 8192));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 64);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + (((((ki_1 >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki_1 & 1) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((((((int)threadIdx.x) >> 7) + 1) & 1) * 8192) + (ki_1 * 32)) >> 4)), uint64_t(desc_b_1 + ((ki_1 * 32) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 64);
         }
-        __syncthreads();
-        #pragma unroll
-        for (int i_11 = 0; i_11 < 4; ++i_11) {
-          tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_11 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_11 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[(i_11 * 8)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 1)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 2)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 3)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 4)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 5)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 6)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 7)])));
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int i_12 = 0; i_12 < 16; ++i_12) {
-          float delta_s0_local_cast_1[2];
-          bfloat16_t dsT_s_local_cast[2];
-          *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_12 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __5;
-          float2 __6;
-            float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
-            float2 __7;
-              float2 v__5 = *(float2*)(acc_dpT + (i_12 * 2));
-              float2 v__6 = *(float2*)(delta_s0_local_cast_1 + 0);
-              __7.x = (v__5.x-v__6.x);
-              __7.y = (v__5.y-v__6.y);
-            __6.x = (v__4.x*__7.x);
-            __6.y = (v__4.y*__7.y);
-          (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
-          *(uint1*)(dsT_s_local_cast + 0) = __5;
-          *(uint1*)(((bfloat16_t*)dsT_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_12 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_12 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
-        }
-        {
-          tl::GmmaDescriptor desc_a_2;
-          tl::GmmaDescriptor desc_b_2;
-          __syncthreads();
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)pT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_2 * 1024)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
-        }
-        {
-          tl::GmmaDescriptor desc_a_3;
-          tl::GmmaDescriptor desc_b_3;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)dsT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
-          tl::warpgroup_arrive();
-          #pragma unroll
-          for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_3 * 1024)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
-        }
-      } else {
-        #pragma unroll
-        for (int i_13 = 0; i_13 < 8; ++i_13) {
-          float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_sT + (i_13 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
-        }
-        {
-          tl::GmmaDescriptor desc_a_4;
-          tl::GmmaDescriptor desc_b_4;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_4, (&(((bfloat16_t*)K_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki_4 = 0; ki_4 < 4; ++ki_4) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + (((((ki_4 >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki_4 & 1) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-        }
-        int condval_36;
+        mbarrier[((j_1 & 1) + 4)].wait(((j_1 & 3) >> 1));
+        int condval_12;
         if ((causal != 0)) {
-          condval_36 = min((((len_k + t0_1) + 1) - len_q), len_k);
+          condval_12 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
         } else {
-          condval_36 = len_k;
+          condval_12 = 0;
         }
-        if (((min(tile_tokens, (len_q - t0_1)) * groups) == 128) && (((((int)blockIdx.z) * 64) + 64) <= condval_36)) {
+        int rmod_8 = (j_1 % groups);
+        int rdiv_4 = (j_1 / groups);
+        int condval_13;
+        if ((causal != 0)) {
+          int rmod_9 = (j_1 % groups);
+          int rdiv_5 = (j_1 / groups);
+          condval_13 = min(((((((max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) * 64)) + len_k) + 1) - len_q_1), len_k);
+        } else {
+          condval_13 = len_k;
+        }
+        if ((min(64, ((len_q_1 - (condval_12 * 64)) - (((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 128) + 128) <= condval_13)) {
           #pragma unroll
-          for (int i_14 = 0; i_14 < 16; ++i_14) {
-            float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-            float2 __8;
-            float2 __9;
-              float2 __10;
-                float2 v__7 = *(float2*)(acc_sT + (i_14 * 2));
-                float2 v__8 = make_float2(scale_log2, scale_log2);
-                __10.x = (v__7.x*v__8.x);
-                __10.y = (v__7.y*v__8.y);
-              float2 __11;
-                float2 v__9 = *(float2*)(((float*)lse_s1) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_14 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-                float2 v__10 = make_float2(broadcast_var_8, broadcast_var_8);
-                __11.x = (v__9.x*v__10.x);
-                __11.y = (v__9.y*v__10.y);
-              __9.x = (__10.x-__11.x);
-              __9.y = (__10.y-__11.y);
-            __8.x = exp2f(__9.x);
-            __8.y = exp2f(__9.y);
-            *(float2*)(acc_sT + (i_14 * 2)) = __8;
+          for (int i_4 = 0; i_4 < 32; ++i_4) {
+            acc_sT[i_4] = exp2f(((acc_sT[i_4] * scale_log2) - ((float*)lse_s)[((((((j_1 & 1) * 96) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (q0_1 & 3)) + (i_4 & 1))]));
           }
         } else {
           #pragma unroll
-          for (int i_15 = 0; i_15 < 32; ++i_15) {
-            float condval_37;
-            if ((((((((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < (min(tile_tokens, (len_q - t0_1)) * groups)) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((len_k + t0_1) + ((int*)rtok_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))]) - len_q))))) {
-              condval_37 = exp2f(((acc_sT[i_15] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+          for (int i_5 = 0; i_5 < 32; ++i_5) {
+            int condval_15;
+            if ((causal != 0)) {
+              condval_15 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
             } else {
-              condval_37 = 0x0p+0f/*0.000000e+00*/;
+              condval_15 = 0;
             }
-            acc_sT[i_15] = condval_37;
+            int rmod_10 = (j_1 % groups);
+            int rdiv_6 = (j_1 / groups);
+            int condval_16;
+            if ((causal != 0)) {
+              condval_16 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
+            } else {
+              condval_16 = 0;
+            }
+            int rmod_11 = (j_1 % groups);
+            int rdiv_7 = (j_1 / groups);
+            float condval_14;
+            if ((((((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < ((len_q_1 - (condval_15 * 64)) - (((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) * 64))) && (((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_k + 64))) && ((causal == 0) || (((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((((((((condval_16 * 64) + (((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) * 64)) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_5 & 1)) + 64) - len_q_1))))) {
+              condval_14 = exp2f(((acc_sT[i_5] * scale_log2) - ((float*)lse_s)[((((((j_1 & 1) * 96) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (q0_1 & 3)) + (i_5 & 1))]));
+            } else {
+              condval_14 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_sT[i_5] = condval_14;
           }
         }
+        mbarrier[((j_1 & 1) + 12)].arrive();
         #pragma unroll
-        for (int i_16 = 0; i_16 < 8; ++i_16) {
-          float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_dpT + (i_16 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
+        for (int i_6 = 0; i_6 < 8; ++i_6) {
+          uint2 __1;
+          float4 v_ = *(float4*)(acc_sT + (i_6 * 4));
+          (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
+          (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&v_))[1]);
+          *(uint2*)(pT_cast + (i_6 * 4)) = __1;
         }
         {
-          tl::GmmaDescriptor desc_a_5;
-          tl::GmmaDescriptor desc_b_5;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_5, (&(((bfloat16_t*)V_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+          tl::GmmaDescriptor desc_b_2;
+          tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)dO_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b_2, ((j_1 & 1) * 8192));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT_cast + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
           tl::warpgroup_arrive();
           #pragma unroll
-          for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_5 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + (((((ki_5 >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki_5 & 1) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+          for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT_cast + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT_cast + 0), 16);
         }
-        __syncthreads();
+        mbarrier[((j_1 & 1) + 10)].arrive();
+        mbarrier[((j_1 & 1) + 6)].wait(((j_1 & 3) >> 1));
         #pragma unroll
-        for (int i_17 = 0; i_17 < 4; ++i_17) {
-          tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_17 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_17 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[(i_17 * 8)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 1)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 2)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 3)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 4)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 5)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 6)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 7)])));
+        for (int i_7 = 0; i_7 < 32; ++i_7) {
+          dsT_cast[i_7] = ((bfloat16_t)(acc_sT[i_7] * (acc_dpT[i_7] - ((float*)delta_s)[((((((j_1 & 1) * 96) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (q0_1 & 3)) + (i_7 & 1))])));
         }
-        __syncthreads();
-        #pragma unroll
-        for (int i_18 = 0; i_18 < 16; ++i_18) {
-          float delta_s1_local_cast_3[2];
-          bfloat16_t dsT_s_local_cast_2[2];
-          *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_18 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-          uint1 __12;
-          float2 __13;
-            float2 v__11 = *(float2*)(acc_sT + (i_18 * 2));
-            float2 __14;
-              float2 v__12 = *(float2*)(acc_dpT + (i_18 * 2));
-              float2 v__13 = *(float2*)(delta_s1_local_cast_3 + 0);
-              __14.x = (v__12.x-v__13.x);
-              __14.y = (v__12.y-v__13.y);
-            __13.x = (v__11.x*__14.x);
-            __13.y = (v__11.y*__14.y);
-          (reinterpret_cast<__nv_bfloat162*>(&__12))[0] = __float22bfloat162_rn(((float2*)(&__13))[0]);
-          *(uint1*)(dsT_s_local_cast_2 + 0) = __12;
-          *(uint1*)(((bfloat16_t*)dsT_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_18 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_18 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_18 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_18 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
-        }
+        mbarrier[((j_1 & 1) + 14)].arrive();
         {
-          tl::GmmaDescriptor desc_a_6;
-          tl::GmmaDescriptor desc_b_6;
-          __syncthreads();
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_6, (&(((bfloat16_t*)pT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::GmmaDescriptor desc_b_3;
+          tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((bfloat16_t*)Q_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b_3, ((j_1 & 1) * 8192));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT_cast + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           tl::warpgroup_arrive();
-          tl::fence_proxy_async();
           #pragma unroll
-          for (int ki_6 = 0; ki_6 < 8; ++ki_6) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_6 + ((((ki_6 >> 2) * 8192) + ((ki_6 & 3) * 32)) >> 4)), uint64_t(desc_b_6 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_6 * 1024)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+          for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT_cast + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT_cast + 0), 16);
         }
-        {
-          tl::GmmaDescriptor desc_a_7;
-          tl::GmmaDescriptor desc_b_7;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_7, (&(((bfloat16_t*)dsT_s)[0])));
-          tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
-          tl::warpgroup_arrive();
-          #pragma unroll
-          for (int ki_7 = 0; ki_7 < 8; ++ki_7) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_7 + ((((ki_7 >> 2) * 8192) + ((ki_7 & 3) * 32)) >> 4)), uint64_t(desc_b_7 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_7 * 1024)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
-        }
+        mbarrier[((j_1 & 1) + 8)].arrive();
       }
-      __syncthreads();
-    }
-    #pragma unroll
-    for (int i_19 = 0; i_19 < 8; ++i_19) {
-      if (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.z) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __15;
-            float2 __16;
-              float2 v__14 = *(float2*)(acc_dk + (i_19 * 2));
-              float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __16.x = (v__14.x*v__15.x);
-              __16.y = (v__14.y*v__15.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&__16))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __15;
-            uint1 __17;
-            float2 v__16 = *(float2*)(acc_dv + (i_19 * 2));
-            (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&v__16))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+      #pragma unroll
+      for (int i_8 = 0; i_8 < 16; ++i_8) {
+        if (((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_8 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_k + 64)) {
+          if (1 <= ((((int)blockIdx.z) * 2) + ((((((((int)threadIdx.x) >> 5) * 16) + ((i_8 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) >> 6))) {
+            if ((((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_8 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < (total_k + 64)) {
+              uint1 __2;
+              float2 __3;
+                float2 v__1 = *(float2*)(acc_dk + (i_8 * 2));
+                float2 v__2 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __3.x = (v__1.x*v__2.x);
+                __3.y = (v__1.y*v__2.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&__3))[0]);
+              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_8) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) - (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_8) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __2;
+              uint1 __4;
+              float2 v__3 = *(float2*)(acc_dv + (i_8 * 2));
+              (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&v__3))[0]);
+              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_8) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) - (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_8) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __4;
+            }
           }
         }
       }
@@ -683,16 +393,121 @@ extern "C" const char* infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_last_error() 
 extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 117760);
+    cudaError_t result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 67072);
     if (result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 117760, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 67072, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, int batch, int max_kblocks, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ Stats, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, int batch, int max_kblocks, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream) {
+
+	CUtensorMap K_desc;
+	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t K_desc_tensorRank= 3;
+	void *K_desc_globalAddress= K;
+	cuuint64_t K_desc_globalDim[3]= {64,total_k,heads_k};
+	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 128,128};
+	cuuint32_t K_desc_boxDim[3]= {64,128,1};
+	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
+
+	if (K_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
+		return -1;
+	}
+
+	CUtensorMap Q_desc;
+	CUtensorMapDataType Q_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t Q_desc_tensorRank= 3;
+	void *Q_desc_globalAddress= Q;
+	cuuint64_t Q_desc_globalDim[3]= {64,total_q,heads};
+	cuuint64_t Q_desc_globalStride[3]= {2,(int64_t)heads * 128,128};
+	cuuint32_t Q_desc_boxDim[3]= {64,64,1};
+	cuuint32_t Q_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave Q_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle Q_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion Q_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill Q_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult Q_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &Q_desc, Q_desc_type, Q_desc_tensorRank, Q_desc_globalAddress, Q_desc_globalDim, Q_desc_globalStride + 1, Q_desc_boxDim, Q_desc_elementStrides, Q_desc_interleave, Q_desc_swizzle, Q_desc_l2Promotion, Q_desc_oobFill);
+
+	if (Q_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor Q_desc");
+		return -1;
+	}
+
+	CUtensorMap Stats_desc;
+	CUtensorMapDataType Stats_desc_type= (CUtensorMapDataType)7;
+	cuuint32_t Stats_desc_tensorRank= 3;
+	void *Stats_desc_globalAddress= Stats;
+	cuuint64_t Stats_desc_globalDim[3]= {q_pad,heads,2};
+	cuuint64_t Stats_desc_globalStride[3]= {4,(int64_t)q_pad * 4,(int64_t)q_pad * heads * 4};
+	cuuint32_t Stats_desc_boxDim[3]= {96,1,1};
+	cuuint32_t Stats_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave Stats_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle Stats_desc_swizzle= (CUtensorMapSwizzle)0;
+	CUtensorMapL2promotion Stats_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill Stats_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult Stats_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &Stats_desc, Stats_desc_type, Stats_desc_tensorRank, Stats_desc_globalAddress, Stats_desc_globalDim, Stats_desc_globalStride + 1, Stats_desc_boxDim, Stats_desc_elementStrides, Stats_desc_interleave, Stats_desc_swizzle, Stats_desc_l2Promotion, Stats_desc_oobFill);
+
+	if (Stats_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor Stats_desc");
+		return -1;
+	}
+
+	CUtensorMap V_desc;
+	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t V_desc_tensorRank= 3;
+	void *V_desc_globalAddress= V;
+	cuuint64_t V_desc_globalDim[3]= {64,total_k,heads_k};
+	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 128,128};
+	cuuint32_t V_desc_boxDim[3]= {64,128,1};
+	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
+
+	if (V_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
+		return -1;
+	}
+
+	CUtensorMap dO_desc;
+	CUtensorMapDataType dO_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t dO_desc_tensorRank= 3;
+	void *dO_desc_globalAddress= dO;
+	cuuint64_t dO_desc_globalDim[3]= {64,total_q,heads};
+	cuuint64_t dO_desc_globalStride[3]= {2,(int64_t)heads * 128,128};
+	cuuint32_t dO_desc_boxDim[3]= {64,64,1};
+	cuuint32_t dO_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave dO_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle dO_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion dO_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill dO_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult dO_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &dO_desc, dO_desc_type, dO_desc_tensorRank, dO_desc_globalAddress, dO_desc_globalDim, dO_desc_globalStride + 1, dO_desc_boxDim, dO_desc_elementStrides, dO_desc_interleave, dO_desc_swizzle, dO_desc_l2Promotion, dO_desc_oobFill);
+
+	if (dO_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor dO_desc");
+		return -1;
+	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -703,9 +518,9 @@ extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call(bfloat16_t* __re
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(heads_k, batch, max_kblocks);
-		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 117760;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, batch, batch_plus_one, causal, groups, heads, heads_k, max_kblocks, scale_log2, tile_tokens, total_k, total_q);
+		config.blockDim = dim3(384, 1, 1);
+		config.dynamicSmemBytes = 67072;
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel, K_desc, Q_desc, Stats_desc, V_desc, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dV, batch, batch_plus_one, causal, groups, heads_k, max_kblocks, scale_log2, total_k);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel");
 

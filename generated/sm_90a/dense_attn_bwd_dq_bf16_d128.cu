@@ -10,7 +10,7 @@
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy.h>
+#include <tl_templates/cuda/copy_sm90.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -20,515 +20,487 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_q);
+extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* rowlim = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 33792));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 50176));
-  void* dS_s = ((void*)((char*)buf_dyn_shmem + 66560));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 65536));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 98304));
+  __shared__ __align__(16) uint64_t mbarrier_mem[10];
+  auto mbarrier = reinterpret_cast<Barrier*>(mbarrier_mem);
   float lse_r[2];
   float delta_r[2];
   float acc_dq[64];
   float acc_s[32];
   float acc_dp[32];
+  bfloat16_t ds_cast[32];
+  if (tl::tl_shuffle_elect<0>()) {
+    tl::prefetch_tma_descriptor(Q_desc);
+    tl::prefetch_tma_descriptor(dO_desc);
+    tl::prefetch_tma_descriptor(K_desc);
+    tl::prefetch_tma_descriptor(V_desc);
+  }
+  if (tl::tl_shuffle_elect<0>()) {
+    mbarrier[0].init(1);
+    mbarrier[1].init(1);
+    mbarrier[2].init(1);
+    mbarrier[3].init(1);
+    mbarrier[4].init(256);
+    mbarrier[5].init(256);
+    mbarrier[6].init(256);
+    mbarrier[7].init(256);
+    mbarrier[8].init(1);
+    mbarrier[9].init(1);
+  }
+  tl::fence_barrier_init();
+  __syncthreads();
   int condval;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval = cu_seqlens_q[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval = 0;
   }
   int q0 = condval;
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
-  int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-  } else {
-    condval_3 = 0;
-  }
-  int len_k = (condval_3 - k0);
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_2 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_3 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      uint4 condval_4;
-      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
-      }
-      *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
-      bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod_8 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_9 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_10 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_4 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_11 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_5 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      uint4 condval_5;
-      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_4 : (rdiv_4 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) < total_q))) {
-        int64_t rmod_12 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_13 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_14 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_15 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        condval_5 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)groups) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rmod_14 : (rmod_14 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rdiv_7 : (rdiv_7 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
-      }
-      *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
-    }
-    #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
-      float condval_6;
-      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int rmod_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        float condval_7;
-        if (((((0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_16)) || ((groups < 0) && (rmod_16 <= 0))) ? rdiv_8 : (rdiv_8 - 1)))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads))) {
-          int64_t rmod_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-          int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-          condval_7 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rmod_22 : (rmod_22 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)))];
-        } else {
-          condval_7 = 0x0p+0f/*0.000000e+00*/;
-        }
-        condval_6 = (condval_7 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
-      } else {
-        condval_6 = -CUDART_INF_F;
-      }
-      lse_r[i_1] = condval_6;
-      int rmod_24 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-      int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      float condval_8;
-      if ((((((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_24)) || ((groups < 0) && (rmod_24 <= 0))) ? rdiv_12 : (rdiv_12 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads))) {
-        int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-        int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-        condval_8 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rmod_30 : (rmod_30 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))];
-      } else {
-        condval_8 = 0x0p+0f/*0.000000e+00*/;
-      }
-      delta_r[i_1] = condval_8;
-    }
-    if (((int)threadIdx.x) < 64) {
-      int condval_9;
-      if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int condval_10;
-        if ((causal != 0)) {
-          int rmod_32 = (((int)threadIdx.x) % groups);
-          int rdiv_16 = (((int)threadIdx.x) / groups);
-          condval_10 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1))) - len_q), (len_k - 1));
-        } else {
-          condval_10 = (len_k - 1);
-        }
-        condval_9 = condval_10;
-      } else {
-        condval_9 = -1;
-      }
-      ((int*)rowlim)[((int)threadIdx.x)] = condval_9;
-    }
-    #pragma unroll
-    for (int i_2 = 0; i_2 < 16; ++i_2) {
-      float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_dq + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
-    }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    int condval_11;
-    if ((causal != 0)) {
-      condval_11 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_11 = ((len_k + 63) >> 6);
-    }
-    if (0 < condval_11) {
+  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + condval_1) + 128) - condval_2) - (max_tiles * 128))), 0);
+  if (0 < n_tok) {
+    if (tl::tl_shuffle_elect<384>()) {
+      mbarrier[8].arrive_and_expect_tx(32768);
       #pragma unroll
-      for (int i_3 = 0; i_3 < 8; ++i_3) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= (((i_3 * 8) + (((int)threadIdx.x) >> 4)) + k0))) && ((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= (((i_3 * 8) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i = 0; i < 2; ++i) {
+        tl::tma_load(Q_desc, mbarrier[8], (&(((bfloat16_t*)Q_s)[(i * 8192)])), (i * 64), ((((max_tiles * 128) + q0) - (((int)blockIdx.x) * 128)) - 128), ((int)blockIdx.y));
       }
-      tl::cp_async_commit();
+      mbarrier[9].arrive_and_expect_tx(32768);
       #pragma unroll
-      for (int i_4 = 0; i_4 < 8; ++i_4) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_4 * 8) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= (((i_4 * 8) + (((int)threadIdx.x) >> 4)) + k0))) && ((((i_4 * 8) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= (((i_4 * 8) + (((int)threadIdx.x) >> 4)) + k0))));
-      }
-      tl::cp_async_commit();
-    }
-    int condval_12;
-    if ((causal != 0)) {
-      condval_12 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_12 = ((len_k + 63) >> 6);
-    }
-    for (int blk = 0; blk < (condval_12 - 1); ++blk) {
-      #pragma unroll
-      for (int i_5 = 0; i_5 < 8; ++i_5) {
-        float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
-      }
-      tl::cp_async_wait<0>();
-      __syncthreads();
-      {
-        tl::GmmaDescriptor desc_a;
-        tl::GmmaDescriptor desc_b;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki = 0; ki < 8; ++ki) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-      int condval_13;
-      if ((causal != 0)) {
-        condval_13 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
-      } else {
-        condval_13 = len_k;
-      }
-      if (((blk * 64) + 64) <= condval_13) {
-        #pragma unroll
-        for (int i_6 = 0; i_6 < 16; ++i_6) {
-          float2 __1;
-          float2 __2;
-            float2 __3;
-              float2 v_ = *(float2*)(acc_s + (i_6 * 2));
-              float2 v__1 = make_float2(scale_log2, scale_log2);
-              __3.x = (v_.x*v__1.x);
-              __3.y = (v_.y*v__1.y);
-            float2 v__2 = make_float2(lse_r[(i_6 & 1)], lse_r[(i_6 & 1)]);
-            __2.x = (__3.x-v__2.x);
-            __2.y = (__3.y-v__2.y);
-          __1.x = exp2f(__2.x);
-          __1.y = exp2f(__2.y);
-          *(float2*)(acc_s + (i_6 * 2)) = __1;
-        }
-      } else {
-        #pragma unroll
-        for (int i_7 = 0; i_7 < 32; ++i_7) {
-          float condval_14;
-          if (((((((blk * 64) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))]) && (lse_r[((i_7 & 3) >> 1)] != -CUDART_INF_F))) {
-            condval_14 = exp2f(((acc_s[i_7] * scale_log2) - lse_r[((i_7 & 3) >> 1)]));
-          } else {
-            condval_14 = 0x0p+0f/*0.000000e+00*/;
-          }
-          acc_s[i_7] = condval_14;
-        }
-      }
-      #pragma unroll
-      for (int i_8 = 0; i_8 < 8; ++i_8) {
-        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_8 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
-      }
-      tl::cp_async_wait<1>();
-      __syncthreads();
-      {
-        tl::GmmaDescriptor desc_a_1;
-        tl::GmmaDescriptor desc_b_1;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)dO_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-        tl::warpgroup_arrive();
-        #pragma unroll
-        for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-      }
-      __syncthreads();
-      #pragma unroll
-      for (int i_9 = 0; i_9 < 8; ++i_9) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_9 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_9) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((blk * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && ((((((blk * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-      }
-      tl::cp_async_commit();
-      __syncthreads();
-      #pragma unroll
-      for (int i_10 = 0; i_10 < 16; ++i_10) {
-        bfloat16_t dS_s_local_cast[2];
-        uint1 __4;
-        float2 __5;
-          float2 v__3 = *(float2*)(acc_s + (i_10 * 2));
-          float2 __6;
-            float2 v__4 = *(float2*)(acc_dp + (i_10 * 2));
-            float2 v__5 = make_float2(delta_r[(i_10 & 1)], delta_r[(i_10 & 1)]);
-            __6.x = (v__4.x-v__5.x);
-            __6.y = (v__4.y-v__5.y);
-          __5.x = (v__3.x*__6.x);
-          __5.y = (v__3.y*__6.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_s_local_cast + 0) = __4;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_10 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_10 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_10 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
-      }
-      {
-        tl::GmmaDescriptor desc_a_2;
-        tl::GmmaDescriptor desc_b_2;
-        __syncthreads();
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)dS_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), ((uint32_t*)(acc_dq + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-      }
-      __syncthreads();
-      #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_11) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && ((((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-      }
-      tl::cp_async_commit();
-    }
-    int condval_15;
-    if ((causal != 0)) {
-      condval_15 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_15 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_15) {
-      #pragma unroll
-      for (int i_12 = 0; i_12 < 8; ++i_12) {
-        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_12 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+      for (int i_1 = 0; i_1 < 2; ++i_1) {
+        tl::tma_load(dO_desc, mbarrier[9], (&(((bfloat16_t*)dO_s)[(i_1 * 8192)])), (i_1 * 64), ((((max_tiles * 128) + q0) - (((int)blockIdx.x) * 128)) - 128), ((int)blockIdx.y));
       }
     }
-    tl::cp_async_wait<0>();
     __syncthreads();
-    int condval_16;
-    if ((causal != 0)) {
-      condval_16 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_16 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_16) {
-      {
-        tl::GmmaDescriptor desc_a_3;
-        tl::GmmaDescriptor desc_b_3;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_3, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), uint64_t(desc_b_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-      int condval_17;
-      if ((causal != 0)) {
-        condval_17 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+    if (((int)threadIdx.x) < 128) {
+      tl::warpgroup_reg_dealloc<24>();
+      int condval_3;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_3 = cu_seqlens_k[((int)blockIdx.z)];
       } else {
-        condval_17 = ((len_k + 63) >> 6);
+        condval_3 = 0;
+      }
+      int k0 = condval_3;
+      int condval_4;
+      if ((causal != 0)) {
+        int condval_5;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_5 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_5 = 0;
+        }
+        int condval_6;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_6 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_6 = 0;
+        }
+        int condval_7;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_7 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_7 = 0;
+        }
+        int condval_8;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_8 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_8 = 0;
+        }
+        int condval_9;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_9 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_9 = 0;
+        }
+        int condval_10;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_10 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_10 = 0;
+        }
+        int condval_11;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_11 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_11 = 0;
+        }
+        int condval_12;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_12 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_12 = 0;
+        }
+        condval_4 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_5) + 128) - condval_6) - (max_tiles * 128))), 0)) + condval_7) + condval_8) - condval_9) - condval_10) - (((int)blockIdx.x) * 128)) - 128), (condval_11 - condval_12)), 0) + 63) >> 6);
+      } else {
+        int condval_13;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_13 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_13 = 0;
+        }
+        int condval_14;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_14 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_14 = 0;
+        }
+        condval_4 = (((condval_13 + 63) - condval_14) >> 6);
+      }
+      int n_blk = condval_4;
+      for (int blk = 0; blk < n_blk; ++blk) {
+        mbarrier[((blk & 1) + 4)].wait((((blk & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[(blk & 1)].arrive_and_expect_tx(16384);
+          #pragma unroll
+          for (int i_2 = 0; i_2 < 2; ++i_2) {
+            int rmod = (((int)blockIdx.y) % groups);
+            int rdiv = (((int)blockIdx.y) / groups);
+            tl::tma_load(K_desc, mbarrier[(blk & 1)], (&(((bfloat16_t*)K_s)[(((blk & 1) * 8192) + (i_2 * 4096))])), (i_2 * 64), ((blk * 64) + k0), ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)));
+          }
+        }
+        mbarrier[((blk & 1) + 6)].wait((((blk & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[((blk & 1) + 2)].arrive_and_expect_tx(16384);
+          #pragma unroll
+          for (int i_3 = 0; i_3 < 2; ++i_3) {
+            int rmod_1 = (((int)blockIdx.y) % groups);
+            int rdiv_1 = (((int)blockIdx.y) / groups);
+            tl::tma_load(V_desc, mbarrier[((blk & 1) + 2)], (&(((bfloat16_t*)V_s)[(((blk & 1) * 8192) + (i_3 * 4096))])), (i_3 * 64), ((blk * 64) + k0), ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)));
+          }
+        }
+      }
+    } else {
+      tl::warpgroup_reg_alloc<240>();
+      #pragma unroll
+      for (int i_4 = 0; i_4 < 2; ++i_4) {
+        float condval_15;
+        if ((((((((int)threadIdx.x) >> 5) * 16) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64))) {
+          float condval_16;
+          if (((192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128))) && (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (q_pad + 192)))) {
+            condval_16 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_4) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)];
+          } else {
+            condval_16 = 0x0p+0f/*0.000000e+00*/;
+          }
+          condval_15 = condval_16;
+        } else {
+          condval_15 = -CUDART_INF_F;
+        }
+        lse_r[i_4] = condval_15;
+        float condval_17;
+        if ((((((((((int)threadIdx.x) >> 5) * 16) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64)) && (192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)))) && (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (q_pad + 192)))) {
+          condval_17 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_4) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((((int64_t)heads) + ((int64_t)((int)blockIdx.y))) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)];
+        } else {
+          condval_17 = 0x0p+0f/*0.000000e+00*/;
+        }
+        delta_r[i_4] = condval_17;
+      }
+      #pragma unroll
+      for (int i_5 = 0; i_5 < 16; ++i_5) {
+        float broadcast_var = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dq + (i_5 * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
       }
       int condval_18;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_18 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_18 = 0;
+      }
+      int condval_19;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_19 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_19 = 0;
+      }
+      int len_k = (condval_18 - condval_19);
+      int condval_20;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_20 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_20 = 0;
+      }
+      int condval_21;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_21 = cu_seqlens_q[((int)blockIdx.z)];
+      } else {
+        condval_21 = 0;
+      }
+      int condval_22;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_22 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_22 = 0;
+      }
+      int condval_23;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_23 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_23 = 0;
+      }
+      int p0 = (((((((max_tiles * 128) + condval_20) + condval_21) - condval_22) - condval_23) - (((int)blockIdx.x) * 128)) - 128);
+      int condval_24;
       if ((causal != 0)) {
-        condval_18 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
+        int condval_25;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_25 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_25 = 0;
+        }
+        int condval_26;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_26 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_26 = 0;
+        }
+        int condval_27;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_27 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_27 = 0;
+        }
+        int condval_28;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_28 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_28 = 0;
+        }
+        int condval_29;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_29 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_29 = 0;
+        }
+        int condval_30;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_30 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_30 = 0;
+        }
+        int condval_31;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_31 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_31 = 0;
+        }
+        int condval_32;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_32 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_32 = 0;
+        }
+        condval_24 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_25) + 128) - condval_26) - (max_tiles * 128))), 0)) + condval_27) + condval_28) - condval_29) - condval_30) - (((int)blockIdx.x) * 128)) - 128), (condval_31 - condval_32)), 0) + 63) >> 6);
       } else {
-        condval_18 = len_k;
+        int condval_33;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_33 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_33 = 0;
+        }
+        int condval_34;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_34 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_34 = 0;
+        }
+        condval_24 = (((condval_33 + 63) - condval_34) >> 6);
       }
-      if ((condval_17 * 64) <= condval_18) {
+      int n_blk_1 = condval_24;
+      int condval_35;
+      if ((causal != 0)) {
+        int condval_36;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_36 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_36 = 0;
+        }
+        int condval_37;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_37 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_37 = 0;
+        }
+        int condval_38;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_38 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_38 = 0;
+        }
+        int condval_39;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_39 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_39 = 0;
+        }
+        int condval_40;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_40 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_40 = 0;
+        }
+        int condval_41;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_41 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_41 = 0;
+        }
+        condval_35 = (max(min((((((((max_tiles * 128) + condval_36) + condval_37) - condval_38) - condval_39) - (((int)blockIdx.x) * 128)) - 127), (condval_40 - condval_41)), 0) >> 6);
+      } else {
+        int condval_42;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_42 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_42 = 0;
+        }
+        int condval_43;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_43 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_43 = 0;
+        }
+        condval_35 = ((condval_42 - condval_43) >> 6);
+      }
+      int n_full = condval_35;
+      for (int blk_1 = 0; blk_1 < n_blk_1; ++blk_1) {
         #pragma unroll
-        for (int i_13 = 0; i_13 < 16; ++i_13) {
-          float2 __7;
+        for (int i_6 = 0; i_6 < 8; ++i_6) {
+          float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_6 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+        }
+        if (blk_1 == 0) {
+          mbarrier[8].wait(0);
+        }
+        mbarrier[(blk_1 & 1)].wait(((blk_1 & 3) >> 1));
+        {
+          tl::GmmaDescriptor desc_a;
+          tl::GmmaDescriptor desc_b;
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b, ((blk_1 & 1) * 16384));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki = 0; ki < 8; ++ki) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + (((((ki >> 2) * 16384) + ((((((int)threadIdx.x) >> 7) + 1) & 1) * 8192)) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_wait<0>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
+        }
+        #pragma unroll
+        for (int i_7 = 0; i_7 < 8; ++i_7) {
+          float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_dp + (i_7 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+        }
+        if (blk_1 == 0) {
+          mbarrier[9].wait(0);
+        }
+        mbarrier[((blk_1 & 1) + 2)].wait(((blk_1 & 3) >> 1));
+        {
+          tl::GmmaDescriptor desc_a_1;
+          tl::GmmaDescriptor desc_b_1;
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)dO_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b_1, ((blk_1 & 1) * 16384));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 64);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + (((((ki_1 >> 2) * 16384) + ((((((int)threadIdx.x) >> 7) + 1) & 1) * 8192)) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_wait<0>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 64);
+        }
+        mbarrier[((blk_1 & 1) + 6)].arrive();
+        if (blk_1 < n_full) {
+          #pragma unroll
+          for (int i_8 = 0; i_8 < 16; ++i_8) {
+            uint1 __1;
+            float2 __2;
+              float2 __3;
+              float2 __4;
+                float2 __5;
+                  float2 v_ = *(float2*)(acc_s + (i_8 * 2));
+                  float2 v__1 = make_float2(scale_log2, scale_log2);
+                  __5.x = (v_.x*v__1.x);
+                  __5.y = (v_.y*v__1.y);
+                float2 v__2 = make_float2(lse_r[(i_8 & 1)], lse_r[(i_8 & 1)]);
+                __4.x = (__5.x-v__2.x);
+                __4.y = (__5.y-v__2.y);
+              __3.x = exp2f(__4.x);
+              __3.y = exp2f(__4.y);
+              float2 __6;
+                float2 v__3 = *(float2*)(acc_dp + (i_8 * 2));
+                float2 v__4 = make_float2(delta_r[(i_8 & 1)], delta_r[(i_8 & 1)]);
+                __6.x = (v__3.x-v__4.x);
+                __6.y = (v__3.y-v__4.y);
+              __2.x = (__3.x*__6.x);
+              __2.y = (__3.y*__6.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&__2))[0]);
+            *(uint1*)(ds_cast + (i_8 * 2)) = __1;
+          }
+        } else {
+          #pragma unroll
+          for (int i_9 = 0; i_9 < 32; ++i_9) {
+            float condval_44;
+            if ((((((((blk_1 * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < len_k) && ((causal == 0) || ((((((blk_1 * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) + 64) <= (((((((int)threadIdx.x) >> 5) * 16) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0)))) && (lse_r[((i_9 & 3) >> 1)] != -CUDART_INF_F))) {
+              condval_44 = (exp2f(((acc_s[i_9] * scale_log2) - lse_r[((i_9 & 3) >> 1)])) * (acc_dp[i_9] - delta_r[((i_9 & 3) >> 1)]));
+            } else {
+              condval_44 = 0x0p+0f/*0.000000e+00*/;
+            }
+            ds_cast[i_9] = ((bfloat16_t)condval_44);
+          }
+        }
+        {
+          tl::GmmaDescriptor desc_b_2;
+          tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b_2, ((blk_1 & 1) * 16384));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(ds_cast + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 128);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(ds_cast + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dq + 0), 1);
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_wait<0>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(ds_cast + 0), 16);
+        }
+        mbarrier[((blk_1 & 1) + 4)].arrive();
+      }
+      #pragma unroll
+      for (int i_10 = 0; i_10 < 32; ++i_10) {
+        bfloat16_t dQ_local_cast[2];
+        if (((((((int)threadIdx.x) >> 5) * 16) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64)) {
+          uint1 __7;
           float2 __8;
-            float2 __9;
-              float2 v__6 = *(float2*)(acc_s + (i_13 * 2));
-              float2 v__7 = make_float2(scale_log2, scale_log2);
-              __9.x = (v__6.x*v__7.x);
-              __9.y = (v__6.y*v__7.y);
-            float2 v__8 = make_float2(lse_r[(i_13 & 1)], lse_r[(i_13 & 1)]);
-            __8.x = (__9.x-v__8.x);
-            __8.y = (__9.y-v__8.y);
-          __7.x = exp2f(__8.x);
-          __7.y = exp2f(__8.y);
-          *(float2*)(acc_s + (i_13 * 2)) = __7;
-        }
-      } else {
-        #pragma unroll
-        for (int i_14 = 0; i_14 < 32; ++i_14) {
-          int condval_20;
-          if ((causal != 0)) {
-            condval_20 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-          } else {
-            condval_20 = ((len_k + 63) >> 6);
-          }
-          float condval_19;
-          if (((((((condval_20 * 64) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_14 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64)) && (lse_r[((i_14 & 3) >> 1)] != -CUDART_INF_F))) {
-            condval_19 = exp2f(((acc_s[i_14] * scale_log2) - lse_r[((i_14 & 3) >> 1)]));
-          } else {
-            condval_19 = 0x0p+0f/*0.000000e+00*/;
-          }
-          acc_s[i_14] = condval_19;
-        }
-      }
-      #pragma unroll
-      for (int i_15 = 0; i_15 < 8; ++i_15) {
-        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_15 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
-      }
-    }
-    tl::cp_async_wait<1>();
-    __syncthreads();
-    int condval_21;
-    if ((causal != 0)) {
-      condval_21 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_21 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_21) {
-      {
-        tl::GmmaDescriptor desc_a_4;
-        tl::GmmaDescriptor desc_b_4;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_4, (&(((bfloat16_t*)dO_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-      }
-    }
-    __syncthreads();
-    int condval_22;
-    if ((causal != 0)) {
-      condval_22 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_22 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_22) {
-      #pragma unroll
-      for (int i_16 = 0; i_16 < 16; ++i_16) {
-        bfloat16_t dS_s_local_cast_1[2];
-        uint1 __10;
-        float2 __11;
-          float2 v__9 = *(float2*)(acc_s + (i_16 * 2));
-          float2 __12;
-            float2 v__10 = *(float2*)(acc_dp + (i_16 * 2));
-            float2 v__11 = make_float2(delta_r[(i_16 & 1)], delta_r[(i_16 & 1)]);
-            __12.x = (v__10.x-v__11.x);
-            __12.y = (v__10.y-v__11.y);
-          __11.x = (v__9.x*__12.x);
-          __11.y = (v__9.y*__12.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
-        *(uint1*)(dS_s_local_cast_1 + 0) = __10;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_16 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_16 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_16 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_16 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
-      }
-    }
-    __syncthreads();
-    int condval_23;
-    if ((causal != 0)) {
-      condval_23 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_23 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_23) {
-      {
-        tl::GmmaDescriptor desc_a_5;
-        tl::GmmaDescriptor desc_b_5;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_5, (&(((bfloat16_t*)dS_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_5, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(uint64_t(desc_a_5 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), ((uint32_t*)(acc_dq + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-      }
-    }
-    #pragma unroll
-    for (int i_17 = 0; i_17 < 32; ++i_17) {
-      bfloat16_t dQ_local_cast_2[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        uint1 __13;
-        float2 __14;
-          float2 v__12 = *(float2*)(acc_dq + (i_17 * 2));
-          float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-          __14.x = (v__12.x*v__13.x);
-          __14.y = (v__12.y*v__13.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
-        *(uint1*)(dQ_local_cast_2 + 0) = __13;
-        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
-              }
+            float2 v__5 = *(float2*)(acc_dq + (i_10 * 2));
+            float2 v__6 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+            __8.x = (v__5.x*v__6.x);
+            __8.y = (v__5.y*v__6.y);
+          (reinterpret_cast<__nv_bfloat162*>(&__7))[0] = __float22bfloat162_rn(((float2*)(&__8))[0]);
+          *(uint1*)(dQ_local_cast + 0) = __7;
+          if (192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128))) {
+            if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 192)) {
+              *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
             }
           }
         }
@@ -555,16 +527,100 @@ extern "C" const char* infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_last_error() {
 extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 74752);
+    cudaError_t result_infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 131072);
     if (result_infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 74752, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 131072, cudaGetErrorString(result_infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dQ, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ Stats, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dQ, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int q_pad, int batch_plus_one, cudaStream_t stream) {
+
+	CUtensorMap K_desc;
+	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t K_desc_tensorRank= 3;
+	void *K_desc_globalAddress= K;
+	cuuint64_t K_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t K_desc_boxDim[3]= {64,64,1};
+	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
+
+	if (K_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
+		return -1;
+	}
+
+	CUtensorMap Q_desc;
+	CUtensorMapDataType Q_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t Q_desc_tensorRank= 3;
+	void *Q_desc_globalAddress= Q;
+	cuuint64_t Q_desc_globalDim[3]= {128,total_q,heads};
+	cuuint64_t Q_desc_globalStride[3]= {2,(int64_t)heads * 256,256};
+	cuuint32_t Q_desc_boxDim[3]= {64,128,1};
+	cuuint32_t Q_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave Q_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle Q_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion Q_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill Q_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult Q_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &Q_desc, Q_desc_type, Q_desc_tensorRank, Q_desc_globalAddress, Q_desc_globalDim, Q_desc_globalStride + 1, Q_desc_boxDim, Q_desc_elementStrides, Q_desc_interleave, Q_desc_swizzle, Q_desc_l2Promotion, Q_desc_oobFill);
+
+	if (Q_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor Q_desc");
+		return -1;
+	}
+
+	CUtensorMap V_desc;
+	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t V_desc_tensorRank= 3;
+	void *V_desc_globalAddress= V;
+	cuuint64_t V_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t V_desc_boxDim[3]= {64,64,1};
+	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
+
+	if (V_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
+		return -1;
+	}
+
+	CUtensorMap dO_desc;
+	CUtensorMapDataType dO_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t dO_desc_tensorRank= 3;
+	void *dO_desc_globalAddress= dO;
+	cuuint64_t dO_desc_globalDim[3]= {128,total_q,heads};
+	cuuint64_t dO_desc_globalStride[3]= {2,(int64_t)heads * 256,256};
+	cuuint32_t dO_desc_boxDim[3]= {64,128,1};
+	cuuint32_t dO_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave dO_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle dO_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion dO_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill dO_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult dO_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &dO_desc, dO_desc_type, dO_desc_tensorRank, dO_desc_globalAddress, dO_desc_globalDim, dO_desc_globalStride + 1, dO_desc_boxDim, dO_desc_elementStrides, dO_desc_interleave, dO_desc_swizzle, dO_desc_l2Promotion, dO_desc_oobFill);
+
+	if (dO_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor dO_desc");
+		return -1;
+	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -574,10 +630,10 @@ extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call(bfloat16_t* __res
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_tiles, batch, heads_k);
-		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 74752;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dO, dQ, batch, batch_plus_one, causal, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, total_k, total_q);
+		config.gridDim = dim3(max_tiles, heads, batch);
+		config.blockDim = dim3(384, 1, 1);
+		config.dynamicSmemBytes = 131072;
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel, K_desc, Q_desc, Stats, V_desc, cu_seqlens_k, cu_seqlens_q, dO_desc, dQ, batch, batch_plus_one, causal, groups, heads, max_tiles, q_pad, scale_log2, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel");
 

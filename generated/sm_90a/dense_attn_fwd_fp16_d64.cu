@@ -10,7 +10,7 @@
 #include <tl_templates/cuda/instruction/wgmma.h>
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy.h>
+#include <tl_templates/cuda/copy_sm90.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -20,519 +20,503 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel(const half_t* __restrict__ K, float* __restrict__ LSE, half_t* __restrict__ O, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel(const half_t* __restrict__ K, float* __restrict__ LSE, half_t* __restrict__ O, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, half_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_q);
+extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, half_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* rowlim = ((void*)((char*)buf_dyn_shmem + 8192));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 9216));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 17408));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 65536));
+  __shared__ __align__(16) uint64_t mbarrier_mem[9];
+  auto mbarrier = reinterpret_cast<Barrier*>(mbarrier_mem);
   float acc_o[32];
   float l_sum[2];
   float m_cur[2];
-  float acc_s[32];
+  float acc_s[64];
   float m_prev[2];
+  float m_cur_clear[2];
   float m_safe[2];
   float r_scale[2];
   float r_sum[2];
-  half_t acc_s_cast[32];
-  float m_cur_clear[2];
-  float m_cur_clear_1[2];
+  half_t acc_s_cast[64];
+  if (tl::tl_shuffle_elect<0>()) {
+    tl::prefetch_tma_descriptor(Q_desc);
+    tl::prefetch_tma_descriptor(K_desc);
+    tl::prefetch_tma_descriptor(V_desc);
+  }
+  if (tl::tl_shuffle_elect<0>()) {
+    mbarrier[0].init(1);
+    mbarrier[1].init(1);
+    mbarrier[2].init(1);
+    mbarrier[3].init(1);
+    mbarrier[4].init(256);
+    mbarrier[5].init(256);
+    mbarrier[6].init(256);
+    mbarrier[7].init(256);
+    mbarrier[8].init(1);
+  }
+  tl::fence_barrier_init();
+  __syncthreads();
   int condval;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval = cu_seqlens_q[((int)blockIdx.y)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval = 0;
   }
   int q0 = condval;
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
-  int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-  } else {
-    condval_3 = 0;
-  }
-  int len_k = (condval_3 - k0);
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_1 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rmod_2 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      int rmod_3 = (((i * 16) + (((int)threadIdx.x) >> 3)) % groups);
-      int rdiv_1 = (((i * 16) + (((int)threadIdx.x) >> 3)) / groups);
-      uint4 condval_4;
-      if ((((((((i * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-        condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + condval_1) + 128) - condval_2) - (max_tiles * 128))), 0);
+  if (0 < n_tok) {
+    if (tl::tl_shuffle_elect<384>()) {
+      mbarrier[8].arrive_and_expect_tx(16384);
+      tl::tma_load(Q_desc, mbarrier[8], (&(((half_t*)Q_s)[0])), 0, ((((max_tiles * 128) + q0) - (((int)blockIdx.x) * 128)) - 128), ((int)blockIdx.y));
+    }
+    __syncthreads();
+    if (((int)threadIdx.x) < 128) {
+      tl::warpgroup_reg_dealloc<24>();
+      int condval_3;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_3 = cu_seqlens_k[((int)blockIdx.z)];
       } else {
-        condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+        condval_3 = 0;
       }
-      *(uint4*)(((half_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
-    }
-    if (((int)threadIdx.x) < 64) {
-      int condval_5;
-      if ((((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int condval_6;
-        if ((causal != 0)) {
-          int rmod_8 = (((int)threadIdx.x) % groups);
-          int rdiv_4 = (((int)threadIdx.x) / groups);
-          condval_6 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) - len_q), (len_k - 1));
-        } else {
-          condval_6 = (len_k - 1);
-        }
-        condval_5 = condval_6;
-      } else {
-        condval_5 = -1;
-      }
-      ((int*)rowlim)[((int)threadIdx.x)] = condval_5;
-    }
-    #pragma unroll
-    for (int i_1 = 0; i_1 < 8; ++i_1) {
-      float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_o + (i_1 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
-    }
-    float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-    *(float2*)(l_sum + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-    float broadcast_var_3 = -CUDART_INF_F;
-    *(float2*)(m_cur + 0) = make_float2(broadcast_var_3, broadcast_var_3);
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    int condval_7;
-    if ((causal != 0)) {
-      condval_7 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_7 = ((len_k + 63) >> 6);
-    }
-    if (0 < condval_7) {
-      #pragma unroll
-      for (int i_2 = 0; i_2 < 4; ++i_2) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_2 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_2) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_2 * 16) + (((int)threadIdx.x) >> 3)) + k0))));
-      }
-      tl::cp_async_commit();
-      #pragma unroll
-      for (int i_3 = 0; i_3 < 4; ++i_3) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_3) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= (((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0))) && ((((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= (((i_3 * 16) + (((int)threadIdx.x) >> 3)) + k0))));
-      }
-      tl::cp_async_commit();
-    }
-    int condval_8;
-    if ((causal != 0)) {
-      condval_8 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_8 = ((len_k + 63) >> 6);
-    }
-    for (int blk = 0; blk < (condval_8 - 1); ++blk) {
-      __syncthreads();
-      int condval_9;
+      int k0 = condval_3;
+      int condval_4;
       if ((causal != 0)) {
-        condval_9 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
-      } else {
-        condval_9 = len_k;
-      }
-      if (((blk * 64) + 64) <= condval_9) {
-        #pragma unroll
-        for (int i_4 = 0; i_4 < 8; ++i_4) {
-          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_4 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+        int condval_5;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_5 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_5 = 0;
         }
+        int condval_6;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_6 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_6 = 0;
+        }
+        int condval_7;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_7 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_7 = 0;
+        }
+        int condval_8;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_8 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_8 = 0;
+        }
+        int condval_9;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_9 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_9 = 0;
+        }
+        int condval_10;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_10 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_10 = 0;
+        }
+        int condval_11;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_11 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_11 = 0;
+        }
+        int condval_12;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_12 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_12 = 0;
+        }
+        condval_4 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_5) + 128) - condval_6) - (max_tiles * 128))), 0)) + condval_7) + condval_8) - condval_9) - condval_10) - (((int)blockIdx.x) * 128)) - 128), (condval_11 - condval_12)), 0) + 127) >> 7);
       } else {
+        int condval_13;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_13 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_13 = 0;
+        }
+        int condval_14;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_14 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_14 = 0;
+        }
+        condval_4 = (((condval_13 + 127) - condval_14) >> 7);
+      }
+      int n_blk = condval_4;
+      for (int blk = 0; blk < n_blk; ++blk) {
+        mbarrier[((blk & 1) + 4)].wait((((blk & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[(blk & 1)].arrive_and_expect_tx(16384);
+          int rmod = (((int)blockIdx.y) % groups);
+          int rdiv = (((int)blockIdx.y) / groups);
+          tl::tma_load(K_desc, mbarrier[(blk & 1)], (&(((half_t*)K_s)[((blk & 1) * 8192)])), 0, ((blk * 128) + k0), ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)));
+        }
+        mbarrier[((blk & 1) + 6)].wait((((blk & 3) >> 1) ^ 1));
+        if (tl::tl_shuffle_elect<128>()) {
+          mbarrier[((blk & 1) + 2)].arrive_and_expect_tx(16384);
+          int rmod_1 = (((int)blockIdx.y) % groups);
+          int rdiv_1 = (((int)blockIdx.y) / groups);
+          tl::tma_load(V_desc, mbarrier[((blk & 1) + 2)], (&(((half_t*)V_s)[((blk & 1) * 8192)])), 0, ((blk * 128) + k0), ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)));
+        }
+      }
+    } else {
+      tl::warpgroup_reg_alloc<240>();
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float broadcast_var = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_o + (i * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
+      }
+      float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
+      *(float2*)(l_sum + 0) = make_float2(broadcast_var_1, broadcast_var_1);
+      float broadcast_var_2 = -CUDART_INF_F;
+      *(float2*)(m_cur + 0) = make_float2(broadcast_var_2, broadcast_var_2);
+      int condval_15;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_15 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_15 = 0;
+      }
+      int condval_16;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_16 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_16 = 0;
+      }
+      int len_k = (condval_15 - condval_16);
+      int condval_17;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_17 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_17 = 0;
+      }
+      int condval_18;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_18 = cu_seqlens_q[((int)blockIdx.z)];
+      } else {
+        condval_18 = 0;
+      }
+      int condval_19;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_19 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_19 = 0;
+      }
+      int condval_20;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_20 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_20 = 0;
+      }
+      int p0 = (((((((max_tiles * 128) + condval_17) + condval_18) - condval_19) - condval_20) - (((int)blockIdx.x) * 128)) - 128);
+      int condval_21;
+      if ((causal != 0)) {
+        int condval_22;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_22 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_22 = 0;
+        }
+        int condval_23;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_23 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_23 = 0;
+        }
+        int condval_24;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_24 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_24 = 0;
+        }
+        int condval_25;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_25 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_25 = 0;
+        }
+        int condval_26;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_26 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_26 = 0;
+        }
+        int condval_27;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_27 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_27 = 0;
+        }
+        int condval_28;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_28 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_28 = 0;
+        }
+        int condval_29;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_29 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_29 = 0;
+        }
+        condval_21 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_22) + 128) - condval_23) - (max_tiles * 128))), 0)) + condval_24) + condval_25) - condval_26) - condval_27) - (((int)blockIdx.x) * 128)) - 128), (condval_28 - condval_29)), 0) + 127) >> 7);
+      } else {
+        int condval_30;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_30 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_30 = 0;
+        }
+        int condval_31;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_31 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_31 = 0;
+        }
+        condval_21 = (((condval_30 + 127) - condval_31) >> 7);
+      }
+      int n_blk_1 = condval_21;
+      int condval_32;
+      if ((causal != 0)) {
+        int condval_33;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_33 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_33 = 0;
+        }
+        int condval_34;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_34 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_34 = 0;
+        }
+        int condval_35;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_35 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_35 = 0;
+        }
+        int condval_36;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_36 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_36 = 0;
+        }
+        int condval_37;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_37 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_37 = 0;
+        }
+        int condval_38;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_38 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_38 = 0;
+        }
+        condval_32 = (max(min((((((((max_tiles * 128) + condval_33) + condval_34) - condval_35) - condval_36) - (((int)blockIdx.x) * 128)) - 127), (condval_37 - condval_38)), 0) >> 7);
+      } else {
+        int condval_39;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_39 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_39 = 0;
+        }
+        int condval_40;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_40 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_40 = 0;
+        }
+        condval_32 = ((condval_39 - condval_40) >> 7);
+      }
+      int n_full = condval_32;
+      for (int blk_1 = 0; blk_1 < n_blk_1; ++blk_1) {
+        if (blk_1 < n_full) {
+          #pragma unroll
+          for (int i_1 = 0; i_1 < 16; ++i_1) {
+            float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_s + (i_1 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+          }
+        } else {
+          #pragma unroll
+          for (int i_2 = 0; i_2 < 64; ++i_2) {
+            float condval_41;
+            if (((((((blk_1 * 128) + ((i_2 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_2 & 1)) < len_k) && ((causal == 0) || ((((((blk_1 * 128) + ((i_2 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_2 & 1)) + 64) <= (((((((int)threadIdx.x) >> 5) * 16) + (((i_2 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0))))) {
+              condval_41 = 0x0p+0f/*0.000000e+00*/;
+            } else {
+              condval_41 = -CUDART_INF_F;
+            }
+            acc_s[i_2] = condval_41;
+          }
+        }
+        if (blk_1 == 0) {
+          mbarrier[8].wait(0);
+        }
+        mbarrier[(blk_1 & 1)].wait(((blk_1 & 3) >> 1));
+        {
+          tl::GmmaDescriptor desc_a;
+          tl::GmmaDescriptor desc_b;
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)Q_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b, ((blk_1 & 1) * 16384));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 128);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki = 0; ki < 4; ++ki) {
+            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 128, 16, false, false, 1, 1>(uint64_t(desc_a + ((((((((int)threadIdx.x) >> 7) + 1) & 1) * 8192) + (ki * 32)) >> 4)), uint64_t(desc_b + ((ki * 32) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_wait<0>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 128);
+        }
+        mbarrier[((blk_1 & 1) + 4)].arrive();
+        *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
+        #pragma unroll
+        for (int i_3 = 0; i_3 < 2; ++i_3) {
+          m_cur_clear[i_3] = -CUDART_INF_F;
+          #pragma unroll
+          for (int rv = 0; rv < 32; ++rv) {
+            m_cur_clear[i_3] = max(m_cur_clear[i_3], acc_s[((((rv & 15) * 4) + (i_3 * 2)) + (rv >> 4))]);
+          }
+          m_cur_clear[i_3] = tl::AllReduce<tl::MaxOp, 4, 1, 128, tl::NamedBarrier<256>>::run(m_cur_clear[i_3]);
+          m_cur[i_3] = max(m_cur[i_3], m_cur_clear[i_3]);
+        }
+        #pragma unroll
+        for (int i_4 = 0; i_4 < 2; ++i_4) {
+          float condval_42;
+          if ((m_cur[i_4] == -CUDART_INF_F)) {
+            condval_42 = 0x0p+0f/*0.000000e+00*/;
+          } else {
+            condval_42 = m_cur[i_4];
+          }
+          m_safe[i_4] = condval_42;
+          r_scale[i_4] = exp2f(((m_prev[i_4] - m_safe[i_4]) * scale_log2));
+        }
         #pragma unroll
         for (int i_5 = 0; i_5 < 32; ++i_5) {
-          float condval_10;
-          if ((((((blk * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) <= ((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))])) {
-            condval_10 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_10 = -CUDART_INF_F;
+          float2 __1;
+          float2 __2;
+            float2 __3;
+              float2 v_ = *(float2*)(acc_s + (i_5 * 2));
+              float2 v__1 = make_float2(scale_log2, scale_log2);
+              __3.x = (v_.x*v__1.x);
+              __3.y = (v_.y*v__1.y);
+            float2 v__2 = make_float2((m_safe[(i_5 & 1)] * scale_log2), (m_safe[(i_5 & 1)] * scale_log2));
+            __2.x = (__3.x-v__2.x);
+            __2.y = (__3.y-v__2.y);
+          __1.x = exp2f(__2.x);
+          __1.y = exp2f(__2.y);
+          *(float2*)(acc_s + (i_5 * 2)) = __1;
+        }
+        #pragma unroll
+        for (int i_6 = 0; i_6 < 2; ++i_6) {
+          r_sum[i_6] = 0x0p+0f/*0.000000e+00*/;
+          #pragma unroll
+          for (int rv_1 = 0; rv_1 < 32; ++rv_1) {
+            r_sum[i_6] = (r_sum[i_6] + acc_s[((((rv_1 & 15) * 4) + (i_6 * 2)) + (rv_1 >> 4))]);
           }
-          acc_s[i_5] = condval_10;
+          r_sum[i_6] = tl::AllReduce<tl::SumOp, 4, 1, 128, tl::NamedBarrier<256>>::run(r_sum[i_6]);
         }
-      }
-      tl::cp_async_wait<1>();
-      __syncthreads();
-      {
-        tl::GmmaDescriptor desc_a;
-        tl::GmmaDescriptor desc_b;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
+        float2 __4;
+          float2 __5;
+            float2 v__3 = *(float2*)(l_sum + 0);
+            float2 v__4 = *(float2*)(r_scale + 0);
+            __5.x = (v__3.x*v__4.x);
+            __5.y = (v__3.y*v__4.y);
+          float2 v__5 = *(float2*)(r_sum + 0);
+          __4.x = (__5.x+v__5.x);
+          __4.y = (__5.y+v__5.y);
+        *(float2*)(l_sum + 0) = __4;
         #pragma unroll
-        for (int ki = 0; ki < 4; ++ki) {
-          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + ((ki * 32) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+        for (int i_7 = 0; i_7 < 16; ++i_7) {
+          uint2 __6;
+          float4 v__6 = *(float4*)(acc_s + (i_7 * 4));
+          ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
+          ((half2*)(&__6))[1] = __float22half2_rn(((float2*)(&v__6))[1]);
+          *(uint2*)(acc_s_cast + (i_7 * 4)) = __6;
         }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-      __syncthreads();
-      #pragma unroll
-      for (int i_6 = 0; i_6 < 4; ++i_6) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_6 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_6) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_6 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
-      }
-      tl::cp_async_commit();
-      *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-      #pragma unroll
-      for (int i_7 = 0; i_7 < 2; ++i_7) {
-        m_cur_clear[i_7] = -CUDART_INF_F;
         #pragma unroll
-        for (int rv = 0; rv < 16; ++rv) {
-          m_cur_clear[i_7] = max(m_cur_clear[i_7], acc_s[((((rv & 7) * 4) + (i_7 * 2)) + (rv >> 3))]);
+        for (int i_8 = 0; i_8 < 16; ++i_8) {
+          float2 __7;
+            float2 v__7 = *(float2*)(acc_o + (i_8 * 2));
+            float2 v__8 = make_float2(r_scale[(i_8 & 1)], r_scale[(i_8 & 1)]);
+            __7.x = (v__7.x*v__8.x);
+            __7.y = (v__7.y*v__8.y);
+          *(float2*)(acc_o + (i_8 * 2)) = __7;
         }
-        m_cur_clear[i_7] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_7]);
-        m_cur[i_7] = max(m_cur[i_7], m_cur_clear[i_7]);
-      }
-      #pragma unroll
-      for (int i_8 = 0; i_8 < 2; ++i_8) {
-        float condval_11;
-        if ((m_cur[i_8] == -CUDART_INF_F)) {
-          condval_11 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_11 = m_cur[i_8];
+        mbarrier[((blk_1 & 1) + 2)].wait(((blk_1 & 3) >> 1));
+        {
+          tl::GmmaDescriptor desc_b_1;
+          tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_1, (&(((half_t*)V_s)[0])));
+          tl::increase_descriptor_offset<int>(desc_b_1, ((blk_1 & 1) * 16384));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+            tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_1 * 8)), uint64_t(desc_b_1 + ((ki_1 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_wait<0>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 32);
         }
-        m_safe[i_8] = condval_11;
-        r_scale[i_8] = exp2f(((m_prev[i_8] - m_safe[i_8]) * scale_log2));
+        mbarrier[((blk_1 & 1) + 6)].arrive();
       }
       #pragma unroll
       for (int i_9 = 0; i_9 < 16; ++i_9) {
-        float2 __1;
-        float2 __2;
-          float2 __3;
-            float2 v_ = *(float2*)(acc_s + (i_9 * 2));
-            float2 v__1 = make_float2(m_safe[(i_9 & 1)], m_safe[(i_9 & 1)]);
-            __3.x = (v_.x-v__1.x);
-            __3.y = (v_.y-v__1.y);
-          float2 v__2 = make_float2(scale_log2, scale_log2);
-          __2.x = (__3.x*v__2.x);
-          __2.y = (__3.y*v__2.y);
-        __1.x = exp2f(__2.x);
-        __1.y = exp2f(__2.y);
-        *(float2*)(acc_s + (i_9 * 2)) = __1;
-      }
-      #pragma unroll
-      for (int i_10 = 0; i_10 < 2; ++i_10) {
-        r_sum[i_10] = 0x0p+0f/*0.000000e+00*/;
-        #pragma unroll
-        for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-          r_sum[i_10] = (r_sum[i_10] + acc_s[((((rv_1 & 7) * 4) + (i_10 * 2)) + (rv_1 >> 3))]);
-        }
-        r_sum[i_10] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_10]);
-      }
-      float2 __4;
-        float2 __5;
-          float2 v__3 = *(float2*)(l_sum + 0);
-          float2 v__4 = *(float2*)(r_scale + 0);
-          __5.x = (v__3.x*v__4.x);
-          __5.y = (v__3.y*v__4.y);
-        float2 v__5 = *(float2*)(r_sum + 0);
-        __4.x = (__5.x+v__5.x);
-        __4.y = (__5.y+v__5.y);
-      *(float2*)(l_sum + 0) = __4;
-      #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
-        uint2 __6;
-        float4 v__6 = *(float4*)(acc_s + (i_11 * 4));
-        ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
-        ((half2*)(&__6))[1] = __float22half2_rn(((float2*)(&v__6))[1]);
-        *(uint2*)(acc_s_cast + (i_11 * 4)) = __6;
-      }
-      #pragma unroll
-      for (int i_12 = 0; i_12 < 16; ++i_12) {
-        float2 __7;
-          float2 v__7 = *(float2*)(acc_o + (i_12 * 2));
-          float2 v__8 = make_float2(r_scale[(i_12 & 1)], r_scale[(i_12 & 1)]);
-          __7.x = (v__7.x*v__8.x);
-          __7.y = (v__7.y*v__8.y);
-        *(float2*)(acc_o + (i_12 * 2)) = __7;
-      }
-      tl::cp_async_wait<1>();
-      __syncthreads();
-      {
-        tl::GmmaDescriptor desc_b_1;
-        tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_1, (&(((half_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-          tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_1 * 8)), uint64_t(desc_b_1 + ((ki_1 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 32);
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-      }
-      __syncthreads();
-      #pragma unroll
-      for (int i_13 = 0; i_13 < 4; ++i_13) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_13 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_13) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) + (int64_t)64) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((((blk * 64) + (i_13 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k) && (-64 <= ((((blk * 64) + (i_13 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && ((((((blk * 64) + (i_13 * 16)) + (((int)threadIdx.x) >> 3)) + k0) + 64) < total_k)) && (-64 <= ((((blk * 64) + (i_13 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
-      }
-      tl::cp_async_commit();
-    }
-    __syncthreads();
-    int condval_12;
-    if ((causal != 0)) {
-      condval_12 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_12 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_12) {
-      int condval_13;
-      if ((causal != 0)) {
-        condval_13 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-      } else {
-        condval_13 = ((len_k + 63) >> 6);
-      }
-      int condval_14;
-      if ((causal != 0)) {
-        condval_14 = min((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q), len_k);
-      } else {
-        condval_14 = len_k;
-      }
-      if ((condval_13 * 64) <= condval_14) {
-        #pragma unroll
-        for (int i_14 = 0; i_14 < 8; ++i_14) {
-          float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_14 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
-        }
-      } else {
-        #pragma unroll
-        for (int i_15 = 0; i_15 < 32; ++i_15) {
-          int condval_16;
-          if ((causal != 0)) {
-            condval_16 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
+        half_t O_local_cast[2];
+        if (((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64)) {
+          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+          uint1 __8;
+          float2 condval_43;
+          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_9 & 1)])) {
+            float2 __9;
+              float2 v__9 = *(float2*)(acc_o + (i_9 * 2));
+              float2 v__10 = make_float2(l_sum[(i_9 & 1)], l_sum[(i_9 & 1)]);
+              __9.x = (v__9.x/v__10.x);
+              __9.y = (v__9.y/v__10.y);
+            condval_43 = __9;
           } else {
-            condval_16 = ((len_k + 63) >> 6);
+            condval_43 = make_float2(broadcast_var_4, broadcast_var_4);
           }
-          float condval_15;
-          if ((((((condval_16 * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) <= (((int*)rowlim)[((((((int)threadIdx.x) >> 5) * 16) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2))] + 64))) {
-            condval_15 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_15 = -CUDART_INF_F;
-          }
-          acc_s[i_15] = condval_15;
-        }
-      }
-    }
-    tl::cp_async_wait<1>();
-    __syncthreads();
-    int condval_17;
-    if ((causal != 0)) {
-      condval_17 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_17 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_17) {
-      {
-        tl::GmmaDescriptor desc_a_1;
-        tl::GmmaDescriptor desc_b_2;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((half_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((ki_2 * 32) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-      *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-      #pragma unroll
-      for (int i_16 = 0; i_16 < 2; ++i_16) {
-        m_cur_clear_1[i_16] = -CUDART_INF_F;
-        #pragma unroll
-        for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-          m_cur_clear_1[i_16] = max(m_cur_clear_1[i_16], acc_s[((((rv_2 & 7) * 4) + (i_16 * 2)) + (rv_2 >> 3))]);
-        }
-        m_cur_clear_1[i_16] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_16]);
-        m_cur[i_16] = max(m_cur[i_16], m_cur_clear_1[i_16]);
-      }
-      #pragma unroll
-      for (int i_17 = 0; i_17 < 2; ++i_17) {
-        float condval_18;
-        if ((m_cur[i_17] == -CUDART_INF_F)) {
-          condval_18 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_18 = m_cur[i_17];
-        }
-        m_safe[i_17] = condval_18;
-        r_scale[i_17] = exp2f(((m_prev[i_17] - m_safe[i_17]) * scale_log2));
-      }
-      #pragma unroll
-      for (int i_18 = 0; i_18 < 16; ++i_18) {
-        float2 __8;
-        float2 __9;
-          float2 __10;
-            float2 v__9 = *(float2*)(acc_s + (i_18 * 2));
-            float2 v__10 = make_float2(m_safe[(i_18 & 1)], m_safe[(i_18 & 1)]);
-            __10.x = (v__9.x-v__10.x);
-            __10.y = (v__9.y-v__10.y);
-          float2 v__11 = make_float2(scale_log2, scale_log2);
-          __9.x = (__10.x*v__11.x);
-          __9.y = (__10.y*v__11.y);
-        __8.x = exp2f(__9.x);
-        __8.y = exp2f(__9.y);
-        *(float2*)(acc_s + (i_18 * 2)) = __8;
-      }
-      #pragma unroll
-      for (int i_19 = 0; i_19 < 2; ++i_19) {
-        r_sum[i_19] = 0x0p+0f/*0.000000e+00*/;
-        #pragma unroll
-        for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-          r_sum[i_19] = (r_sum[i_19] + acc_s[((((rv_3 & 7) * 4) + (i_19 * 2)) + (rv_3 >> 3))]);
-        }
-        r_sum[i_19] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_19]);
-      }
-      float2 __11;
-        float2 __12;
-          float2 v__12 = *(float2*)(l_sum + 0);
-          float2 v__13 = *(float2*)(r_scale + 0);
-          __12.x = (v__12.x*v__13.x);
-          __12.y = (v__12.y*v__13.y);
-        float2 v__14 = *(float2*)(r_sum + 0);
-        __11.x = (__12.x+v__14.x);
-        __11.y = (__12.y+v__14.y);
-      *(float2*)(l_sum + 0) = __11;
-      #pragma unroll
-      for (int i_20 = 0; i_20 < 8; ++i_20) {
-        uint2 __13;
-        float4 v__15 = *(float4*)(acc_s + (i_20 * 4));
-        ((half2*)(&__13))[0] = __float22half2_rn(((float2*)(&v__15))[0]);
-        ((half2*)(&__13))[1] = __float22half2_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_20 * 4)) = __13;
-      }
-      #pragma unroll
-      for (int i_21 = 0; i_21 < 16; ++i_21) {
-        float2 __14;
-          float2 v__16 = *(float2*)(acc_o + (i_21 * 2));
-          float2 v__17 = make_float2(r_scale[(i_21 & 1)], r_scale[(i_21 & 1)]);
-          __14.x = (v__16.x*v__17.x);
-          __14.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_21 * 2)) = __14;
-      }
-    }
-    tl::cp_async_wait<0>();
-    __syncthreads();
-    int condval_19;
-    if ((causal != 0)) {
-      condval_19 = ((max(min((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q), len_k), 0) + 63) >> 6);
-    } else {
-      condval_19 = ((len_k + 63) >> 6);
-    }
-    if (1 <= condval_19) {
-      {
-        tl::GmmaDescriptor desc_b_3;
-        tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((half_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-          tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 32);
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-      }
-    }
-    #pragma unroll
-    for (int i_22 = 0; i_22 < 16; ++i_22) {
-      half_t O_local_cast[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        uint1 __15;
-        float2 condval_20;
-        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_22 & 1)])) {
-          float2 __16;
-            float2 v__18 = *(float2*)(acc_o + (i_22 * 2));
-            float2 v__19 = make_float2(l_sum[(i_22 & 1)], l_sum[(i_22 & 1)]);
-            __16.x = (v__18.x/v__19.x);
-            __16.y = (v__18.y/v__19.y);
-          condval_20 = __16;
-        } else {
-          condval_20 = make_float2(broadcast_var_6, broadcast_var_6);
-        }
-        ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&condval_20))[0]);
-        *(uint1*)(O_local_cast + 0) = __15;
-        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_22) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
-              }
+          ((half2*)(&__8))[0] = __float22half2_rn(((float2*)(&condval_43))[0]);
+          *(uint1*)(O_local_cast + 0) = __8;
+          if (192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128))) {
+            if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 192)) {
+              *(uint1*)(O + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_9) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
             }
           }
         }
       }
-    }
-    if ((((int)threadIdx.x) % 4) == 0) {
-      #pragma unroll
-      for (int i_23 = 0; i_23 < 2; ++i_23) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-          if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
-                  float condval_21;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_23])) {
-                    condval_21 = (((m_cur[i_23] * scale_log2) + log2f(l_sum[i_23])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
-                  } else {
-                    condval_21 = -CUDART_INF_F;
-                  }
-                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_21;
+      if ((((int)threadIdx.x) % 4) == 0) {
+        #pragma unroll
+        for (int i_10 = 0; i_10 < 2; ++i_10) {
+          if (((((((int)threadIdx.x) >> 5) * 16) + (i_10 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64)) {
+            if (192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_10 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128))) {
+              if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_10 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 192)) {
+                float condval_44;
+                if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_10])) {
+                  condval_44 = (((m_cur[i_10] * scale_log2) + log2f(l_sum[i_10])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                } else {
+                  condval_44 = -CUDART_INF_F;
                 }
+                LSE[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_10) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)total_q))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)] = condval_44;
               }
             }
           }
@@ -560,16 +544,79 @@ extern "C" const char* infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error() {
 extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 25600);
+    cudaError_t result_infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 81920);
     if (result_infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 25600, cudaGetErrorString(result_infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 81920, cudaGetErrorString(result_infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ O, float* __restrict__ LSE, int batch, int max_tiles, int groups, int tile_tokens, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ O, float* __restrict__ LSE, int batch, int max_tiles, int groups, int causal, float scale_log2, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, cudaStream_t stream) {
+
+	CUtensorMap K_desc;
+	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)6;
+	cuuint32_t K_desc_tensorRank= 3;
+	void *K_desc_globalAddress= K;
+	cuuint64_t K_desc_globalDim[3]= {64,total_k,heads_k};
+	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 128,128};
+	cuuint32_t K_desc_boxDim[3]= {64,128,1};
+	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
+
+	if (K_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
+		return -1;
+	}
+
+	CUtensorMap Q_desc;
+	CUtensorMapDataType Q_desc_type= (CUtensorMapDataType)6;
+	cuuint32_t Q_desc_tensorRank= 3;
+	void *Q_desc_globalAddress= Q;
+	cuuint64_t Q_desc_globalDim[3]= {64,total_q,heads};
+	cuuint64_t Q_desc_globalStride[3]= {2,(int64_t)heads * 128,128};
+	cuuint32_t Q_desc_boxDim[3]= {64,128,1};
+	cuuint32_t Q_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave Q_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle Q_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion Q_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill Q_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult Q_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &Q_desc, Q_desc_type, Q_desc_tensorRank, Q_desc_globalAddress, Q_desc_globalDim, Q_desc_globalStride + 1, Q_desc_boxDim, Q_desc_elementStrides, Q_desc_interleave, Q_desc_swizzle, Q_desc_l2Promotion, Q_desc_oobFill);
+
+	if (Q_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor Q_desc");
+		return -1;
+	}
+
+	CUtensorMap V_desc;
+	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)6;
+	cuuint32_t V_desc_tensorRank= 3;
+	void *V_desc_globalAddress= V;
+	cuuint64_t V_desc_globalDim[3]= {64,total_k,heads_k};
+	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 128,128};
+	cuuint32_t V_desc_boxDim[3]= {64,128,1};
+	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
+
+	if (V_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
+		return -1;
+	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -579,10 +626,10 @@ extern "C" int infllmv2_dense_attn_fwd_fp16_d64_sm90a_call(half_t* __restrict__ 
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_tiles, batch, heads_k);
-		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 25600;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel, K, LSE, O, Q, V, cu_seqlens_k, cu_seqlens_q, batch, batch_plus_one, causal, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, total_k, total_q);
+		config.gridDim = dim3(max_tiles, heads, batch);
+		config.blockDim = dim3(384, 1, 1);
+		config.dynamicSmemBytes = 81920;
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel, K_desc, LSE, O, Q_desc, V_desc, cu_seqlens_k, cu_seqlens_q, batch, batch_plus_one, causal, groups, heads, max_tiles, scale_log2, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_fwd_fp16_d64_sm90a_kernel");
 
