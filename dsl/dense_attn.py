@@ -34,6 +34,7 @@ import math
 import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
+from dsl.sparse_attn import row_dots
 
 OP = "dense_attn"
 NVCC_FLAGS = EXP_NVCC_FLAGS
@@ -216,13 +217,7 @@ def _bwd_preprocess(dtype, D):
         with T.Kernel(T.ceildiv(q_pad, PRE_ROWS), heads, threads=128) as (bx, h):
             prod = T.alloc_fragment([PRE_ROWS, D], accum)
             delta = T.alloc_fragment([PRE_ROWS], accum)
-            for r, d in T.Parallel(PRE_ROWS, D):
-                prod[r, d] = T.if_then_else(
-                    bx * PRE_ROWS + r < total_q,
-                    T.cast(O[bx * PRE_ROWS + r, h, d], accum) * T.cast(dO[bx * PRE_ROWS + r, h, d], accum),
-                    0,
-                )
-            T.reduce_sum(prod, delta, dim=1)
+            row_dots(O, dO, bx * PRE_ROWS, h, total_q, prod, delta)
             for r in T.Parallel(PRE_ROWS):
                 p = bx * PRE_ROWS + r
                 if p < q_pad:

@@ -352,6 +352,15 @@ def _fwd(dtype, D, arch):
     return sparse_attn_fwd
 
 
+@T.macro
+def row_dots(O, dO, row0, h, total_q, prod, delta):
+    """delta[r] = dO[row0 + r, h] . O[row0 + r, h] in fp32 (0 past total_q), prod its scratch."""
+    for r, d in T.Parallel(prod.shape[0], prod.shape[1]):
+        prod[r, d] = T.if_then_else(
+            row0 + r < total_q, T.cast(O[row0 + r, h, d], "float32") * T.cast(dO[row0 + r, h, d], "float32"), 0)
+    T.reduce_sum(prod, delta, dim=1)
+
+
 def _bwd_preprocess(dtype, D, arch):
     accum = "float32"
     total_q = T.dynamic("total_q")
@@ -367,13 +376,7 @@ def _bwd_preprocess(dtype, D, arch):
         with T.Kernel(T.ceildiv(total_q, ROWS), heads, threads=128) as (bx, h):
             prod = T.alloc_fragment([ROWS, D], accum)
             delta = T.alloc_fragment([ROWS], accum)
-            for r, d in T.Parallel(ROWS, D):
-                prod[r, d] = T.if_then_else(
-                    bx * ROWS + r < total_q,
-                    T.cast(O[bx * ROWS + r, h, d], accum) * T.cast(dO[bx * ROWS + r, h, d], accum),
-                    0,
-                )
-            T.reduce_sum(prod, delta, dim=1)
+            row_dots(O, dO, bx * ROWS, h, total_q, prod, delta)
             for r in T.Parallel(ROWS):
                 if bx * ROWS + r < total_q:
                     Delta[h, bx * ROWS + r] = delta[r]
