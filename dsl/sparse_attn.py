@@ -417,7 +417,8 @@ def _bwd_dq(dtype, D, arch):
             dO_s = T.alloc_shared([BLOCK_M, D], dtype)
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            dS_s = T.alloc_shared([BLOCK_M, BLOCK_N], dtype)
+            # dS stays in registers as the A operand of dS.K (no shared round trip, no barrier)
+            dS_r = T.alloc_fragment([BLOCK_M, BLOCK_N], dtype)
             idx_s = T.alloc_shared([TK], "int32")
             keep_s = T.alloc_shared([TK], "int32")
             ublk_s = T.alloc_shared([TK], "int32")
@@ -485,8 +486,8 @@ def _bwd_dq(dtype, D, arch):
                     T.clear(acc_dp)
                     T.gemm(dO_s, V_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                        dS_s[r, c] = T.cast(acc_s[r, c] * (acc_dp[r, c] - delta_r[r]), dtype)
-                    T.gemm(dS_s, K_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                        dS_r[r, c] = T.cast(acc_s[r, c] * (acc_dp[r, c] - delta_r[r]), dtype)
+                    T.gemm(dS_r, K_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
                 for r, d in T.Parallel(BLOCK_M, D):
                     if r < n_rows:
                         dQ[q0 + t0 + r // groups, hk * groups + r % groups, d] = T.cast(

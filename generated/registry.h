@@ -1188,16 +1188,16 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_bf16_d128", "sm_89", 89, 81920, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90, 90112, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90, 81920, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_bf16_d64", "sm_80", 80, 49152, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64", "sm_80", 80, 40960, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_bf16_d64", "sm_89", 89, 49152, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64", "sm_89", 89, 40960, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90, 57344, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90, 49152, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_fp16_d128", "sm_80", 80, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_last_error},
@@ -1206,16 +1206,16 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_fp16_d128", "sm_89", 89, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90, 90112, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90, 81920, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_fp16_d64", "sm_80", 80, 49152, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64", "sm_80", 80, 40960, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_fp16_d64", "sm_89", 89, 49152, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64", "sm_89", 89, 40960, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90, 57344, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90, 49152, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1800,16 +1800,16 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90112, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_90a", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_80", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_80", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_89", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_89", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_90a", 57344, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_90a", 49152, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_80", 81920, 128},
@@ -1818,16 +1818,16 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90112, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_90a", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_80", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_80", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_89", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_89", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_90a", 57344, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_90a", 49152, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 0, 128},

@@ -32,7 +32,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   void* ublk_s = ((void*)((char*)buf_dyn_shmem + 24576));
   void* umask_s = ((void*)((char*)buf_dyn_shmem + 28672));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* dS_s = ((void*)((char*)buf_dyn_shmem + 40960));
   float lse_r[2];
   float delta_r[2];
   int rtok[2];
@@ -42,6 +41,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   float acc_dq[32];
   float acc_s[32];
   float acc_dp[32];
+  bfloat16_t dS_r[32];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -368,10 +368,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[(((((i_11 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_11) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_3 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_11 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
-      __syncthreads();
       #pragma unroll
       for (int i_12 = 0; i_12 < 16; ++i_12) {
-        bfloat16_t dS_s_local_cast[2];
         uint1 __4;
         float2 __5;
           float2 v__3 = *(float2*)(acc_s + (i_12 * 2));
@@ -383,25 +381,22 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           __5.x = (v__3.x*__6.x);
           __5.y = (v__3.y*__6.y);
         (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_s_local_cast + 0) = __4;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_12 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_12 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
+        *(uint1*)(dS_r + (i_12 * 2)) = __4;
       }
       {
-        bfloat16_t A_local_2[8];
         bfloat16_t B_local_2[32];
-        __syncthreads();
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dS_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
           for (int i_13 = 0; i_13 < 4; ++i_13) {
             tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
           }
           for (int j_2 = 0; j_2 < 4; ++j_2) {
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_2 * 8)), reinterpret_cast<const unsigned*>(dS_r + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(dS_r + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
           }
         }
       }
+      __syncthreads();
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
@@ -421,17 +416,17 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     if (1 <= n_it) {
       {
-        bfloat16_t A_local_3[8];
+        bfloat16_t A_local_2[8];
         bfloat16_t B_local_3[32];
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
+          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
           for (int i_16 = 0; i_16 < 4; ++i_16) {
             tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((i_16 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_16 * 8)])));
           }
           for (int j_3 = 0; j_3 < 4; ++j_3) {
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_3 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_3 * 8) + 4)));
           }
         }
       }
@@ -479,26 +474,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     if (1 <= n_it) {
       {
-        bfloat16_t A_local_4[8];
+        bfloat16_t A_local_3[8];
         bfloat16_t B_local_4[32];
         for (int ki_4 = 0; ki_4 < 4; ++ki_4) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_4 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_4[0])));
+          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_4 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
           #pragma unroll
           for (int i_20 = 0; i_20 < 4; ++i_20) {
             tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((i_20 * 1024) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_4 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_20 * 8)])));
           }
           for (int j_4 = 0; j_4 < 4; ++j_4) {
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_4 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_4 * 8)));
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_4 + 0), reinterpret_cast<const unsigned*>(B_local_4 + ((j_4 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_4 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_4 + ((j_4 * 8) + 4)));
           }
         }
       }
     }
-    __syncthreads();
     if (1 <= n_it) {
       #pragma unroll
       for (int i_21 = 0; i_21 < 16; ++i_21) {
-        bfloat16_t dS_s_local_cast_1[2];
         uint1 __10;
         float2 __11;
           float2 v__9 = *(float2*)(acc_s + (i_21 * 2));
@@ -510,31 +503,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           __11.x = (v__9.x*__12.x);
           __11.y = (v__9.y*__12.y);
         (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
-        *(uint1*)(dS_s_local_cast_1 + 0) = __10;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_21 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_21 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_21 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_21 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
+        *(uint1*)(dS_r + (i_21 * 2)) = __10;
       }
     }
-    __syncthreads();
     if (1 <= n_it) {
       {
-        bfloat16_t A_local_5[8];
         bfloat16_t B_local_5[32];
         for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-          tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dS_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_5 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_5 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_5[0])));
           #pragma unroll
           for (int i_22 = 0; i_22 < 4; ++i_22) {
             tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((ki_5 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_22 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_22 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_22 * 8)])));
           }
           for (int j_5 = 0; j_5 < 4; ++j_5) {
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_5 + 0), reinterpret_cast<const unsigned*>(B_local_5 + (j_5 * 8)));
-            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_5 + 0), reinterpret_cast<const unsigned*>(B_local_5 + ((j_5 * 8) + 4)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_5 * 8)), reinterpret_cast<const unsigned*>(dS_r + (ki_5 * 8)), reinterpret_cast<const unsigned*>(B_local_5 + (j_5 * 8)));
+            tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(dS_r + (ki_5 * 8)), reinterpret_cast<const unsigned*>(B_local_5 + ((j_5 * 8) + 4)));
           }
         }
       }
     }
     #pragma unroll
     for (int i_23 = 0; i_23 < 16; ++i_23) {
-      bfloat16_t dQ_local_cast_2[2];
+      bfloat16_t dQ_local_cast[2];
       if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
         uint1 __13;
         float2 __14;
@@ -543,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           __14.x = (v__12.x*v__13.x);
           __14.y = (v__12.y*v__13.y);
         (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
-        *(uint1*)(dQ_local_cast_2 + 0) = __13;
+        *(uint1*)(dQ_local_cast + 0) = __13;
         int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
           int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
@@ -560,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
                 int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                 int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                 int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
               }
             }
           }
@@ -588,9 +577,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error() {
 extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 49152);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 40960);
     if (result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 49152, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 40960, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel));
         return -1;
     }
 
@@ -609,7 +598,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call(bfloat16_t* __rest
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 49152;
+		config.dynamicSmemBytes = 40960;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dO, dQ, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_kernel");

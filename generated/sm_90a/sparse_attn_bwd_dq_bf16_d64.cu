@@ -34,7 +34,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   void* keep_s = ((void*)((char*)buf_dyn_shmem + 24576));
   void* ublk_s = ((void*)((char*)buf_dyn_shmem + 32768));
   void* umask_s = ((void*)((char*)buf_dyn_shmem + 40960));
-  void* dS_s = ((void*)((char*)buf_dyn_shmem + 49152));
   float lse_r[2];
   float delta_r[2];
   int rtok[2];
@@ -44,6 +43,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   float acc_dq[32];
   float acc_s[32];
   float acc_dp[32];
+  bfloat16_t dS_r[32];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -371,10 +371,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[(((((i_9 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_9) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
-      __syncthreads();
       #pragma unroll
       for (int i_10 = 0; i_10 < 16; ++i_10) {
-        bfloat16_t dS_s_local_cast[2];
         uint1 __4;
         float2 __5;
           float2 v__3 = *(float2*)(acc_s + (i_10 * 2));
@@ -386,26 +384,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           __5.x = (v__3.x*__6.x);
           __5.y = (v__3.y*__6.y);
         (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_s_local_cast + 0) = __4;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_10 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_10 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_10 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast + 0);
+        *(uint1*)(dS_r + (i_10 * 2)) = __4;
       }
       {
-        tl::GmmaDescriptor desc_a_2;
         tl::GmmaDescriptor desc_b_2;
-        __syncthreads();
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)dS_s)[0])));
         tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 32);
         tl::warpgroup_arrive();
         tl::fence_proxy_async();
         #pragma unroll
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), ((uint32_t*)(acc_dq + 0)), 1);
+          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dS_r + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dq + 0), 1);
         }
         tl::warpgroup_commit_batch();
         tl::warpgroup_wait<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 32);
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
       }
+      __syncthreads();
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
@@ -425,16 +422,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     if (1 <= n_it) {
       {
-        tl::GmmaDescriptor desc_a_3;
+        tl::GmmaDescriptor desc_a_2;
         tl::GmmaDescriptor desc_b_3;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)Q_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)Q_s)[0])));
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_3, (&(((bfloat16_t*)K_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         tl::warpgroup_arrive();
         tl::fence_proxy_async();
         #pragma unroll
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((ki_3 * 32) >> 4)), uint64_t(desc_b_3 + ((ki_3 * 32) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((ki_3 * 32) >> 4)), uint64_t(desc_b_3 + ((ki_3 * 32) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
         }
         tl::warpgroup_commit_batch();
         tl::warpgroup_wait<0>();
@@ -484,27 +481,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     if (1 <= n_it) {
       {
-        tl::GmmaDescriptor desc_a_4;
+        tl::GmmaDescriptor desc_a_3;
         tl::GmmaDescriptor desc_b_4;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_4, (&(((bfloat16_t*)dO_s)[0])));
+        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)dO_s)[0])));
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)V_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
         tl::warpgroup_arrive();
         tl::fence_proxy_async();
         #pragma unroll
         for (int ki_4 = 0; ki_4 < 4; ++ki_4) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + ((ki_4 * 32) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
+          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + ((ki_4 * 32) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
         }
         tl::warpgroup_commit_batch();
         tl::warpgroup_wait<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
       }
     }
-    __syncthreads();
     if (1 <= n_it) {
       #pragma unroll
       for (int i_16 = 0; i_16 < 16; ++i_16) {
-        bfloat16_t dS_s_local_cast_1[2];
         uint1 __10;
         float2 __11;
           float2 v__9 = *(float2*)(acc_s + (i_16 * 2));
@@ -516,32 +511,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           __11.x = (v__9.x*__12.x);
           __11.y = (v__9.y*__12.y);
         (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
-        *(uint1*)(dS_s_local_cast_1 + 0) = __10;
-        *(uint1*)(((bfloat16_t*)dS_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_16 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_16 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_16 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_16 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dS_s_local_cast_1 + 0);
+        *(uint1*)(dS_r + (i_16 * 2)) = __10;
       }
     }
-    __syncthreads();
     if (1 <= n_it) {
       {
-        tl::GmmaDescriptor desc_a_5;
         tl::GmmaDescriptor desc_b_5;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_5, (&(((bfloat16_t*)dS_s)[0])));
         tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_5, (&(((bfloat16_t*)K_s)[0])));
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 32);
         tl::warpgroup_arrive();
         tl::fence_proxy_async();
         #pragma unroll
         for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(uint64_t(desc_a_5 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), ((uint32_t*)(acc_dq + 0)), 1);
+          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dS_r + (ki_5 * 8)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dq + 0), 1);
         }
         tl::warpgroup_commit_batch();
         tl::warpgroup_wait<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 32);
+        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
       }
     }
     #pragma unroll
     for (int i_17 = 0; i_17 < 16; ++i_17) {
-      bfloat16_t dQ_local_cast_2[2];
+      bfloat16_t dQ_local_cast[2];
       if (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
         uint1 __13;
         float2 __14;
@@ -550,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           __14.x = (v__12.x*v__13.x);
           __14.y = (v__12.y*v__13.y);
         (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
-        *(uint1*)(dQ_local_cast_2 + 0) = __13;
+        *(uint1*)(dQ_local_cast + 0) = __13;
         int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
           int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
@@ -567,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
                 int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                 int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                 int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
               }
             }
           }
@@ -595,9 +588,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error() {
 extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 57344);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 49152);
     if (result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 57344, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 49152, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel));
         return -1;
     }
 
@@ -616,7 +609,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call(bfloat16_t* __res
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 57344;
+		config.dynamicSmemBytes = 49152;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dO, dQ, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_kernel");
