@@ -13,8 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .ops import _check_int, _check_offsets, _check_tensor3, dense_attn_varlen, select_blocks, sparse_attn_varlen
-from .reference import _offsets
+from .ops import _check_int, _check_offsets, _check_tensor3, _max_seqlen, dense_attn_varlen, select_blocks, sparse_attn_varlen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,15 +106,6 @@ def _config(config) -> SparseConfig:
     return SparseConfig.from_dict(config)
 
 
-def _read_max_seqlen(cu, given, name, total):
-    """``given``, or the longest sequence of ``cu`` read on the host, which is then also checked
-    (the kernels below read nothing on the host once both lengths are known)."""
-    if given is not None:
-        return _check_int(given, name, 0)
-    offs = _offsets(cu, name.replace("max_seqlen", "cu_seqlens"), total)
-    return max(b - a for a, b in zip(offs, offs[1:]))
-
-
 def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, config=None,
               softmax_scale=None, punct_mask=None, return_lse=False):
     """InfLLM-V2 attention of packed varlen sequences, bottom-right causal.
@@ -134,8 +124,10 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor3(t, name)
     _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
-    max_seqlen_q = _read_max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.shape[0])
-    max_seqlen_k = _read_max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k", k.shape[0])
+    # the kernels below read nothing on the host once both lengths are known: offsets read here
+    # are checked
+    max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.shape[0])
+    max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k", k.shape[0])
     if max_seqlen_k < cfg.dense_len:
         if punct_mask is not None and not isinstance(punct_mask, torch.Tensor):
             raise ValueError("punct_mask must be a bool tensor of shape (total_k,) or None")

@@ -315,10 +315,15 @@ def _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k):
             raise ValueError(f"the group size heads/heads_k = {q.shape[1] // k.shape[1]} exceeds 64 on CUDA")
 
 
-def _max_seqlen(cu, given, name):
+def _max_seqlen(cu, given, name, total=None):
+    """``given`` (checked), or the longest sequence of ``cu``: one host read of the offsets (pass
+    max_seqlen_* to avoid it: torch.compile, CUDA graphs). With ``total`` (the tokens ``cu``
+    spans), the offsets read are also checked, for callers whose kernels then trust them."""
     if given is not None:
         return _check_int(given, name, 0)
-    # one host read of the offsets; pass max_seqlen_* to avoid it (torch.compile, CUDA graphs)
+    if total is not None:
+        offs = _offsets(cu, name.replace("max_seqlen", "cu_seqlens"), total)
+        return max(b - a for a, b in zip(offs, offs[1:]))
     return int((cu[1:] - cu[:-1]).max().item())
 
 
