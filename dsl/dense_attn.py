@@ -73,10 +73,6 @@ def _tiles(kernel, arch):
     return TILES["sm_90a" if arch.startswith("sm_90") else "other"][kernel]
 
 
-def pass_configs(kernel, dtype, head_dim, arch):
-    return {}
-
-
 def unit_constants(kernel, dtype, head_dim, arch):
     """What the host wrapper needs to size the grid: query rows (block_m) and keys (block_n) a tile."""
     if kernel == "bwd_preprocess":

@@ -69,9 +69,10 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
 
 namespace {
 // The backward's workspace: fp32 (2, heads, q_pad), log2(e) * lse and rowsum(dout * out), each
-// head's row padded to q_pad floats (a multiple of the preprocess unit's block_n) so that the
-// kernels can load row slices by TMA, which needs 16-byte aligned strides.
-int64_t stats_q_pad(int64_t total_q) { return (total_q + 3) / 4 * 4; }
+// head's row padded to q_pad floats so that the kernels can load row slices by TMA, which needs
+// 16-byte aligned strides. The kernels assume this padding (dsl/dense_attn.py Q_PAD).
+constexpr int64_t kStatsRowAlign = 4;
+int64_t stats_q_pad(int64_t total_q) { return (total_q + kStatsRowAlign - 1) / kStatsRowAlign * kStatsRowAlign; }
 }  // namespace
 
 extern "C" INFLLMV2_API size_t infllmv2_dense_attn_bwd_workspace_size(int64_t total_q, int32_t heads) {
