@@ -93,9 +93,8 @@ def unit_constants(kernel, arch, dtype=None, head_dim=None):
 
 
 def _dkdv_block_m(arch):
-    # sm_90a's 227 KB hold two 128-row groups (the prefetch buffer); 99 KB (sm_86/sm_89) one
-    # 64-row group
-    return 128 if _prefetch(arch) else BLOCK_M
+    # the rows of one warpgroup's wgmma on sm_90a (see _bwd_dkdv)
+    return BLOCK_M
 
 
 def variant_name(kernel, dtype=None, head_dim=None):
@@ -581,10 +580,15 @@ def _bwd_dkdv(dtype, D, arch):
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
     n_chunks = T.dynamic("n_chunks")
     words = T.dynamic("words")
-    # Two warpgroups on 128-row groups on sm_90a, as dense_attn's dK/dV: with four warpgroups
-    # on 64 rows every GEMM is an n16/n32 wgmma that rereads its A operand from shared memory.
+    # sm_90a: one warpgroup on 64-row groups, P^T and dS^T in its registers as the A operands
+    # of the dV and dK wgmma (H100, 32K x 8, this kernel alone: 123 -> 108 ms at G = 16, 134 ->
+    # 106 ms at G = 4). Two warpgroups on 128-row groups had split each GEMM's N between them,
+    # so both needed all of P^T and dS^T, which went through shared memory. Elsewhere eight
+    # warps share the 64 rows and P^T, dS^T go through shared memory: with one warpgroup ptxas
+    # needs all 255 registers (spilling on sm_80), and sm_89's 99 KB hold one block a SM.
     # A group is BM // G member tokens, independent of the scan's tiles, so small G fill it.
-    threads = 256
+    reg_operands = _prefetch(arch)
+    threads = 128 if reg_operands else 256
     BM = _dkdv_block_m(arch)
     SCAN_T = tile_tokens_max(arch)  # tokens a scanning thread checks (bits of a mask)
     QPC = MAP_CHUNK // SCAN_T  # scanning threads a map chunk
@@ -617,7 +621,7 @@ def _bwd_dkdv(dtype, D, arch):
                            predicate=tx < n_rows)
 
     @T.macro
-    def compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s, dsT_s,
+    def compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT, dsT,
                 acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
         T.clear(acc_sT)
         T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -638,11 +642,11 @@ def _bwd_dkdv(dtype, D, arch):
                 )
         T.clear(acc_dpT)
         T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.copy(acc_sT, pT_s)
+        T.copy(acc_sT, pT)
         for c, r in T.Parallel(BLOCK_N, BM):
-            dsT_s[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
-        T.gemm(pT_s, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
-        T.gemm(dsT_s, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+            dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+        T.gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
 
     @T.prim_func
     def sparse_attn_bwd_dkdv(
@@ -702,10 +706,12 @@ def _bwd_dkdv(dtype, D, arch):
             rhead_s = T.alloc_shared([BM], "int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BM], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BM], accum)
-            # P^T and dS^T go through shared memory: as register operands their layout would
-            # have to match both the score GEMM's output and the next GEMM's A operand.
-            pT_s = T.alloc_shared([BLOCK_N, BM], dtype)
-            dsT_s = T.alloc_shared([BLOCK_N, BM], dtype)
+            if reg_operands:
+                pT = T.alloc_fragment([BLOCK_N, BM], dtype)
+                dsT = T.alloc_fragment([BLOCK_N, BM], dtype)
+            else:
+                pT = T.alloc_shared([BLOCK_N, BM], dtype)
+                dsT = T.alloc_shared([BLOCK_N, BM], dtype)
             acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
             acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
 
@@ -805,15 +811,15 @@ def _bwd_dkdv(dtype, D, arch):
                             if prefetch:
                                 if m % 2 == 0:
                                     compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT_s, dsT_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
                                             delta_s0)
                                 else:
                                     compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT_s, dsT_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
                                             delta_s1)
                             else:
-                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT_s,
-                                        dsT_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
+                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
                             # the next step's prefetch overwrites this step's buffers
                             T.sync_threads()
                         T.sync_threads()

@@ -1078,7 +1078,7 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 94480, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 219664, 256, 0, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 109840, 128, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 61712, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
@@ -1087,7 +1087,7 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 61712, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 137744, 256, 0, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 60688, 128, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 94480, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
@@ -1096,7 +1096,7 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 94480, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 219664, 256, 1, 128, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 109840, 128, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 61712, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
@@ -1105,7 +1105,7 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 61712, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 137744, 256, 1, 64, 128, 128, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 60688, 128, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1764,7 +1764,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 94480, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 219664, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 109840, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 61712, 256},
@@ -1773,7 +1773,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 61712, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 137744, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 60688, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 94480, 256},
@@ -1782,7 +1782,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 94480, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 219664, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 109840, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 61712, 256},
@@ -1791,7 +1791,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 61712, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 137744, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 60688, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_80", 81920, 128},

@@ -28,8 +28,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 33280));
   void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 49664));
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 66048));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 74496));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 82688));
+  void* dsT = ((void*)((char*)buf_dyn_shmem + 74496));
+  void* pT = ((void*)((char*)buf_dyn_shmem + 82688));
   void* cflag_s = ((void*)((char*)buf_dyn_shmem + 90880));
   void* clist_s = ((void*)((char*)buf_dyn_shmem + 91904));
   void* flag_s = ((void*)((char*)buf_dyn_shmem + 92928));
@@ -488,17 +488,17 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           __syncthreads();
           #pragma unroll
           for (int i_12 = 0; i_12 < 8; ++i_12) {
-            half_t pT_s_local_cast[2];
+            half_t pT_local_cast[2];
             uint1 __5;
             float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
             ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
-            *(uint1*)(pT_s_local_cast + 0) = __5;
-            *(uint1*)(((half_t*)pT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_s_local_cast + 0);
+            *(uint1*)(pT_local_cast + 0) = __5;
+            *(uint1*)(((half_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
           }
           #pragma unroll
           for (int i_13 = 0; i_13 < 8; ++i_13) {
             float delta_s0_local_cast_2[2];
-            half_t dsT_s_local_cast_1[2];
+            half_t dsT_local_cast_1[2];
             *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
             uint1 __6;
             float2 __7;
@@ -511,15 +511,15 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               __7.x = (v__5.x*__8.x);
               __7.y = (v__5.y*__8.y);
             ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
-            *(uint1*)(dsT_s_local_cast_1 + 0) = __6;
-            *(uint1*)(((half_t*)dsT_s) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_1 + 0);
+            *(uint1*)(dsT_local_cast_1 + 0) = __6;
+            *(uint1*)(((half_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
           }
           {
             half_t A_local_2[8];
             half_t B_local_2[32];
             __syncthreads();
             for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-              tl::ptx_ldmatrix_x4((&(((half_t*)pT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
+              tl::ptx_ldmatrix_x4((&(((half_t*)pT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
               #pragma unroll
               for (int i_14 = 0; i_14 < 4; ++i_14) {
                 tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
@@ -534,7 +534,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             half_t A_local_3[8];
             half_t B_local_3[32];
             for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-              tl::ptx_ldmatrix_x4((&(((half_t*)dsT_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
+              tl::ptx_ldmatrix_x4((&(((half_t*)dsT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
               #pragma unroll
               for (int i_15 = 0; i_15 < 4; ++i_15) {
                 tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_15 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_15 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));

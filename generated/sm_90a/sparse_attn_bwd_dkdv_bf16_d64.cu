@@ -21,29 +21,27 @@
 #endif
 
 extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 512));
+  void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
+  void* cflag_s = ((void*)((char*)buf_dyn_shmem + 512));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 1024));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 9216));
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 17408));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 34304));
-  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 34816));
-  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 51200));
-  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 67584));
-  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 83968));
-  void* dsT_s = ((void*)((char*)buf_dyn_shmem + 100352));
-  void* pT_s = ((void*)((char*)buf_dyn_shmem + 116736));
-  void* cflag_s = ((void*)((char*)buf_dyn_shmem + 133120));
-  void* clist_s = ((void*)((char*)buf_dyn_shmem + 134144));
-  void* flag_s = ((void*)((char*)buf_dyn_shmem + 135168));
-  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 136192));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 136704));
-  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 137216));
-  void* n_mem = ((void*)((char*)buf_dyn_shmem + 137728));
-  float acc_dk[16];
-  float acc_dv[16];
+  void* clist_s = ((void*)((char*)buf_dyn_shmem + 25856));
+  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 26368));
+  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 26624));
+  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 34816));
+  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 43008));
+  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 51200));
+  void* flag_s = ((void*)((char*)buf_dyn_shmem + 59392));
+  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 59904));
+  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 60160));
+  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 60416));
+  void* n_mem = ((void*)((char*)buf_dyn_shmem + 60672));
+  float acc_dk[32];
+  float acc_dv[32];
   int c_hit = 0;
   int n_hit = 0;
   int my_mask[1];
@@ -56,6 +54,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   int n_m = 0;
   float acc_sT[32];
   float acc_dpT[32];
+  bfloat16_t pT[32];
+  bfloat16_t dsT[32];
   int condval;
   if ((((int)blockIdx.z) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.z)];
@@ -85,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   }
   int len_k = (condval_3 - k0);
   if ((((int)blockIdx.x) * 64) < len_k) {
-    if (((int)threadIdx.x) < 128) {
+    if (((int)threadIdx.x) < 64) {
       int rmod = (((int)threadIdx.x) % groups);
       int rdiv = (((int)threadIdx.x) / groups);
       ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
@@ -93,34 +93,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.y) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
     }
     #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 4; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_4;
-      if (((((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      if (((((((((int)blockIdx.x) * 64) + (i * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 16)) + (((int)threadIdx.x) >> 3)) + k0)))) {
+        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
         condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)K_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((bfloat16_t*)K_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
     }
     #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
+    for (int i_1 = 0; i_1 < 4; ++i_1) {
       bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
       uint4 condval_5;
-      if (((((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 32)) + (((int)threadIdx.x) >> 3)) + k0)))) {
-        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+      if (((((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 3)) + k0)))) {
+        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
         condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((bfloat16_t*)V_s) + (((((i_1 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((bfloat16_t*)V_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
     }
     #pragma unroll
-    for (int i_2 = 0; i_2 < 4; ++i_2) {
+    for (int i_2 = 0; i_2 < 8; ++i_2) {
       float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dk + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
     }
     #pragma unroll
-    for (int i_3 = 0; i_3 < 4; ++i_3) {
+    for (int i_3 = 0; i_3 < 8; ++i_3) {
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
     } else {
       condval_6 = 0;
     }
-    for (int outer = 0; outer < ((condval_6 + 255) >> 8); ++outer) {
+    for (int outer = 0; outer < ((condval_6 + 127) >> 7); ++outer) {
       c_hit = 0;
       int condval_7;
       if ((((((((int)blockIdx.x) * 64) + len_q) - len_k) < len_q) && (0 < len_q))) {
@@ -138,10 +138,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       } else {
         condval_7 = 0;
       }
-      if (((outer * 256) + ((int)threadIdx.x)) < condval_7) {
+      if (((outer * 128) + ((int)threadIdx.x)) < condval_7) {
         int condval_8;
-        if (((((((int)blockIdx.x) >> 5) < words) && (0 <= (((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)))) && ((((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)) < n_chunks))) {
-          condval_8 = block_map[(((((int64_t)((int)blockIdx.x)) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)256) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) + ((int64_t)q0)) >> (int64_t)6)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
+        if (((((((int)blockIdx.x) >> 5) < words) && (0 <= (((outer * 128) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)))) && ((((outer * 128) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)) < n_chunks))) {
+          condval_8 = block_map[(((((int64_t)((int)blockIdx.x)) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)128) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) + ((int64_t)q0)) >> (int64_t)6)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
         } else {
           condval_8 = 0;
         }
@@ -149,25 +149,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       }
       ((int*)cflag_s)[((int)threadIdx.x)] = c_hit;
       __syncthreads();
-      tl::CumSum1D<256, false>::run((&(((int*)cflag_s)[0])), (&(((int*)cflag_s)[0])), 256);
+      tl::CumSum1D<128, false>::run((&(((int*)cflag_s)[0])), (&(((int*)cflag_s)[0])), 128);
       __syncthreads();
       if (c_hit == 1) {
-        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x));
+        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 128) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x));
       }
       __syncthreads();
-      n_hit = ((int*)cflag_s)[255];
+      n_hit = ((int*)cflag_s)[127];
       __syncthreads();
-      for (int chunk = 0; chunk < ((n_hit + 63) >> 6); ++chunk) {
+      for (int chunk = 0; chunk < ((n_hit + 31) >> 5); ++chunk) {
         my_mask[0] = 0;
         my_cnt = 0;
         t_start = 0;
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) - q0), max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0));
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
+          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) - q0), max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0));
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)64) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) + 16) - q0), len_q);
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
+          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) + 16) - q0), len_q);
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 4)) {
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
             #pragma unroll
             for (int t = 0; t < 16; ++t) {
@@ -175,7 +175,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             }
           }
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 4)) {
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
             #pragma unroll
             for (int s = 0; s < 8; ++s) {
@@ -202,12 +202,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             }
           }
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 4)) {
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
             my_mask[0] = 0;
           }
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 4)) {
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
             #pragma unroll
             for (int t_2 = 0; t_2 < 16; ++t_2) {
@@ -225,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             }
           }
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 4)) {
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
             #pragma unroll
             for (int t_3 = 0; t_3 < 16; ++t_3) {
@@ -236,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         __syncthreads();
         ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
         __syncthreads();
-        tl::CumSum1D<256, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 256);
+        tl::CumSum1D<128, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 128);
         __syncthreads();
         n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
         __syncthreads();
@@ -250,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         }
         __syncthreads();
         if (((int)threadIdx.x) == 0) {
-          ((int*)n_mem)[0] = ((int*)flag_s)[255];
+          ((int*)n_mem)[0] = ((int*)flag_s)[127];
         }
         __syncthreads();
         n_toks = ((int*)n_mem)[0];
@@ -261,21 +261,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           for (int i_4 = 0; i_4 < 4; ++i_4) {
             __syncthreads();
             int condval_12;
-            if ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups))) {
-              condval_12 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]];
+            if ((((i_4 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups))) {
+              condval_12 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]];
             } else {
               condval_12 = 0;
             }
             int row = (q0 + condval_12);
             __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 3))])));
             __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_4 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 3))])));
           }
         }
         __syncthreads();
         if (0 < n_m) {
-          if (((int)threadIdx.x) < 128) {
+          if (((int)threadIdx.x) < 64) {
             int64_t condval_13;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
               condval_13 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
@@ -305,7 +305,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE
         }
         __syncthreads();
         if (0 < n_m) {
-          if (((int)threadIdx.x) < 128) {
+          if (((int)threadIdx.x) < 64) {
             int64_t condval_17;
             if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
               condval_17 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
@@ -343,19 +343,19 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               for (int i_5 = 0; i_5 < 4; ++i_5) {
                 __syncthreads();
                 int condval_21;
-                if ((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < n_rows)) {
-                  condval_21 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
+                if ((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < n_rows)) {
+                  condval_21 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
                 } else {
                   condval_21 = 0;
                 }
                 int row_1 = (q0 + condval_21);
                 __syncthreads();
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < n_rows) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < n_rows) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 3))])));
                 __syncthreads();
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_5 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < n_rows) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < n_rows) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 16) + (((int)threadIdx.x) >> 3))])));
               }
               __syncthreads();
-              if (((int)threadIdx.x) < 128) {
+              if (((int)threadIdx.x) < 64) {
                 int64_t condval_22;
                 if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows))) {
                   condval_22 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
@@ -383,7 +383,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
 tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_23)])), (((((((int)threadIdx.x) < n_rows) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_24) < total_q)) && (0 <= (q0 + condval_25))));
               }
               __syncthreads();
-              if (((int)threadIdx.x) < 128) {
+              if (((int)threadIdx.x) < 64) {
                 int64_t condval_26;
                 if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows))) {
                   condval_26 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
@@ -415,19 +415,19 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(D
               for (int i_6 = 0; i_6 < 4; ++i_6) {
                 __syncthreads();
                 int condval_30;
-                if ((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < n_rows_1)) {
-                  condval_30 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
+                if ((((i_6 * 16) + (((int)threadIdx.x) >> 3)) < n_rows_1)) {
+                  condval_30 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
                 } else {
                   condval_30 = 0;
                 }
                 int row_2 = (q0 + condval_30);
                 __syncthreads();
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < n_rows_1) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))])));
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((i_6 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_6 * 16) + (((int)threadIdx.x) >> 3)) < n_rows_1) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 3))])));
                 __syncthreads();
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) & 7) >> 2) * 4096) + (i_6 * 1024)) + ((((int)threadIdx.x) >> 3) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < n_rows_1) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))])));
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((i_6 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_2) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_6 * 16) + (((int)threadIdx.x) >> 3)) < n_rows_1) && (row_2 < total_q)) && (0 <= row_2)) && (((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 3))])));
               }
               __syncthreads();
-              if (((int)threadIdx.x) < 128) {
+              if (((int)threadIdx.x) < 64) {
                 int64_t condval_31;
                 if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows_1))) {
                   condval_31 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
@@ -455,7 +455,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(D
 tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_32)])), (((((((int)threadIdx.x) < n_rows_1) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_33) < total_q)) && (0 <= (q0 + condval_34))));
               }
               __syncthreads();
-              if (((int)threadIdx.x) < 128) {
+              if (((int)threadIdx.x) < 64) {
                 int64_t condval_35;
                 if ((((int64_t)((int)threadIdx.x)) < ((int64_t)n_rows_1))) {
                   condval_35 = ((int64_t)((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
@@ -491,6 +491,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
           __syncthreads();
           int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+          tl::fence_proxy_async();
           if ((m % 2) == 0) {
             #pragma unroll
             for (int i_7 = 0; i_7 < 8; ++i_7) {
@@ -501,13 +502,12 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               tl::GmmaDescriptor desc_a;
               tl::GmmaDescriptor desc_b;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
               tl::warpgroup_arrive();
-              tl::fence_proxy_async();
               #pragma unroll
               for (int ki = 0; ki < 4; ++ki) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + (((((ki >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki & 1) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + ((ki * 32) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
@@ -525,7 +525,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
                     __3.x = (v_.x*v__1.x);
                     __3.y = (v_.y*v__1.y);
                   float2 __4;
-                    float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_8 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
                     float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
                     __4.x = (v__2.x*v__3.x);
                     __4.y = (v__2.y*v__3.y);
@@ -539,8 +539,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               #pragma unroll
               for (int i_9 = 0; i_9 < 32; ++i_9) {
                 float condval_39;
-                if (((((((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
-                  condval_39 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                if ((((((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_9) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+                  condval_39 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_39 = 0x0p+0f/*0.000000e+00*/;
                 }
@@ -556,73 +556,71 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               tl::GmmaDescriptor desc_a_1;
               tl::GmmaDescriptor desc_b_1;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
               for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + (((((ki_1 >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki_1 & 1) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + ((ki_1 * 32) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
-            __syncthreads();
             #pragma unroll
-            for (int i_11 = 0; i_11 < 4; ++i_11) {
-              tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_11 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_11 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[(i_11 * 8)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 1)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 2)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 3)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 4)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 5)])), __pack_half2(((bfloat16_t)acc_sT[((i_11 * 8) + 6)]), ((bfloat16_t)acc_sT[((i_11 * 8) + 7)])));
+            for (int i_11 = 0; i_11 < 8; ++i_11) {
+              uint2 __5;
+              float4 v__4 = *(float4*)(acc_sT + (i_11 * 4));
+              (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
+              (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
+              *(uint2*)(pT + (i_11 * 4)) = __5;
             }
-            __syncthreads();
             #pragma unroll
             for (int i_12 = 0; i_12 < 16; ++i_12) {
-              float delta_s0_local_cast_1[2];
-              bfloat16_t dsT_s_local_cast[2];
-              *(float2*)(delta_s0_local_cast_1 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_12 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __5;
-              float2 __6;
-                float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
-                float2 __7;
-                  float2 v__5 = *(float2*)(acc_dpT + (i_12 * 2));
-                  float2 v__6 = *(float2*)(delta_s0_local_cast_1 + 0);
-                  __7.x = (v__5.x-v__6.x);
-                  __7.y = (v__5.y-v__6.y);
-                __6.x = (v__4.x*__7.x);
-                __6.y = (v__4.y*__7.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&__6))[0]);
-              *(uint1*)(dsT_s_local_cast + 0) = __5;
-              *(uint1*)(((bfloat16_t*)dsT_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_12 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_12 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast + 0);
+              float delta_s0_local_cast[2];
+              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_12 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              uint1 __6;
+              float2 __7;
+                float2 v__5 = *(float2*)(acc_sT + (i_12 * 2));
+                float2 __8;
+                  float2 v__6 = *(float2*)(acc_dpT + (i_12 * 2));
+                  float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
+                  __8.x = (v__6.x-v__7.x);
+                  __8.y = (v__6.y-v__7.y);
+                __7.x = (v__5.x*__8.x);
+                __7.y = (v__5.y*__8.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+              *(uint1*)(dsT + (i_12 * 2)) = __6;
             }
             {
-              tl::GmmaDescriptor desc_a_2;
               tl::GmmaDescriptor desc_b_2;
-              __syncthreads();
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)pT_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_arrive();
-              tl::fence_proxy_async();
               #pragma unroll
-              for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), uint64_t(desc_b_2 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_2 * 1024)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+              for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
             }
             {
-              tl::GmmaDescriptor desc_a_3;
               tl::GmmaDescriptor desc_b_3;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)dsT_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
-              for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), uint64_t(desc_b_3 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_3 * 1024)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
+              for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
           } else {
             #pragma unroll
@@ -631,16 +629,15 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               *(float4*)(acc_sT + (i_13 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
             }
             {
-              tl::GmmaDescriptor desc_a_4;
+              tl::GmmaDescriptor desc_a_2;
               tl::GmmaDescriptor desc_b_4;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_4, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)K_s)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
               tl::warpgroup_arrive();
-              tl::fence_proxy_async();
               #pragma unroll
               for (int ki_4 = 0; ki_4 < 4; ++ki_4) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_4 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + (((((ki_4 >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki_4 & 1) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + ((ki_4 * 32) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
@@ -650,30 +647,30 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               #pragma unroll
               for (int i_14 = 0; i_14 < 16; ++i_14) {
                 float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                float2 __8;
                 float2 __9;
-                  float2 __10;
-                    float2 v__7 = *(float2*)(acc_sT + (i_14 * 2));
-                    float2 v__8 = make_float2(scale_log2, scale_log2);
-                    __10.x = (v__7.x*v__8.x);
-                    __10.y = (v__7.y*v__8.y);
+                float2 __10;
                   float2 __11;
-                    float2 v__9 = *(float2*)(((float*)lse_s1) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_14 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-                    float2 v__10 = make_float2(broadcast_var_8, broadcast_var_8);
-                    __11.x = (v__9.x*v__10.x);
-                    __11.y = (v__9.y*v__10.y);
-                  __9.x = (__10.x-__11.x);
-                  __9.y = (__10.y-__11.y);
-                __8.x = exp2f(__9.x);
-                __8.y = exp2f(__9.y);
-                *(float2*)(acc_sT + (i_14 * 2)) = __8;
+                    float2 v__8 = *(float2*)(acc_sT + (i_14 * 2));
+                    float2 v__9 = make_float2(scale_log2, scale_log2);
+                    __11.x = (v__8.x*v__9.x);
+                    __11.y = (v__8.y*v__9.y);
+                  float2 __12;
+                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_14 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__11 = make_float2(broadcast_var_8, broadcast_var_8);
+                    __12.x = (v__10.x*v__11.x);
+                    __12.y = (v__10.y*v__11.y);
+                  __10.x = (__11.x-__12.x);
+                  __10.y = (__11.y-__12.y);
+                __9.x = exp2f(__10.x);
+                __9.y = exp2f(__10.y);
+                *(float2*)(acc_sT + (i_14 * 2)) = __9;
               }
             } else {
               #pragma unroll
               for (int i_15 = 0; i_15 < 32; ++i_15) {
                 float condval_40;
-                if (((((((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < n_rows_2) && (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64) + ((((int64_t)i_15) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_15) & (int64_t)1))]))]) - len_q)))) {
-                  condval_40 = exp2f(((acc_sT[i_15] * scale_log2) - (((float*)lse_s1)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_15 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                if ((((((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_15) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_15) & (int64_t)1))]))]) - len_q)))) {
+                  condval_40 = exp2f(((acc_sT[i_15] * scale_log2) - (((float*)lse_s1)[((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_40 = 0x0p+0f/*0.000000e+00*/;
                 }
@@ -686,76 +683,74 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               *(float4*)(acc_dpT + (i_16 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
             }
             {
-              tl::GmmaDescriptor desc_a_5;
+              tl::GmmaDescriptor desc_a_3;
               tl::GmmaDescriptor desc_b_5;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_5, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 1, 32>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)V_s)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
               for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_5 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + (((((ki_5 >> 1) * 8192) + ((((int)threadIdx.x) >> 7) * 4096)) + ((ki_5 & 1) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + ((ki_5 * 32) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
-            __syncthreads();
             #pragma unroll
-            for (int i_17 = 0; i_17 < 4; ++i_17) {
-              tl::ptx_stmatrix_m8n8_x4((&(((bfloat16_t*)pT_s)[((((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_17 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_17 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), __pack_half2(((bfloat16_t)acc_sT[(i_17 * 8)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 1)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 2)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 3)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 4)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 5)])), __pack_half2(((bfloat16_t)acc_sT[((i_17 * 8) + 6)]), ((bfloat16_t)acc_sT[((i_17 * 8) + 7)])));
+            for (int i_17 = 0; i_17 < 8; ++i_17) {
+              uint2 __13;
+              float4 v__12 = *(float4*)(acc_sT + (i_17 * 4));
+              (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
+              (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
+              *(uint2*)(pT + (i_17 * 4)) = __13;
             }
-            __syncthreads();
             #pragma unroll
             for (int i_18 = 0; i_18 < 16; ++i_18) {
-              float delta_s1_local_cast_3[2];
-              bfloat16_t dsT_s_local_cast_2[2];
-              *(float2*)(delta_s1_local_cast_3 + 0) = *(float2*)(((float*)delta_s1) + ((((((int)threadIdx.x) >> 7) * 64) + ((i_18 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __12;
-              float2 __13;
-                float2 v__11 = *(float2*)(acc_sT + (i_18 * 2));
-                float2 __14;
-                  float2 v__12 = *(float2*)(acc_dpT + (i_18 * 2));
-                  float2 v__13 = *(float2*)(delta_s1_local_cast_3 + 0);
-                  __14.x = (v__12.x-v__13.x);
-                  __14.y = (v__12.y-v__13.y);
-                __13.x = (v__11.x*__14.x);
-                __13.y = (v__11.y*__14.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__12))[0] = __float22bfloat162_rn(((float2*)(&__13))[0]);
-              *(uint1*)(dsT_s_local_cast_2 + 0) = __12;
-              *(uint1*)(((bfloat16_t*)dsT_s) + ((((((((((int)threadIdx.x) >> 5) * 1024) + ((i_18 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (i_18 >> 3)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_18 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_18 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_s_local_cast_2 + 0);
+              float delta_s1_local_cast_1[2];
+              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_18 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              uint1 __14;
+              float2 __15;
+                float2 v__13 = *(float2*)(acc_sT + (i_18 * 2));
+                float2 __16;
+                  float2 v__14 = *(float2*)(acc_dpT + (i_18 * 2));
+                  float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
+                  __16.x = (v__14.x-v__15.x);
+                  __16.y = (v__14.y-v__15.y);
+                __15.x = (v__13.x*__16.x);
+                __15.y = (v__13.y*__16.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
+              *(uint1*)(dsT + (i_18 * 2)) = __14;
             }
             {
-              tl::GmmaDescriptor desc_a_6;
               tl::GmmaDescriptor desc_b_6;
-              __syncthreads();
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_6, (&(((bfloat16_t*)pT_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_arrive();
-              tl::fence_proxy_async();
               #pragma unroll
-              for (int ki_6 = 0; ki_6 < 8; ++ki_6) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_6 + ((((ki_6 >> 2) * 8192) + ((ki_6 & 3) * 32)) >> 4)), uint64_t(desc_b_6 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_6 * 1024)) >> 4)), ((uint32_t*)(acc_dv + 0)), 1);
+              for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_6 * 8)), uint64_t(desc_b_6 + ((ki_6 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
             }
             {
-              tl::GmmaDescriptor desc_a_7;
               tl::GmmaDescriptor desc_b_7;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_7, (&(((bfloat16_t*)dsT_s)[0])));
-              tl::initialize_wgmma_descriptor<2, 512, 32>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
-              for (int ki_7 = 0; ki_7 < 8; ++ki_7) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, true, 1, 1>(uint64_t(desc_a_7 + ((((ki_7 >> 2) * 8192) + ((ki_7 & 3) * 32)) >> 4)), uint64_t(desc_b_7 + ((((((int)threadIdx.x) >> 7) * 8192) + (ki_7 * 1024)) >> 4)), ((uint32_t*)(acc_dk + 0)), 1);
+              for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_7 * 8)), uint64_t(desc_b_7 + ((ki_7 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
               }
               tl::warpgroup_commit_batch();
               tl::warpgroup_wait<0>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
           }
           __syncthreads();
@@ -764,22 +759,22 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       }
     }
     #pragma unroll
-    for (int i_19 = 0; i_19 < 8; ++i_19) {
-      if (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __15;
-            float2 __16;
-              float2 v__14 = *(float2*)(acc_dk + (i_19 * 2));
-              float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __16.x = (v__14.x*v__15.x);
-              __16.y = (v__14.y*v__15.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&__16))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __15;
+    for (int i_19 = 0; i_19 < 16; ++i_19) {
+      if (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+        if (0 <= (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+          if ((((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
             uint1 __17;
-            float2 v__16 = *(float2*)(acc_dv + (i_19 * 2));
-            (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&v__16))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+            float2 __18;
+              float2 v__16 = *(float2*)(acc_dk + (i_19 * 2));
+              float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __18.x = (v__16.x*v__17.x);
+              __18.y = (v__16.y*v__17.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&__18))[0]);
+            *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+            uint1 __19;
+            float2 v__18 = *(float2*)(acc_dv + (i_19 * 2));
+            (reinterpret_cast<__nv_bfloat162*>(&__19))[0] = __float22bfloat162_rn(((float2*)(&v__18))[0]);
+            *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __19;
           }
         }
       }
@@ -805,9 +800,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error()
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 137744);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 60688);
     if (result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 137744, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 60688, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel));
         return -1;
     }
 
@@ -825,8 +820,8 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(bfloat16_t* __r
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(max_kblocks, heads_k, batch);
-		config.blockDim = dim3(256, 1, 1);
-		config.dynamicSmemBytes = 137744;
+		config.blockDim = dim3(128, 1, 1);
+		config.dynamicSmemBytes = 60688;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel, Delta, K, LSE, Q, V, block_map, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_chunks, scale_log2, tile_tokens, topk, total_k, total_q, words);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel");
