@@ -245,7 +245,9 @@ def jobs_for(archs, ops=OPS):
         mod = importlib.import_module(module_name)
         for config in mod.VARIANTS:
             for arch in archs:
-                jobs.append((module_name, config, arch))
+                # a module may build some variants only for some archs
+                if not hasattr(mod, "builds") or mod.builds(arch=arch, **config):
+                    jobs.append((module_name, config, arch))
     return jobs
 
 

@@ -61,15 +61,34 @@ LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
+# bwd_dq comes with a cap on its tile's tokens; sm_90a also builds a 4-token unit, for G >= 16
+# (see _bwd_dq). The small unit is listed first: the host takes the first unit that serves G.
+DQ_SMALL_TOKENS = 4
 VARIANTS = [
     {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
     for kernel in KERNELS
+    if kernel != "bwd_dq"
+    for dtype in ("bfloat16", "float16")
+    for head_dim in (64, 128)
+] + [
+    {"kernel": "bwd_dq", "dtype": dtype, "head_dim": head_dim, "tokens": tokens}
+    for tokens in (DQ_SMALL_TOKENS, 8, 16)
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
 ] + [{"kernel": "bwd_block_map"}]  # reads only selections: one unit per arch
 
 
-def pass_configs(kernel, arch, dtype=None, head_dim=None):
+def _dq_tokens(arch):
+    """The token caps of the bwd_dq units built for arch."""
+    return (DQ_SMALL_TOKENS, tile_tokens_max(arch)) if arch == "sm_90a" else (tile_tokens_max(arch),)
+
+
+def builds(kernel, arch, dtype=None, head_dim=None, tokens=None):
+    """Whether the build step lowers this variant for arch."""
+    return kernel != "bwd_dq" or tokens in _dq_tokens(arch)
+
+
+def pass_configs(kernel, arch, dtype=None, head_dim=None, tokens=None):
     # Warp specialisation on sm_90a launches an extra producer warpgroup, but TileLang still
     # assumes threadIdx.x < threads when it simplifies the index arithmetic of the per-thread
     # (SIMT) union prologue, which then races (seen on an H100: wrong rows, non-determinism).
@@ -82,9 +101,13 @@ def tile_tokens_max(arch):
     return T_MAX_BY_ARCH.get(arch, T_MAX_DEFAULT)
 
 
-def unit_constants(kernel, arch, dtype=None, head_dim=None):
+def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None):
     """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile
-    (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped)."""
+    (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped); for bwd_dq also the
+    smallest group size the unit is meant for (the small unit would leave rows idle below it)."""
+    if kernel == "bwd_dq":
+        small = tokens < tile_tokens_max(arch)
+        return {"block_m": BLOCK_M, "t_max": tokens, "min_groups": BLOCK_M // tokens if small else 1}
     if kernel == "bwd_dkdv":
         return {"block_m": _dkdv_block_m(arch), "t_max": _dkdv_block_m(arch)}
     if kernel == "bwd_block_map":
@@ -97,11 +120,11 @@ def _dkdv_block_m(arch):
     return BLOCK_M
 
 
-def variant_name(kernel, dtype=None, head_dim=None):
+def variant_name(kernel, dtype=None, head_dim=None, tokens=None):
     if dtype is None:
         return f"{OP}_{kernel}"
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
-    return f"{OP}_{kernel}_{short}_d{head_dim}"
+    return f"{OP}_{kernel}_{short}_d{head_dim}" + (f"_t{tokens}" if tokens else "")
 
 
 def _stages(arch):
@@ -123,13 +146,14 @@ def _prefetch(arch):
 VEC = 8  # elements per 16-byte cp.async (2-byte dtypes)
 
 
-def program(kernel, arch, dtype=None, head_dim=None):
+def program(kernel, arch, dtype=None, head_dim=None, tokens=None):
     if kernel == "bwd_block_map":
         return _bwd_block_map()
+    if kernel == "bwd_dq":
+        return _bwd_dq(dtype, head_dim, arch, tokens)
     return {
         "fwd": _fwd,
         "bwd_preprocess": _bwd_preprocess,
-        "bwd_dq": _bwd_dq,
         "bwd_dkdv": _bwd_dkdv,
     }[kernel](dtype, head_dim, arch)
 
@@ -383,12 +407,17 @@ def _bwd_preprocess(dtype, D, arch):
     return sparse_attn_bwd_preprocess
 
 
-def _bwd_dq(dtype, D, arch):
+def _bwd_dq(dtype, D, arch, tokens):
     accum = "float32"
     dyn = _dyn()
     total_q, total_k, heads, heads_k, topk, batch_plus_one = (
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
-    T_MAX = tile_tokens_max(arch)
+    T_MAX = tokens
+    # The 4-token unit's union buffers leave a tile 72 KB of shared memory, so three tiles share
+    # an H100 SM if ptxas keeps to 168 registers (it spills 8 bytes): H100, this kernel alone at
+    # G = 16, 67.6 -> 57.9 ms at 32K x 8 and 73 -> 59.6 ms at 128K x 2, dQ bitwise equal.
+    # (The 16-token unit needs 80 KB: two tiles an SM.)
+    tiles_per_sm = 3 if tokens == DQ_SMALL_TOKENS and arch == "sm_90a" else None
     TK = T_MAX * K_MAX
     threads = 128
     tile_union = _make_tile_union(topk, threads, T_MAX)
@@ -412,6 +441,8 @@ def _bwd_dq(dtype, D, arch):
         scale_log2: T.float32,
     ):
         with T.Kernel(max_tiles, batch, heads_k, threads=threads) as (bx, b, hk):
+            if tiles_per_sm is not None:
+                T.annotate_min_blocks_per_sm(tiles_per_sm)
             Q_s = T.alloc_shared([BLOCK_M, D], dtype)
             dO_s = T.alloc_shared([BLOCK_M, D], dtype)
             K_s = T.alloc_shared([BLOCK_N, D], dtype)

@@ -1116,108 +1116,142 @@ struct infllmv2_sparse_attn_bwd_dq_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
   int head_dim;
+  int tokens;
   int block_m;
+  int min_groups;
   int t_max;
   int (*init)(); infllmv2_sparse_attn_bwd_dq_call_fn call; const char* (*last_error)();
 };
-#if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_last_error();
-#endif
-#if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_last_error();
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[] = {
-#if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_bf16_d128", "sm_80", 80, 81920, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm80_last_error},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_bf16_d128", "sm_89", 89, 81920, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm89_last_error},
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 90, 81920, 128, 0, 128, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d128", "sm_90a", 90, 81920, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 90, 73728, 128, 0, 128, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_bf16_d64", "sm_80", 80, 40960, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_80", 80, 81920, 128, 0, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_bf16_d64", "sm_89", 89, 40960, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_89", 89, 81920, 128, 0, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d64", "sm_90a", 90, 49152, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 90, 49152, 128, 0, 64, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 90, 40960, 128, 0, 64, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_fp16_d128", "sm_80", 80, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_80", 80, 40960, 128, 0, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_fp16_d128", "sm_89", 89, 81920, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_89", 89, 40960, 128, 0, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d128", "sm_90a", 90, 81920, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 90, 81920, 128, 1, 128, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 90, 73728, 128, 1, 128, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_fp16_d64", "sm_80", 80, 40960, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_80", 80, 81920, 128, 1, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_fp16_d64", "sm_89", 89, 40960, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_89", 89, 81920, 128, 1, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d64", "sm_90a", 90, 49152, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 90, 49152, 128, 1, 64, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 90, 40960, 128, 1, 64, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_80", 80, 40960, 128, 1, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_89", 89, 40960, 128, 1, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 // ---- sparse_attn_bwd_preprocess: call(O, dO, Delta, total_q, heads, stream)
@@ -1793,41 +1827,53 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 60688, 128},
 #endif
-#if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_80", 81920, 128},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_89", 81920, 128},
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128", "sm_90a", 81920, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 73728, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_80", 40960, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t8", "sm_80", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_89", 40960, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t8", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64", "sm_90a", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 49152, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_80", 81920, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t8", "sm_80", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_89", 81920, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t8", "sm_89", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128", "sm_90a", 81920, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 81920, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 73728, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_80", 40960, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t8", "sm_80", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_89", 40960, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t8", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64", "sm_90a", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 49152, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 40960, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t8", "sm_80", 40960, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t8", "sm_89", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 0, 128},

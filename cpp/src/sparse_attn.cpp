@@ -44,6 +44,21 @@ auto matcher(const Shape& s) {
   return [&s](const Unit& u) { return u.dtype == s.dtype && u.head_dim == s.head_dim; };
 }
 
+// An arch may have, besides the dQ unit for every group size, one with smaller tiles for large
+// groups (min_groups > 1, fewer resident bytes): of an arch's units that serve the group size,
+// the one with the largest min_groups.
+auto dq_matcher(const Shape& s) {
+  auto serves = [&s](const infllmv2_sparse_attn_bwd_dq_unit& u) {
+    return u.dtype == s.dtype && u.head_dim == s.head_dim && s.heads / s.heads_k >= u.min_groups;
+  };
+  return [serves](const infllmv2_sparse_attn_bwd_dq_unit& u) {
+    if (!serves(u)) return false;
+    for (const infllmv2_sparse_attn_bwd_dq_unit* o = infllmv2_sparse_attn_bwd_dq_units; o->name != nullptr; ++o)
+      if (o->sm == u.sm && std::string(o->arch) == u.arch && o->min_groups > u.min_groups && serves(*o)) return false;
+    return true;
+  };
+}
+
 }  // namespace
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
@@ -130,8 +145,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
           INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_preprocess_units, dev,
                       matcher<infllmv2_sparse_attn_bwd_preprocess_unit>(s), desc(s), &pre)) != INFLLMV2_OK ||
-      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dq_units, dev, matcher<infllmv2_sparse_attn_bwd_dq_unit>(s), desc(s),
-                      &udq)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dq_units, dev, dq_matcher(s), desc(s), &udq)) != INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_units, dev, matcher<infllmv2_sparse_attn_bwd_dkdv_unit>(s),
                       desc(s), &udkdv)) != INFLLMV2_OK)
     return st;
