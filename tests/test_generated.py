@@ -25,3 +25,22 @@ def test_regenerating_reproduces_generated(tmp_path):
     assert sorted(committed) == sorted(fresh)
     for rel in committed:
         assert filecmp.cmp(os.path.join(ROOT, "generated", rel), tmp_path / rel, shallow=False), f"{rel} differs"
+
+
+def test_sparse_dq_units_serve_every_group_size():
+    """A dQ unit with small tiles (min_groups > 1) serves large groups only: for each arch,
+    dtype and head dim there must also be a unit for every group size (min_groups 1)."""
+    import json
+
+    for arch in sorted(d for d in os.listdir(os.path.join(ROOT, "generated")) if d.startswith("sm_")):
+        with open(os.path.join(ROOT, "generated", arch, "manifest.json")) as f:
+            units = [u for u in json.load(f) if u["kernel"] == "sparse_attn_bwd_dq"]
+        assert units, arch
+        by_config = {}
+        for u in units:
+            by_config.setdefault((u["config"]["dtype"], u["config"]["head_dim"]), []).append(u["constants"])
+        for config, constants in by_config.items():
+            assert sorted(c["min_groups"] for c in constants)[0] == 1, (arch, config, constants)
+            for c in constants:
+                # a unit's tiles hold min_groups x t_max rows at least where it is used
+                assert c["min_groups"] == 1 or c["min_groups"] * c["t_max"] == c["block_m"], (arch, config, c)
