@@ -1,7 +1,9 @@
 """TileLang kernel programs of infllmv2 and the ahead-of-time build step (`python -m dsl.build`).
 
 Each op module defines `VARIANTS`: the compile-time configurations it is built in, and a
-`program(**config)` factory returning the TileLang PrimFunc. Nothing here runs on a GPU.
+`program(**config)` factory returning the TileLang PrimFunc; optionally `builds(arch=...,
+**config)`, whether a variant is built for an arch (all are, without it). Nothing here runs on
+a GPU.
 """
 
 # nvcc flags of the modules whose kernels exponentiate (the attention softmaxes and the
