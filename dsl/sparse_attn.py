@@ -22,16 +22,17 @@ compacts the kept entries.
 Kernels (one PrimFunc each):
   fwd             O, LSE                                  grid (tiles, batch, Hk)
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
-  bwd_dq          dQ, same tiles and union as fwd         grid (tiles, batch, Hk)
+  bwd_dq          dQ, tiles and union as fwd (sm_90a also  grid (tiles, batch, Hk)
+                  has a unit of 4-token tiles for G >= 16)
   bwd_block_map   which 64-row chunks of topk_idx list    grid (chunks of 64 rows, Hk)
                   each block, as a bit map
   bwd_dkdv        dK, dV per 64-key block, visiting the   grid (key blocks, Hk, batch)
                   tokens that picked it: the map's chunks that list the block are compacted
                   by prefix sum, their tokens checked by binary search in their sorted
                   selection rows, `threads` x T_MAX at a time, the members compacted by prefix
-                  sum and taken BM // G at a time (BM = 128 rows on sm_90a, 64 elsewhere), so
+                  sum and taken BM // G at a time (BM = 64 rows), so
                   rows of tokens that did not pick the block cost no work; the next group's
-                  rows load by cp.async while the current one is computed
+                  rows load by cp.async while the current one is computed (sm_90a)
 Every gradient is written by exactly one thread block in a fixed order: the backward is
 deterministic, with no atomics.
 
@@ -62,7 +63,8 @@ NEG_INF = float("-inf")
 
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
 # bwd_dq comes with a cap on its tile's tokens; sm_90a also builds a 4-token unit, for G >= 16
-# (see _bwd_dq). The small unit is listed first: the host takes the first unit that serves G.
+# (see _bwd_dq). The host takes, of an arch's units, the one with the largest min_groups that
+# the call's G reaches (unit_constants).
 DQ_SMALL_TOKENS = 4
 VARIANTS = [
     {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
@@ -616,7 +618,7 @@ def _bwd_dkdv(dtype, D, arch):
     # 106 ms at G = 4). Two warpgroups on 128-row groups had split each GEMM's N between them,
     # so both needed all of P^T and dS^T, which went through shared memory. Elsewhere eight
     # warps share the 64 rows and P^T, dS^T go through shared memory: with one warpgroup ptxas
-    # needs all 255 registers (spilling on sm_80), and sm_89's 99 KB hold one block a SM.
+    # needs all 255 registers (spilling on sm_80), and sm_89's 99 KB hold one block an SM.
     # A group is BM // G member tokens, independent of the scan's tiles, so small G fill it.
     reg_operands = _prefetch(arch)
     threads = 128 if reg_operands else 256
