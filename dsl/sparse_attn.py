@@ -74,7 +74,7 @@ VARIANTS = [
     for head_dim in (64, 128)
 ] + [
     {"kernel": "bwd_dq", "dtype": dtype, "head_dim": head_dim, "tokens": tokens}
-    for tokens in (DQ_SMALL_TOKENS, 8, 16)
+    for tokens in sorted({DQ_SMALL_TOKENS, T_MAX_DEFAULT, *T_MAX_BY_ARCH.values()})
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
 ] + [{"kernel": "bwd_block_map"}]  # reads only selections: one unit per arch
@@ -111,15 +111,10 @@ def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None):
         small = tokens < tile_tokens_max(arch)
         return {"block_m": BLOCK_M, "t_max": tokens, "min_groups": BLOCK_M // tokens if small else 1}
     if kernel == "bwd_dkdv":
-        return {"block_m": _dkdv_block_m(arch), "t_max": _dkdv_block_m(arch)}
+        return {"block_m": BLOCK_M, "t_max": BLOCK_M}
     if kernel == "bwd_block_map":
         return {"map_chunk": MAP_CHUNK}
     return {"block_m": BLOCK_M, "t_max": tile_tokens_max(arch)}
-
-
-def _dkdv_block_m(arch):
-    # the rows of one warpgroup's wgmma on sm_90a (see _bwd_dkdv)
-    return BLOCK_M
 
 
 def variant_name(kernel, dtype=None, head_dim=None, tokens=None):
@@ -622,7 +617,7 @@ def _bwd_dkdv(dtype, D, arch):
     # A group is BM // G member tokens, independent of the scan's tiles, so small G fill it.
     reg_operands = _prefetch(arch)
     threads = 128 if reg_operands else 256
-    BM = _dkdv_block_m(arch)
+    BM = BLOCK_M  # the rows of one warpgroup's wgmma on sm_90a
     SCAN_T = tile_tokens_max(arch)  # tokens a scanning thread checks (bits of a mask)
     QPC = MAP_CHUNK // SCAN_T  # scanning threads a map chunk
     scan_tile = _make_scan_tile(topk, SCAN_T)

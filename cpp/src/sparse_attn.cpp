@@ -1,4 +1,5 @@
 // infllmv2_sparse_attn_{fwd,bwd}: validation and dispatch over the generated sparse_attn units.
+#include <cstring>
 #include <string>
 
 #include "registry.h"
@@ -54,7 +55,7 @@ auto dq_matcher(const Shape& s) {
   return [serves](const infllmv2_sparse_attn_bwd_dq_unit& u) {
     if (!serves(u)) return false;
     for (const infllmv2_sparse_attn_bwd_dq_unit* o = infllmv2_sparse_attn_bwd_dq_units; o->name != nullptr; ++o)
-      if (o->sm == u.sm && std::string(o->arch) == u.arch && o->min_groups > u.min_groups && serves(*o)) return false;
+      if (std::strcmp(o->arch, u.arch) == 0 && o->min_groups > u.min_groups && serves(*o)) return false;
     return true;
   };
 }
