@@ -105,80 +105,150 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
   }
   int n_n = (condval_7 - key0_1);
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_2 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_3 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      uint4 condval_8;
-      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        condval_8 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+    if (groups == 16) {
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_8;
+        if (((((((((int)blockIdx.z) * 16) + ((i & 1) * 8)) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min((i >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min((i >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+          condval_8 = *(uint4*)(Q + ((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i) & (int64_t)1) * (int64_t)1024)) + ((((min((((int64_t)i) >> (int64_t)1), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+        } else {
+          condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        }
+        *(uint4*)(((bfloat16_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
       }
-      *(uint4*)(((bfloat16_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
+    } else {
+      if (groups == 8) {
+        #pragma unroll
+        for (int i_1 = 0; i_1 < 8; ++i_1) {
+          bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+          uint4 condval_9;
+          if ((((((((int)blockIdx.z) * 8) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min(i_1, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(i_1, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+            condval_9 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i_1), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          } else {
+            condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+          }
+          *(uint4*)(((bfloat16_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
+        }
+      } else {
+        if (groups == 4) {
+          #pragma unroll
+          for (int i_2 = 0; i_2 < 8; ++i_2) {
+            bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+            uint4 condval_10;
+            if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 63) >> 4)) < heads) && (0 <= ((min(((i_2 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_2 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+              condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_2) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            } else {
+              condval_10 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+            }
+            *(uint4*)(((bfloat16_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_10;
+          }
+        } else {
+          if (groups == 2) {
+            #pragma unroll
+            for (int i_3 = 0; i_3 < 8; ++i_3) {
+              bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+              uint4 condval_11;
+              if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 31) >> 4)) < heads) && (0 <= ((min(((i_3 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_3 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_3) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              } else {
+                condval_11 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+              }
+              *(uint4*)(((bfloat16_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_11;
+            }
+          } else {
+            if (groups == 1) {
+              #pragma unroll
+              for (int i_4 = 0; i_4 < 8; ++i_4) {
+                bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                uint4 condval_12;
+                if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_4 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                  condval_12 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_12 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
+                }
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_12;
+              }
+            } else {
+              #pragma unroll
+              for (int i_5 = 0; i_5 < 8; ++i_5) {
+                bfloat16_t broadcast_var_5 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                int rmod = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_1 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_2 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                int rmod_3 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv_1 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                uint4 condval_13;
+                if ((((((((i_5 * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
+                  int64_t rmod_4 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_5 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_2 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  int64_t rmod_6 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_3 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  condval_13 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_13 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
+                }
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_13;
+              }
+            }
+          }
+        }
+      }
     }
   }
   __syncthreads();
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     #pragma unroll
-    for (int i_1 = 0; i_1 < 8; ++i_1) {
-      tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((int)threadIdx.x) >> 5) * 2048) + ((((int)threadIdx.x) & 15) * 128)) + (i_1 * 16)) + (((((int)threadIdx.x) & 31) >> 4) * 8))])), (&(Q_f[(i_1 * 8)])));
+    for (int i_6 = 0; i_6 < 8; ++i_6) {
+      tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((int)threadIdx.x) >> 5) * 2048) + ((((int)threadIdx.x) & 15) * 128)) + (i_6 * 16)) + (((((int)threadIdx.x) & 31) >> 4) * 8))])), (&(Q_f[(i_6 * 8)])));
     }
     __syncthreads();
     #pragma unroll
-    for (int i_2 = 0; i_2 < 2; ++i_2) {
-      int condval_9;
-      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_2 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_9 = (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) - len_q);
+    for (int i_7 = 0; i_7 < 2; ++i_7) {
+      int condval_14;
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
+        int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        condval_14 = (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) - len_q);
       } else {
-        condval_9 = -1;
+        condval_14 = -1;
       }
-      rowpos[i_2] = condval_9;
+      rowpos[i_7] = condval_14;
     }
-    float broadcast_var_1 = -CUDART_INF_F;
-    *(float2*)(m_run + 0) = make_float2(broadcast_var_1, broadcast_var_1);
-    float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-    *(float2*)(l_run + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-    int condval_10;
+    float broadcast_var_6 = -CUDART_INF_F;
+    *(float2*)(m_run + 0) = make_float2(broadcast_var_6, broadcast_var_6);
+    float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
+    *(float2*)(l_run + 0) = make_float2(broadcast_var_7, broadcast_var_7);
+    int condval_15;
     if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
       int rmod_9 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
       int rdiv_5 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
-      condval_10 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_9)) || ((norm_stride < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + 1));
+      condval_15 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_9)) || ((norm_stride < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + 1));
     } else {
-      condval_10 = 0;
+      condval_15 = 0;
     }
-    for (int ch = 0; ch < ((condval_10 + 63) >> 6); ++ch) {
+    for (int ch = 0; ch < ((condval_15 + 63) >> 6); ++ch) {
       #pragma unroll
-      for (int i_3 = 0; i_3 < 8; ++i_3) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && (((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
+      for (int i_8 = 0; i_8 < 8; ++i_8) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_8) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))) && (((((ch * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + key0_1))));
       }
       tl::cp_async_commit();
       tl::cp_async_wait<0>();
       __syncthreads();
       #pragma unroll
-      for (int i_4 = 0; i_4 < 8; ++i_4) {
-        float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_4 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+      for (int i_9 = 0; i_9 < 8; ++i_9) {
+        float broadcast_var_8 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_s + (i_9 * 4)) = make_float4(broadcast_var_8, broadcast_var_8, broadcast_var_8, broadcast_var_8);
       }
       {
         bfloat16_t B_local[32];
         for (int ki = 0; ki < 8; ++ki) {
           #pragma unroll
-          for (int i_5 = 0; i_5 < 4; ++i_5) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)P_s)[((((((((ki >> 2) * 4096) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
+          for (int i_10 = 0; i_10 < 4; ++i_10) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)P_s)[((((((((ki >> 2) * 4096) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_10 * 8)])));
           }
           for (int j = 0; j < 4; ++j) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki * 8)), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
@@ -186,63 +256,63 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
           }
         }
       }
-      int condval_11;
+      int condval_16;
       if ((norm_window <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q))) {
         int rmod_10 = (((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q) - norm_window) % norm_stride);
         int rdiv_6 = (((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q) - norm_window) / norm_stride);
-        condval_11 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_10)) || ((norm_stride < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) + 1));
+        condval_16 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_10)) || ((norm_stride < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) + 1));
       } else {
-        condval_11 = 0;
+        condval_16 = 0;
       }
-      if (condval_11 < ((ch * 64) + 64)) {
+      if (condval_16 < ((ch * 64) + 64)) {
         #pragma unroll
-        for (int i_6 = 0; i_6 < 32; ++i_6) {
-          int condval_13;
+        for (int i_11 = 0; i_11 < 32; ++i_11) {
+          int condval_18;
           if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
             int rmod_11 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
             int rdiv_7 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
-            condval_13 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_11)) || ((norm_stride < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
+            condval_18 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_11)) || ((norm_stride < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
           } else {
-            condval_13 = 0;
+            condval_18 = 0;
           }
-          float condval_12;
-          if (((((((ch * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < condval_13) && (((((((ch * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) * norm_stride) + norm_window) <= (rowpos[((i_6 & 3) >> 1)] + 1)))) {
-            condval_12 = acc_s[i_6];
+          float condval_17;
+          if (((((((ch * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < condval_18) && (((((((ch * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) * norm_stride) + norm_window) <= (rowpos[((i_11 & 3) >> 1)] + 1)))) {
+            condval_17 = acc_s[i_11];
           } else {
-            condval_12 = -CUDART_INF_F;
+            condval_17 = -CUDART_INF_F;
           }
-          acc_s[i_6] = condval_12;
+          acc_s[i_11] = condval_17;
         }
       }
       *(float2*)(m_prev + 0) = *(float2*)(m_run + 0);
       #pragma unroll
-      for (int i_7 = 0; i_7 < 2; ++i_7) {
-        m_run_clear[i_7] = -CUDART_INF_F;
+      for (int i_12 = 0; i_12 < 2; ++i_12) {
+        m_run_clear[i_12] = -CUDART_INF_F;
         #pragma unroll
         for (int rv = 0; rv < 16; ++rv) {
-          m_run_clear[i_7] = max(m_run_clear[i_7], acc_s[((((rv & 7) * 4) + (i_7 * 2)) + (rv >> 3))]);
+          m_run_clear[i_12] = max(m_run_clear[i_12], acc_s[((((rv & 7) * 4) + (i_12 * 2)) + (rv >> 3))]);
         }
-        m_run_clear[i_7] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_run_clear[i_7]);
-        m_run[i_7] = max(m_run[i_7], m_run_clear[i_7]);
+        m_run_clear[i_12] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_run_clear[i_12]);
+        m_run[i_12] = max(m_run[i_12], m_run_clear[i_12]);
       }
       #pragma unroll
-      for (int i_8 = 0; i_8 < 2; ++i_8) {
-        float condval_14;
-        if ((m_run[i_8] == -CUDART_INF_F)) {
-          condval_14 = 0x0p+0f/*0.000000e+00*/;
+      for (int i_13 = 0; i_13 < 2; ++i_13) {
+        float condval_19;
+        if ((m_run[i_13] == -CUDART_INF_F)) {
+          condval_19 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_14 = m_run[i_8];
+          condval_19 = m_run[i_13];
         }
-        m_safe[i_8] = condval_14;
-        r_scale[i_8] = exp2f(((m_prev[i_8] - m_safe[i_8]) * scale_log2));
+        m_safe[i_13] = condval_19;
+        r_scale[i_13] = exp2f(((m_prev[i_13] - m_safe[i_13]) * scale_log2));
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 16; ++i_9) {
+      for (int i_14 = 0; i_14 < 16; ++i_14) {
         float2 __1;
         float2 __2;
           float2 __3;
-            float2 v_ = *(float2*)(acc_s + (i_9 * 2));
-            float2 v__1 = make_float2(m_safe[(i_9 & 1)], m_safe[(i_9 & 1)]);
+            float2 v_ = *(float2*)(acc_s + (i_14 * 2));
+            float2 v__1 = make_float2(m_safe[(i_14 & 1)], m_safe[(i_14 & 1)]);
             __3.x = (v_.x-v__1.x);
             __3.y = (v_.y-v__1.y);
           float2 v__2 = make_float2(scale_log2, scale_log2);
@@ -250,16 +320,16 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
           __2.y = (__3.y*v__2.y);
         __1.x = exp2f(__2.x);
         __1.y = exp2f(__2.y);
-        *(float2*)(acc_s + (i_9 * 2)) = __1;
+        *(float2*)(acc_s + (i_14 * 2)) = __1;
       }
       #pragma unroll
-      for (int i_10 = 0; i_10 < 2; ++i_10) {
-        r_sum[i_10] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_15 = 0; i_15 < 2; ++i_15) {
+        r_sum[i_15] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-          r_sum[i_10] = (r_sum[i_10] + acc_s[((((rv_1 & 7) * 4) + (i_10 * 2)) + (rv_1 >> 3))]);
+          r_sum[i_15] = (r_sum[i_15] + acc_s[((((rv_1 & 7) * 4) + (i_15 * 2)) + (rv_1 >> 3))]);
         }
-        r_sum[i_10] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_10]);
+        r_sum[i_15] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_15]);
       }
       float2 __4;
         float2 __5;
@@ -287,35 +357,35 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
       __6.y = (__7.y+__8.y);
     *(float2*)(lse2 + 0) = __6;
     if ((approx != 0) && ((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q) < norm_window)) {
-      float broadcast_var_4 = -CUDART_INF_F;
-      *(float2*)(m_fine + 0) = make_float2(broadcast_var_4, broadcast_var_4);
-      float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-      *(float2*)(l_fine + 0) = make_float2(broadcast_var_5, broadcast_var_5);
-      int condval_15;
+      float broadcast_var_9 = -CUDART_INF_F;
+      *(float2*)(m_fine + 0) = make_float2(broadcast_var_9, broadcast_var_9);
+      float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
+      *(float2*)(l_fine + 0) = make_float2(broadcast_var_10, broadcast_var_10);
+      int condval_20;
       if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-        condval_15 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
+        condval_20 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
       } else {
-        condval_15 = 0;
+        condval_20 = 0;
       }
-      for (int ch_1 = 0; ch_1 < ((condval_15 + 63) >> 6); ++ch_1) {
+      for (int ch_1 = 0; ch_1 < ((condval_20 + 63) >> 6); ++ch_1) {
         #pragma unroll
-        for (int i_11 = 0; i_11 < 8; ++i_11) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_11) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
+        for (int i_16 = 0; i_16 < 8; ++i_16) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_16 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_16) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_16 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_16 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_1 * 64) + (i_16 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_16 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
         }
         tl::cp_async_commit();
         tl::cp_async_wait<0>();
         __syncthreads();
         #pragma unroll
-        for (int i_12 = 0; i_12 < 8; ++i_12) {
-          float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_12 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+        for (int i_17 = 0; i_17 < 8; ++i_17) {
+          float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_17 * 4)) = make_float4(broadcast_var_11, broadcast_var_11, broadcast_var_11, broadcast_var_11);
         }
         {
           bfloat16_t B_local_1[32];
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
             #pragma unroll
-            for (int i_13 = 0; i_13 < 4; ++i_13) {
-              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)P_s)[((((((((ki_1 >> 2) * 4096) + (i_13 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_13 * 8)])));
+            for (int i_18 = 0; i_18 < 4; ++i_18) {
+              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)P_s)[((((((((ki_1 >> 2) * 4096) + (i_18 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_18 * 8)])));
             }
             for (int j_1 = 0; j_1 < 4; ++j_1) {
               tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_1 * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki_1 * 8)), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -323,59 +393,59 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
             }
           }
         }
-        int condval_16;
+        int condval_21;
         if (((31 <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-          condval_16 = min(n_c, (((min(((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), (norm_window - 2)) - 31) >> 4) + 1));
+          condval_21 = min(n_c, (((min(((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), (norm_window - 2)) - 31) >> 4) + 1));
         } else {
-          condval_16 = 0;
+          condval_21 = 0;
         }
-        if (condval_16 < ((ch_1 * 64) + 64)) {
+        if (condval_21 < ((ch_1 * 64) + 64)) {
           #pragma unroll
-          for (int i_14 = 0; i_14 < 32; ++i_14) {
-            int condval_18;
+          for (int i_19 = 0; i_19 < 32; ++i_19) {
+            int condval_23;
             if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-              condval_18 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
+              condval_23 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
             } else {
-              condval_18 = 0;
+              condval_23 = 0;
             }
-            float condval_17;
-            if (((((((ch_1 * 64) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) < condval_18) && ((((((ch_1 * 1024) + ((i_14 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_14 & 1) * 16)) + 31) <= rowpos[((i_14 & 3) >> 1)]))) {
-              condval_17 = acc_s[i_14];
+            float condval_22;
+            if (((((((ch_1 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) < condval_23) && ((((((ch_1 * 1024) + ((i_19 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_19 & 1) * 16)) + 31) <= rowpos[((i_19 & 3) >> 1)]))) {
+              condval_22 = acc_s[i_19];
             } else {
-              condval_17 = -CUDART_INF_F;
+              condval_22 = -CUDART_INF_F;
             }
-            acc_s[i_14] = condval_17;
+            acc_s[i_19] = condval_22;
           }
         }
         *(float2*)(m_prev + 0) = *(float2*)(m_fine + 0);
         #pragma unroll
-        for (int i_15 = 0; i_15 < 2; ++i_15) {
-          m_fine_clear[i_15] = -CUDART_INF_F;
+        for (int i_20 = 0; i_20 < 2; ++i_20) {
+          m_fine_clear[i_20] = -CUDART_INF_F;
           #pragma unroll
           for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-            m_fine_clear[i_15] = max(m_fine_clear[i_15], acc_s[((((rv_2 & 7) * 4) + (i_15 * 2)) + (rv_2 >> 3))]);
+            m_fine_clear[i_20] = max(m_fine_clear[i_20], acc_s[((((rv_2 & 7) * 4) + (i_20 * 2)) + (rv_2 >> 3))]);
           }
-          m_fine_clear[i_15] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_fine_clear[i_15]);
-          m_fine[i_15] = max(m_fine[i_15], m_fine_clear[i_15]);
+          m_fine_clear[i_20] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_fine_clear[i_20]);
+          m_fine[i_20] = max(m_fine[i_20], m_fine_clear[i_20]);
         }
         #pragma unroll
-        for (int i_16 = 0; i_16 < 2; ++i_16) {
-          float condval_19;
-          if ((m_fine[i_16] == -CUDART_INF_F)) {
-            condval_19 = 0x0p+0f/*0.000000e+00*/;
+        for (int i_21 = 0; i_21 < 2; ++i_21) {
+          float condval_24;
+          if ((m_fine[i_21] == -CUDART_INF_F)) {
+            condval_24 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_19 = m_fine[i_16];
+            condval_24 = m_fine[i_21];
           }
-          m_safe[i_16] = condval_19;
-          r_scale[i_16] = exp2f(((m_prev[i_16] - m_safe[i_16]) * scale_log2));
+          m_safe[i_21] = condval_24;
+          r_scale[i_21] = exp2f(((m_prev[i_21] - m_safe[i_21]) * scale_log2));
         }
         #pragma unroll
-        for (int i_17 = 0; i_17 < 16; ++i_17) {
+        for (int i_22 = 0; i_22 < 16; ++i_22) {
           float2 __9;
           float2 __10;
             float2 __11;
-              float2 v__9 = *(float2*)(acc_s + (i_17 * 2));
-              float2 v__10 = make_float2(m_safe[(i_17 & 1)], m_safe[(i_17 & 1)]);
+              float2 v__9 = *(float2*)(acc_s + (i_22 * 2));
+              float2 v__10 = make_float2(m_safe[(i_22 & 1)], m_safe[(i_22 & 1)]);
               __11.x = (v__9.x-v__10.x);
               __11.y = (v__9.y-v__10.y);
             float2 v__11 = make_float2(scale_log2, scale_log2);
@@ -383,16 +453,16 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
             __10.y = (__11.y*v__11.y);
           __9.x = exp2f(__10.x);
           __9.y = exp2f(__10.y);
-          *(float2*)(acc_s + (i_17 * 2)) = __9;
+          *(float2*)(acc_s + (i_22 * 2)) = __9;
         }
         #pragma unroll
-        for (int i_18 = 0; i_18 < 2; ++i_18) {
-          r_sum[i_18] = 0x0p+0f/*0.000000e+00*/;
+        for (int i_23 = 0; i_23 < 2; ++i_23) {
+          r_sum[i_23] = 0x0p+0f/*0.000000e+00*/;
           #pragma unroll
           for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-            r_sum[i_18] = (r_sum[i_18] + acc_s[((((rv_3 & 7) * 4) + (i_18 * 2)) + (rv_3 >> 3))]);
+            r_sum[i_23] = (r_sum[i_23] + acc_s[((((rv_3 & 7) * 4) + (i_23 * 2)) + (rv_3 >> 3))]);
           }
-          r_sum[i_18] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_18]);
+          r_sum[i_23] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_23]);
         }
         float2 __12;
           float2 __13;
@@ -407,9 +477,9 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
         __syncthreads();
       }
       #pragma unroll
-      for (int i_19 = 0; i_19 < 2; ++i_19) {
-        if (l_run[i_19] == 0x0p+0f/*0.000000e+00*/) {
-          lse2[i_19] = ((m_fine[i_19] * scale_log2) + log2f(l_fine[i_19]));
+      for (int i_24 = 0; i_24 < 2; ++i_24) {
+        if (l_run[i_24] == 0x0p+0f/*0.000000e+00*/) {
+          lse2[i_24] = ((m_fine[i_24] * scale_log2) + log2f(l_fine[i_24]));
         }
       }
     }
@@ -422,32 +492,32 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
     for (int e_1 = 0; e_1 < 2; ++e_1) {
       last_r[e_1] = -CUDART_INF_F;
     }
-    int condval_20;
+    int condval_25;
     if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-      condval_20 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+      condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
     } else {
-      condval_20 = 0;
+      condval_25 = 0;
     }
-    for (int ch_2 = 0; ch_2 < ((min(condval_20, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6); ++ch_2) {
+    for (int ch_2 = 0; ch_2 < ((min(condval_25, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6); ++ch_2) {
       __syncthreads();
       #pragma unroll
-      for (int i_20 = 0; i_20 < 8; ++i_20) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_20 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_20) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
+      for (int i_25 = 0; i_25 < 8; ++i_25) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_25 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_25) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
       }
       tl::cp_async_commit();
       tl::cp_async_wait<0>();
       __syncthreads();
       #pragma unroll
-      for (int i_21 = 0; i_21 < 8; ++i_21) {
-        float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_21 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+      for (int i_26 = 0; i_26 < 8; ++i_26) {
+        float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_s + (i_26 * 4)) = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
       }
       {
         bfloat16_t B_local_2[32];
         for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
           #pragma unroll
-          for (int i_22 = 0; i_22 < 4; ++i_22) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)P_s)[((((((((ki_2 >> 2) * 4096) + (i_22 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_2 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_22 * 8)])));
+          for (int i_27 = 0; i_27 < 4; ++i_27) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)P_s)[((((((((ki_2 >> 2) * 4096) + (i_27 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_2 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_27 * 8)])));
           }
           for (int j_2 = 0; j_2 < 4; ++j_2) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_2 * 8)), reinterpret_cast<const unsigned*>(Q_f + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -456,46 +526,46 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
         }
       }
       __syncthreads();
-      int condval_21;
+      int condval_26;
       if ((31 <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_21 = min(n_c, (((((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q) - 31) >> 4) + 1));
+        condval_26 = min(n_c, (((((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q) - 31) >> 4) + 1));
       } else {
-        condval_21 = 0;
+        condval_26 = 0;
       }
-      if (((ch_2 * 64) + 64) <= condval_21) {
+      if (((ch_2 * 64) + 64) <= condval_26) {
         __syncthreads();
         #pragma unroll
-        for (int i_23 = 0; i_23 < 16; ++i_23) {
+        for (int i_28 = 0; i_28 < 16; ++i_28) {
           float2 __14;
           float2 __15;
             float2 __16;
-              float2 v__15 = *(float2*)(acc_s + (i_23 * 2));
+              float2 v__15 = *(float2*)(acc_s + (i_28 * 2));
               float2 v__16 = make_float2(scale_log2, scale_log2);
               __16.x = (v__15.x*v__16.x);
               __16.y = (v__15.y*v__16.y);
-            float2 v__17 = make_float2(lse2[(i_23 & 1)], lse2[(i_23 & 1)]);
+            float2 v__17 = make_float2(lse2[(i_28 & 1)], lse2[(i_28 & 1)]);
             __15.x = (__16.x-v__17.x);
             __15.y = (__16.y-v__17.y);
           __14.x = exp2f(__15.x);
           __14.y = exp2f(__15.y);
-          *(float2*)(((float*)P_s) + (((((((((i_23 >> 3) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + ((i_23 & 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_23 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_23 & 3) >> 1)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2))) = __14;
+          *(float2*)(((float*)P_s) + (((((((((i_28 >> 3) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + ((i_28 & 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_28 & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_28 & 3) >> 1)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2))) = __14;
         }
       } else {
         #pragma unroll
-        for (int i_24 = 0; i_24 < 32; ++i_24) {
-          int condval_23;
+        for (int i_29 = 0; i_29 < 32; ++i_29) {
+          int condval_28;
           if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-            condval_23 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+            condval_28 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
           } else {
-            condval_23 = 0;
+            condval_28 = 0;
           }
-          float condval_22;
-          if (((((((ch_2 * 64) + ((i_24 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_24 & 1)) < condval_23) && ((((((ch_2 * 1024) + ((i_24 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_24 & 1) * 16)) + 31) <= rowpos[((i_24 & 3) >> 1)]))) {
-            condval_22 = exp2f(((acc_s[i_24] * scale_log2) - lse2[((i_24 & 3) >> 1)]));
+          float condval_27;
+          if (((((((ch_2 * 64) + ((i_29 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_29 & 1)) < condval_28) && ((((((ch_2 * 1024) + ((i_29 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_29 & 1) * 16)) + 31) <= rowpos[((i_29 & 3) >> 1)]))) {
+            condval_27 = exp2f(((acc_s[i_29] * scale_log2) - lse2[((i_29 & 3) >> 1)]));
           } else {
-            condval_22 = -CUDART_INF_F;
+            condval_27 = -CUDART_INF_F;
           }
-          ((float*)P_s)[((((((((((i_24 >> 4) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + (((i_24 & 3) >> 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_24 & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_24 & 7) >> 2)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2)) + (i_24 & 1))] = condval_22;
+          ((float*)P_s)[((((((((((i_29 >> 4) * 2048) + ((((int)threadIdx.x) >> 5) * 512)) + (((i_29 & 3) >> 1) * 256)) + (((((int)threadIdx.x) & 31) >> 2) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((i_29 & 15) >> 3)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + ((i_29 & 7) >> 2)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 4)) + ((((int)threadIdx.x) & 1) * 2)) + (i_29 & 1))] = condval_27;
         }
       }
       __syncthreads();
@@ -566,13 +636,13 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
       #pragma unroll
       for (int e_8 = 0; e_8 < 2; ++e_8) {
         if (((e_8 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
-          float condval_24;
+          float condval_29;
           if (((((int)threadIdx.x) % 16) == 0)) {
-            condval_24 = last_r[e_8];
+            condval_29 = last_r[e_8];
           } else {
-            condval_24 = ((float*)GS_s)[(((e_8 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + max((((((int)threadIdx.x) & 15) * 4) - 1), 0))];
+            condval_29 = ((float*)GS_s)[(((e_8 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + max((((((int)threadIdx.x) & 15) * 4) - 1), 0))];
           }
-          pool_r[e_8] = max(max(max(condval_24, ((float*)GS_s)[((e_8 * 512) + (((int)threadIdx.x) * 4))]), max(((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 1)], ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 2)])), ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 3)]);
+          pool_r[e_8] = max(max(max(condval_29, ((float*)GS_s)[((e_8 * 512) + (((int)threadIdx.x) * 4))]), max(((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 1)], ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 2)])), ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 3)]);
           if ((((int)threadIdx.x) % 16) == 0) {
             last_r[e_8] = ((float*)GS_s)[(((e_8 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + 63)];
           }
@@ -592,32 +662,32 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
     #pragma unroll
     for (int e_10 = 0; e_10 < 2; ++e_10) {
       if ((((e_10 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) && ((((int)threadIdx.x) % 16) == 0)) {
-        int condval_25;
+        int condval_30;
         if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+          condval_30 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
         } else {
-          condval_25 = 0;
+          condval_30 = 0;
         }
-        int condval_26;
+        int condval_31;
         if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          condval_26 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+          condval_31 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
         } else {
-          condval_26 = 0;
+          condval_31 = 0;
         }
-        if (((((min(condval_25, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) <= ((((((e_10 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((min(condval_26, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) < score_stride)) {
-          int64_t condval_27;
+        if (((((min(condval_30, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) <= ((((((e_10 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((min(condval_31, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) < score_stride)) {
+          int64_t condval_32;
           if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-            condval_27 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+            condval_32 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
           } else {
-            condval_27 = (int64_t)0;
+            condval_32 = (int64_t)0;
           }
-          int64_t condval_28;
+          int64_t condval_33;
           if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-            condval_28 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+            condval_33 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
           } else {
-            condval_28 = (int64_t)0;
+            condval_33 = (int64_t)0;
           }
-          ((float*)SC_s)[((((min(condval_28, (max(((((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) - (int64_t)1) >> (int64_t)6) - ((int64_t)local_blocks)), (int64_t)0) * (int64_t)4)) + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_10) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_10];
+          ((float*)SC_s)[((((min(condval_33, (max(((((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) - (int64_t)1) >> (int64_t)6) - ((int64_t)local_blocks)), (int64_t)0) * (int64_t)4)) + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_10) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_10];
         }
       }
     }
@@ -628,25 +698,25 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
       }
       __syncthreads();
       if ((((rnd * 4) + (((int)threadIdx.x) >> 5)) < tile_tokens) && (((rnd * 4) + (((int)threadIdx.x) >> 5)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-        for (int i_25 = 0; i_25 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 31) >> 5); ++i_25) {
-          if ((((i_25 * 32) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((i_25 * 32) + (((int)threadIdx.x) & 31)) < score_stride)) {
-            float condval_29;
-            if (((((i_25 * 32) + (((int)threadIdx.x) & 31)) < init_blocks) || ((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) - local_blocks) <= ((i_25 * 32) + (((int)threadIdx.x) & 31))))) {
-              condval_29 = CUDART_INF_F;
+        for (int i_30 = 0; i_30 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 31) >> 5); ++i_30) {
+          if ((((i_30 * 32) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((i_30 * 32) + (((int)threadIdx.x) & 31)) < score_stride)) {
+            float condval_34;
+            if (((((i_30 * 32) + (((int)threadIdx.x) & 31)) < init_blocks) || ((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) - local_blocks) <= ((i_30 * 32) + (((int)threadIdx.x) & 31))))) {
+              condval_34 = CUDART_INF_F;
             } else {
-              condval_29 = ((float*)SC_s)[(((((int64_t)i_25) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
+              condval_34 = ((float*)SC_s)[(((((int64_t)i_30) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
             }
-            float _reinterpret_tmp = condval_29;
+            float _reinterpret_tmp = condval_34;
             ru[2] = (*(uint *)(&(_reinterpret_tmp)));
-            uint condval_30;
+            uint condval_35;
             if (((ru[2] >> (uint)31) != (uint)0)) {
-              condval_30 = (~ru[2]);
+              condval_35 = (~ru[2]);
             } else {
-              condval_30 = (ru[2] | (uint)2147483648);
+              condval_35 = (ru[2] | (uint)2147483648);
             }
-            ru[2] = condval_30;
+            ru[2] = condval_35;
             uint v__18 = ru[2];
-            ((float*)SC_s)[(((((int64_t)i_25) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__18)));
+            ((float*)SC_s)[(((((int64_t)i_30) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__18)));
             if ((uint)8388607 < ru[2]) {
               rs[0] = (rs[0] + 1);
             }
@@ -669,18 +739,18 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
               ((int*)hist_s)[((((int)threadIdx.x) * 8) + q)] = 0;
             }
             __syncwarp();
-            for (int i_26 = 0; i_26 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_26) {
+            for (int i_31 = 0; i_31 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_31) {
               #pragma unroll
               for (int u = 0; u < 4; ++u) {
-                float v__19 = ((float*)SC_s)[(min((((((int64_t)i_26) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
+                float v__19 = ((float*)SC_s)[(min((((((int64_t)i_31) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
                 kk[u] = (*(uint *)(&(v__19)));
-                int condval_31;
-                if ((((((((i_26 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_26 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
-                  condval_31 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
+                int condval_36;
+                if ((((((((i_31 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_31 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
+                  condval_36 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
                 } else {
-                  condval_31 = 256;
+                  condval_36 = 256;
                 }
-                bins[u] = condval_31;
+                bins[u] = condval_36;
               }
               #pragma unroll
               for (int u_1 = 0; u_1 < 4; ++u_1) {
@@ -728,34 +798,34 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
         }
         rs[2] = 0;
         rs[3] = 0;
-        for (int i_27 = 0; i_27 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_27) {
+        for (int i_32 = 0; i_32 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_32) {
           #pragma unroll
           for (int u_2 = 0; u_2 < 4; ++u_2) {
-            uint condval_32;
-            if ((((((i_27 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_27 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) < score_stride))) {
-              float v__20 = ((float*)SC_s)[(min((((((int64_t)i_27) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
-              condval_32 = (*(uint *)(&(v__20)));
+            uint condval_37;
+            if ((((((i_32 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_32 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) < score_stride))) {
+              float v__20 = ((float*)SC_s)[(min((((((int64_t)i_32) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
+              condval_37 = (*(uint *)(&(v__20)));
             } else {
-              condval_32 = (uint)0;
+              condval_37 = (uint)0;
             }
-            kk[u_2] = condval_32;
+            kk[u_2] = condval_37;
           }
           #pragma unroll
           for (int u_3 = 0; u_3 < 4; ++u_3) {
             rs[4] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, ((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])))));
-            int condval_33;
+            int condval_38;
             if (((ru[3] < kk[u_3]) || (((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])) && ((((uint)rs[3]) + __popc((((uint)rs[4]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)rs[1]))))) {
-              condval_33 = 1;
+              condval_38 = 1;
             } else {
-              condval_33 = 0;
+              condval_38 = 0;
             }
-            rs[5] = condval_33;
+            rs[5] = condval_38;
             rs[6] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, (rs[5] != 0))));
             if (rs[5] != 0) {
               if ((((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)topk)) {
                 if (0 <= ((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
                   if (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    topk_idx[(((uint)(((((int)blockIdx.z) * topk) * total_q) + (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) * topk))) + (((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))))] = (((i_27 * 128) + (u_3 * 32)) + (((int)threadIdx.x) & 31));
+                    topk_idx[(((uint)(((((int)blockIdx.z) * topk) * total_q) + (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) * topk))) + (((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))))] = (((i_32 * 128) + (u_3 * 32)) + (((int)threadIdx.x) & 31));
                   }
                 }
               }
@@ -765,10 +835,10 @@ extern "C" __global__ void __launch_bounds__(128, 2) infllmv2_select_blocks_bf16
           }
         }
         if (0 <= ((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-          for (int i_28 = 0; i_28 < ((topk + 31) >> 5); ++i_28) {
-            if ((rs[2] <= ((i_28 * 32) + (((int)threadIdx.x) & 31))) && (((i_28 * 32) + (((int)threadIdx.x) & 31)) < topk)) {
+          for (int i_33 = 0; i_33 < ((topk + 31) >> 5); ++i_33) {
+            if ((rs[2] <= ((i_33 * 32) + (((int)threadIdx.x) & 31))) && (((i_33 * 32) + (((int)threadIdx.x) & 31)) < topk)) {
               if (((((rnd * 4) + (((int)threadIdx.x) >> 5)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                topk_idx[((((((int64_t)i_28) * (int64_t)32) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = -1;
+                topk_idx[((((((int64_t)i_33) * (int64_t)32) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = -1;
               }
             }
           }
