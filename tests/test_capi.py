@@ -57,6 +57,44 @@ def test_invalid_arguments_are_named(kwargs, status, message):
     assert re.search(message, text), text
 
 
+@pytest.mark.parametrize(
+    "batch, ks, st, message",
+    [
+        (0, 32, 16, "batch must be in \\[1, 65535\\], got 0"),
+        (65536, 32, 16, "batch must be in \\[1, 65535\\], got 65536"),
+        (1, 0, 16, "kernel_size and kernel_stride must be >= 1, got 0 and 16"),
+        (1, 32, -1, "kernel_size and kernel_stride must be >= 1, got 32 and -1"),
+    ],
+)
+def test_compressed_offsets_arguments_are_named(batch, ks, st, message):
+    lib = _lib.lib()
+    status = lib.infllmv2_attention_compressed_offsets(1, 1, batch, ks, st, None)
+    text = lib.infllmv2_last_error().decode()
+    import re
+
+    assert status == _lib.ERR_INVALID_ARGUMENT and text.startswith("infllmv2_attention_compressed_offsets: ")
+    assert re.search(message, text), text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ks, st", [(32, 16), (128, 64), (16, 32), (1, 1)])
+def test_compressed_offsets_match_the_reference(ks, st):
+    from infllmv2.reference import _compressed_offsets
+
+    lengths = [0, 1, 15, 16, 31, 32, 33, 47, 48, 127, 128, 129, 1000, 4096, 5]
+    cu_k = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = torch.full((len(lengths) + 1,), -7, dtype=torch.int32, device="cuda")
+    lib = _lib.lib()
+    assert lib.infllmv2_attention_compressed_offsets(cu_k.data_ptr(), out.data_ptr(), len(lengths), ks, st, None) == 0
+    torch.cuda.synchronize()
+    assert out.tolist() == _compressed_offsets(cu_k.tolist(), ks, st)[1]
+    # device pointers are checked like every other entry point's
+    status = lib.infllmv2_attention_compressed_offsets(cu_k.data_ptr(), cu_k.cpu().data_ptr(), len(lengths), ks, st,
+                                                       None)
+    assert status == _lib.ERR_INVALID_ARGUMENT and "cu_seqlens_c must be device memory" in \
+        lib.infllmv2_last_error().decode()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_without_a_gpu_calls_fail_cleanly():
     status, text = _compress()

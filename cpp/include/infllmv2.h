@@ -124,6 +124,23 @@ INFLLMV2_API infllmv2_status infllmv2_compress_keys(
     int32_t kernel_size, int32_t kernel_stride, cudaStream_t stream);
 
 /*
+ * infllmv2_attention_compressed_offsets: the cu_seqlens_c that infllmv2_compress_keys takes,
+ * computed on the device (no host synchronisation):
+ *   cu_seqlens_c[0] = 0, cu_seqlens_c[b + 1] = cu_seqlens_c[b] + n_b,
+ *   n_b = (L_b - w) / s + 1 if L_b >= w else 0, L_b = cu_seqlens_k[b + 1] - cu_seqlens_k[b].
+ *
+ *   [in]  cu_seqlens_k  int32 (batch + 1), device
+ *   [out] cu_seqlens_c  int32 (batch + 1), device
+ *   [in]  batch         B >= 1 (<= 65535)
+ *   [in]  kernel_size, kernel_stride  w >= 1, s >= 1
+ *   [in]  stream        the stream to run on
+ * The sum is bounded by total_k / s + batch, which sizes ck when the lengths are not read.
+ */
+INFLLMV2_API infllmv2_status infllmv2_attention_compressed_offsets(
+    const int32_t* cu_seqlens_k, int32_t* cu_seqlens_c, int32_t batch, int32_t kernel_size,
+    int32_t kernel_stride, cudaStream_t stream);
+
+/*
  * infllmv2_sparse_attn_fwd: stage 2, block-sparse attention over selected 64-key blocks.
  *
  *   For query i of sequence b (Lq queries, Lk keys; position p = Lk - Lq + i) and query head

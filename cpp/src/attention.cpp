@@ -72,6 +72,33 @@ T* at(void* base, size_t offset) { return reinterpret_cast<T*>(static_cast<char*
 
 }  // namespace
 
+extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_compressed_offsets(const int32_t* cu_seqlens_k,
+                                                                             int32_t* cu_seqlens_c, int32_t batch,
+                                                                             int32_t kernel_size, int32_t kernel_stride,
+                                                                             cudaStream_t stream) {
+  constexpr const char* op = "infllmv2_attention_compressed_offsets";
+  clear_error();
+  if (batch < 1 || batch > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, batch);
+  if (kernel_size < 1 || kernel_stride < 1)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: kernel_size and kernel_stride must be >= 1, got %d and %d", op,
+                kernel_size, kernel_stride);
+  Device dev;
+  infllmv2_status st = current_device(op, &dev);
+  if (st != INFLLMV2_OK) return st;
+  if ((st = check_device_pointers(op, dev, {{"cu_seqlens_k", cu_seqlens_k}, {"cu_seqlens_c", cu_seqlens_c}})) !=
+      INFLLMV2_OK)
+    return st;
+  const infllmv2_attention_compressed_offsets_unit* unit = nullptr;
+  if ((st = pick_unit(op, infllmv2_attention_compressed_offsets_units, dev,
+                      [](const infllmv2_attention_compressed_offsets_unit&) { return true; }, "compressed offsets",
+                      &unit)) != INFLLMV2_OK)
+    return st;
+  int rc = unit->call(const_cast<int32_t*>(cu_seqlens_k), cu_seqlens_c, batch, kernel_size, kernel_stride, batch + 1,
+                      stream);
+  return launch_result(op, unit->name, rc, unit->last_error);
+}
+
 extern "C" INFLLMV2_API void infllmv2_sparse_config_default(infllmv2_sparse_config* c) {
   if (c == nullptr) return;
   *c = infllmv2_sparse_config{kFineW, kFineS, kBlock, 1, 2048, 64, 8192, 1, 128, 64};
@@ -114,11 +141,6 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
   if ((st = check_device_pointers(kOp, dev, {{"workspace", workspace}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
     return st;
   if (topk_idx != nullptr && (st = check_device_pointer(kOp, "topk_idx", topk_idx, dev)) != INFLLMV2_OK) return st;
-  const infllmv2_attention_compressed_offsets_unit* offsets = nullptr;
-  if ((st = pick_unit(kOp, infllmv2_attention_compressed_offsets_units, dev,
-                      [](const infllmv2_attention_compressed_offsets_unit&) { return true; }, "compressed offsets",
-                      &offsets)) != INFLLMV2_OK)
-    return st;
 
   int32_t* cu_c = at<int32_t>(workspace, l.cu_c);
   int32_t* cu_n = c.approx_lse ? at<int32_t>(workspace, l.cu_n) : nullptr;
@@ -137,8 +159,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
                                  {cu_n, nk, l.bound_n, c.norm_kernel_size, c.norm_kernel_stride}};
   for (int i = 0; i < (c.approx_lse ? 2 : 1); ++i) {
     const Compression& z = levels[i];
-    int rc = offsets->call(const_cast<int32_t*>(cu_seqlens_k), z.cu, batch, z.w, z.s, batch + 1, stream);
-    if ((st = launch_result(kOp, offsets->name, rc, offsets->last_error)) != INFLLMV2_OK) return st;
+    if ((st = infllmv2_attention_compressed_offsets(cu_seqlens_k, z.cu, batch, z.w, z.s, stream)) != INFLLMV2_OK)
+      return st;
     const int32_t max_n = (int32_t)windows(max_seqlen_k, z.w, z.s);
     if ((st = infllmv2_compress_keys(k, cu_seqlens_k, z.cu, nullptr, 0.0f, z.keys, batch, total_k, z.bound, max_n,
                                      heads_k, head_dim, dtype, z.w, z.s, stream)) != INFLLMV2_OK)

@@ -66,6 +66,9 @@ _SIGNATURES = {
          _c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int,
          _c.c_int32, _c.c_int32, _c.c_void_p],
     ),
+    "infllmv2_attention_compressed_offsets": (
+        _c.c_int, [_c.c_void_p, _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_void_p],
+    ),
     "infllmv2_sparse_attn_fwd": (
         _c.c_int,
         [_c.c_void_p] * 8 + [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int32,

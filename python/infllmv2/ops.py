@@ -8,7 +8,6 @@ torch.compile traces them.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -127,33 +126,6 @@ def _lengths(cu):
 def _offsets_of(lengths):
     """int32 offsets (B+1) of per-sequence lengths, computed where they are (no host read)."""
     return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-
-
-def _compress_keys_on_device(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda, max_seqlen_k):
-    """``compress_keys`` without reading the offsets on the host, for callers that know
-    ``max_seqlen_k``: ``cu_seqlens_c`` is computed on the GPU and the output has
-    ``total_k // kernel_stride`` rows (a bound on the sum of ``(L - w) // s + 1`` when ``w >= s``),
-    the rows past the last sequence's keys unwritten (the scoring kernels never read them)."""
-    _check_tensor3(k, "k")
-    _check_int(kernel_size, "kernel_size", 1)
-    _check_int(kernel_stride, "kernel_stride", 1)
-    if kernel_size < kernel_stride:
-        # windows with gaps: the bound above does not hold, count on the host
-        return compress_keys(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
-    _check_offsets((("cu_seqlens_k", cu_seqlens_k),), k.device)
-    phsa_lambda = _check_phsa_args(punct_mask, phsa_lambda, k)
-    _check_kernel_tensor(k, "k")
-    lengths = _lengths(cu_seqlens_k)
-    # reference._num_windows, elementwise
-    counts = torch.where(lengths >= kernel_size, torch.div(lengths - kernel_size, kernel_stride, rounding_mode="floor") + 1,
-                         torch.zeros_like(lengths))
-    cu_seqlens_c = _offsets_of(counts)
-    total_c = k.shape[0] // kernel_stride
-    # a max_seqlen_k beyond the keys there are (an upper bound) must not ask for more rows
-    max_nc = min(_num_windows(max_seqlen_k, kernel_size, kernel_stride), total_c)
-    ck = _compress_keys_op(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, total_c, max_nc, kernel_size,
-                           kernel_stride)
-    return ck, cu_seqlens_c
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,25 +459,20 @@ _KERNEL_MAX_SELECT_TOPK = 8192
 
 
 
-def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_keys, cu_seqlens_norm,
-                        kernel_size, kernel_stride, softmax_scale):
-    """Checks for the CUDA scoring kernels (the reference does its own, more general, checks)."""
-    _check_tensor3(q, "q")
-    _check_tensor3(ck, "ck")
-    for name, t in (("ck", ck),) + ((("norm_keys", norm_keys),) if norm_keys is not None else ()):
-        _check_tensor3(t, name)
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must match q in dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
-        if t.shape[1:] != ck.shape[1:]:
-            raise ValueError(f"{name} shape {tuple(t.shape)} must be (tokens, heads_k, head_dim) like ck {tuple(ck.shape)}")
-        _check_kernel_tensor(t, name)
-    _check_kernel_tensor(q, "q")
-    if ck.shape[2] != q.shape[2]:
-        raise ValueError(f"ck head_dim {ck.shape[2]} differs from q head_dim {q.shape[2]}")
-    if ck.shape[1] == 0 or q.shape[1] % ck.shape[1] != 0:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of ck heads ({ck.shape[1]})")
-    if q.shape[1] // ck.shape[1] > 64:
-        raise ValueError(f"the group size heads/heads_k = {q.shape[1] // ck.shape[1]} exceeds 64 on CUDA")
+def _check_scoring_qk(q, keys, name, kernel_size, kernel_stride, softmax_scale):
+    """What the CUDA scoring kernels need of q and of the keys (``k`` or ``ck``) they score against."""
+    for n, t in (("q", q), (name, keys)):
+        _check_tensor3(t, n)
+        _check_kernel_tensor(t, n)
+    if keys.dtype != q.dtype or keys.device != q.device:
+        raise ValueError(f"{name} must match q in dtype and device ({q.dtype}, {q.device}), got {keys.dtype}, "
+                         f"{keys.device}")
+    if keys.shape[2] != q.shape[2]:
+        raise ValueError(f"{name} head_dim {keys.shape[2]} differs from q head_dim {q.shape[2]}")
+    if keys.shape[1] == 0 or q.shape[1] % keys.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of {name} heads ({keys.shape[1]})")
+    if q.shape[1] // keys.shape[1] > 64:
+        raise ValueError(f"the group size heads/heads_k = {q.shape[1] // keys.shape[1]} exceeds 64 on CUDA")
     if (kernel_size, kernel_stride) != _KERNEL_FINE:
         raise ValueError(
             f"kernel_size/kernel_stride must be {_KERNEL_FINE[0]}/{_KERNEL_FINE[1]} on CUDA (the stage-1 kernels are "
@@ -513,6 +480,21 @@ def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_ke
         )
     if softmax_scale is not None and not (float(softmax_scale) > 0 and math.isfinite(float(softmax_scale))):
         raise ValueError(f"softmax_scale must be finite and > 0 on CUDA, got {softmax_scale}")
+
+
+def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_keys, cu_seqlens_norm,
+                        kernel_size, kernel_stride, softmax_scale):
+    """Checks for the CUDA scoring kernels (the reference does its own, more general, checks)."""
+    _check_scoring_qk(q, ck, "ck", kernel_size, kernel_stride, softmax_scale)
+    if norm_keys is not None:
+        _check_tensor3(norm_keys, "norm_keys")
+        _check_kernel_tensor(norm_keys, "norm_keys")
+        if norm_keys.dtype != q.dtype or norm_keys.device != q.device:
+            raise ValueError(f"norm_keys must match q in dtype and device ({q.dtype}, {q.device}), got "
+                             f"{norm_keys.dtype}, {norm_keys.device}")
+        if norm_keys.shape[1:] != ck.shape[1:]:
+            raise ValueError(f"norm_keys shape {tuple(norm_keys.shape)} must be (tokens, heads_k, head_dim) like ck "
+                             f"{tuple(ck.shape)}")
     cus = [("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("cu_seqlens_c", cu_seqlens_c)]
     if norm_keys is not None:
         if cu_seqlens_norm is None:
@@ -560,24 +542,48 @@ def max_pool_blocks_launch(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, out, ini
     _lib.check(status)
 
 
-@torch.library.custom_op("infllmv2::select_blocks", mutates_args=())
-def _select_blocks_op(
-    q: torch.Tensor, ck: torch.Tensor, norm_keys: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor, cu_seqlens_c: torch.Tensor, cu_seqlens_norm: Optional[torch.Tensor], topk: int,
-    init_blocks: int, local_blocks: int, norm_kernel_size: int, norm_kernel_stride: int, softmax_scale: float,
-    max_seqlen_q: int, max_seqlen_k: int,
-) -> torch.Tensor:
-    out = torch.empty((ck.shape[1], q.shape[0], topk), dtype=torch.int32, device=q.device)
-    select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out,
-                         init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q,
-                         max_seqlen_k)
+def _select_blocks_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks,
+                       approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
+    """Stages 0 and 1 on the GPU with no host read: per compression, its offsets
+    (infllmv2_attention_compressed_offsets) and keys, sized by the bound total_k // s + B; then
+    the fused selection. One Python call for the five launches: the host time before the first
+    one is what a caller waits for."""
+    batch = cu_seqlens_q.numel() - 1
+    levels = [_KERNEL_FINE] + ([(norm_kernel_size, norm_kernel_stride)] if approx_lse else [])
+    offsets = torch.empty((len(levels), batch + 1), dtype=torch.int32, device=q.device)
+    out = torch.empty((k.shape[1], q.shape[0], topk), dtype=torch.int32, device=q.device)
+    keys = []
+    with torch.cuda.device(q.device):
+        stream = _stream(q.device)
+        for i, (w, s) in enumerate(levels):
+            _lib.check(_lib.lib().infllmv2_attention_compressed_offsets(_ptr(cu_seqlens_k), _ptr(offsets[i]), batch,
+                                                                        w, s, stream))
+            bound = k.shape[0] // s + batch
+            keys.append(k.new_empty((bound, k.shape[1], k.shape[2])))
+            compress_keys_launch(k, cu_seqlens_k, offsets[i], punct_mask, phsa_lambda, keys[i],
+                                 min(_num_windows(max_seqlen_k, w, s), bound), w, s)
+        select_blocks_launch(q, keys[0], keys[1] if approx_lse else None, cu_seqlens_q, cu_seqlens_k, offsets[0],
+                             offsets[1] if approx_lse else None, out, init_blocks, local_blocks, norm_kernel_size,
+                             norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k)
     return out
 
 
+@torch.library.custom_op("infllmv2::select_blocks", mutates_args=())
+def _select_blocks_op(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    punct_mask: Optional[torch.Tensor], phsa_lambda: float, topk: int, init_blocks: int, local_blocks: int,
+    approx_lse: bool, norm_kernel_size: int, norm_kernel_stride: int, softmax_scale: float, max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> torch.Tensor:
+    return _select_blocks_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks,
+                               local_blocks, approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale,
+                               max_seqlen_q, max_seqlen_k)
+
+
 @_select_blocks_op.register_fake
-def _(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, topk, init_blocks, local_blocks,
+def _(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks, approx_lse,
       norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
-    return q.new_empty((ck.shape[1], q.shape[0], topk), dtype=torch.int32)
+    return q.new_empty((k.shape[1], q.shape[0], topk), dtype=torch.int32)
 
 
 def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, kernel_stride=16, block_size=64,
@@ -594,11 +600,11 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
     CUDA runs ``compress_keys`` and one fused selection kernel (bf16/fp16, D 64/128, G <= 64;
     compression 32/16 and block 64, the DSL build parameters; K <= 8192; sequences up to 512K
     keys on sm_90a, 384K on sm_80/sm_89): the score matrices never exist in device memory.
-    Ties at the K-th score go to the lower block index. With ``max_seqlen_q`` and ``max_seqlen_k``
-    given nothing is read on the host (no synchronisation): the compressed keys' offsets are
-    computed on the GPU and their buffers sized by a bound, and the offsets are trusted as the
-    C ABI trusts them (inconsistent ones give wrong selections, never an out-of-bounds access).
-    Otherwise ``cu_seqlens_k`` is read and checked on the host. CPU runs the reference.
+    Ties at the K-th score go to the lower block index. The compressed keys' offsets are computed
+    on the GPU and their buffers sized by a bound. With ``max_seqlen_q`` and ``max_seqlen_k``
+    given nothing is read on the host (no synchronisation), and the offsets are trusted as the C
+    ABI trusts them (inconsistent ones give wrong selections, never an out-of-bounds access).
+    Otherwise both offsets are read and checked on the host. CPU runs the reference.
     """
     _check_tensor3(q, "q")
     _check_tensor3(k, "k")
@@ -616,27 +622,19 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
         raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
     if topk > _KERNEL_MAX_SELECT_TOPK:
         raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
+    _check_int(kernel_size, "kernel_size", 1)
+    _check_int(kernel_stride, "kernel_stride", 1)
+    _check_scoring_qk(q, k, "k", kernel_size, kernel_stride, softmax_scale)
     _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
-    q, k = q.detach(), k.detach()
+    phsa_lambda = _check_phsa_args(punct_mask, phsa_lambda, k)
     if approx_lse:
         _check_int(norm_kernel_size, "norm_kernel_size", 1)
         _check_int(norm_kernel_stride, "norm_kernel_stride", 1)
-    if max_seqlen_q is not None and max_seqlen_k is not None:
-        max_seqlen_k = _check_int(max_seqlen_k, "max_seqlen_k", 0)
-        compress = functools.partial(_compress_keys_on_device, max_seqlen_k=max_seqlen_k)
-    else:
-        compress = compress_keys
-    ck, cu_c = compress(k, cu_seqlens_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
-    norm_keys = cu_norm = None
-    if approx_lse:
-        norm_keys, cu_norm = compress(k, cu_seqlens_k, norm_kernel_size, norm_kernel_stride, punct_mask, phsa_lambda)
-    _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_c, norm_keys, cu_norm, kernel_size, kernel_stride,
-                        softmax_scale)
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
-    return _select_blocks_op(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_c, cu_norm, topk, init_blocks,
-                             local_blocks, norm_kernel_size, norm_kernel_stride, _scale_or_zero(softmax_scale),
-                             max_seqlen_q, max_seqlen_k)
+    max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k", k.shape[0])
+    return _select_blocks_op(q.detach(), k.detach(), cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk,
+                             init_blocks, local_blocks, bool(approx_lse), norm_kernel_size, norm_kernel_stride,
+                             _scale_or_zero(softmax_scale), max_seqlen_q, max_seqlen_k)
 
 
 def group_scores(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32, kernel_stride=16,
