@@ -37,7 +37,8 @@ tell the run-time-strided score rows from the group sums, adds no barriers insid
 Pass 2 stops before the keys of the last token's local window: from there on every block is
 forced (or in the future) for every token of the tile. Measured on an H100 at 32K x 8 (G = 16,
 K = 96), the kernel went from 26.3 (three tiles of 100 KB per SM) to 16.3 (72 KB), 14.4 (52 KB,
-no barriers in the loops), 13.4 (the local window skipped) and 12.1 ms (see q_load). Top-K then runs per
+no barriers in the loops), 13.4 (the local window skipped) and 12.1 ms (the query tile
+loaded without run-time divisions). Top-K then runs per
 token, one warp per token: the scores are turned in place into their order-preserving uint32
 images, an 8-bit radix select
 (four histogram passes in shared memory, warp-aggregated atomics) finds the K-th best, and a
@@ -52,6 +53,7 @@ import math
 import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
+from dsl.group_rows import load_rows
 
 OP = "select_blocks"
 NVCC_FLAGS = EXP_NVCC_FLAGS
@@ -201,47 +203,6 @@ def _make_group_sum(g):
 group_sum_1, group_sum_2, group_sum_4, group_sum_8, group_sum_16 = (_make_group_sum(g) for g in (1, 2, 4, 8, 16))
 
 
-def _make_q_load(g):
-    """A macro: the query tile (row r = token r // g, head r % g) for a compile-time group size g.
-    Rows past the tile's tokens repeat its last token (no group sum reads them): the loads need
-    no condition, so all of a thread's loads are in flight at once."""
-
-    @T.macro
-    def q_load_g(Q, Q_s, row0, hk, n_tok):
-        for r, d in T.Parallel(BLOCK_M, Q_s.shape[1]):
-            Q_s[r, d] = Q[row0 + T.min(r // g, n_tok - 1), hk * g + r % g, d]
-
-    return q_load_g
-
-
-q_load_1, q_load_2, q_load_4, q_load_8, q_load_16 = (_make_q_load(g) for g in (1, 2, 4, 8, 16))
-
-
-@T.macro
-def q_load(Q, Q_s, row0, hk, n_tok, groups):
-    """The query tile of tokens row0 .. row0 + n_tok - 1, KV group hk: rows past n_tok * groups are
-    zero for a run-time group size. A compile-time one turns the row's token and head into shifts
-    instead of run-time divisions, and its loads need no branch. Before, the load was 15% of the
-    kernel's stall samples, mostly waiting on one 16-byte load at a time; measured on an H100 at
-    32K x 8 (G = 16, torch profiler, library against library) the kernel went from 12.85 to
-    12.14 ms."""
-    if groups == 16:
-        q_load_16(Q, Q_s, row0, hk, n_tok)
-    elif groups == 8:
-        q_load_8(Q, Q_s, row0, hk, n_tok)
-    elif groups == 4:
-        q_load_4(Q, Q_s, row0, hk, n_tok)
-    elif groups == 2:
-        q_load_2(Q, Q_s, row0, hk, n_tok)
-    elif groups == 1:
-        q_load_1(Q, Q_s, row0, hk, n_tok)
-    else:
-        for r, d in T.Parallel(BLOCK_M, Q_s.shape[1]):
-            Q_s[r, d] = T.if_then_else(
-                r < n_tok * groups, Q[row0 + r // groups, hk * groups + r % groups, d], T.cast(0, Q_s.dtype)
-            )
-
-
 def _scoring(kernel, dtype, D, arch):
     SCORE_CAP = _score_cap(arch)
     # the tiles whose shared memory (D = 128: about 52 KB on sm_90a, 44 KB elsewhere) fits an SM
@@ -322,7 +283,10 @@ def _scoring(kernel, dtype, D, arch):
         p_last = p0 + n_tok - 1
 
         if n_tok > 0:
-            q_load(Q, Q_s, q0 + t0, hk, n_tok, groups)
+            # (dsl.group_rows) before it divided each row by the run-time G per 16-byte load, with
+            # one load in flight at a time: 15% of the stall samples. H100, 32K x 8, G = 16:
+            # 12.85 -> 12.14 ms (torch profiler, library against library).
+            load_rows(Q, Q_s, q0 + t0, hk, n_tok, groups)
             T.copy(Q_s, Q_f)
             T.sync_threads()  # Q_s's memory may be reused by later buffers (TileLang merges them)
             # each row's query position, -1 for unused rows (sees nothing): computed once, as

@@ -46,6 +46,7 @@ import math
 import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
+from dsl.group_rows import load_rows, store_rows
 
 OP = "sparse_attn"
 NVCC_FLAGS = EXP_NVCC_FLAGS
@@ -317,10 +318,7 @@ def _fwd(dtype, D, arch):
             p0 = len_k - len_q + t0  # position of the tile's first token
 
             if n_tok > 0:
-                for r, d in T.Parallel(BLOCK_M, D):
-                    Q_s[r, d] = T.if_then_else(
-                        r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
-                    )
+                load_rows(Q, Q_s, q0 + t0, hk, n_tok, groups)
                 tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
                            my_keep, my_mask, bm_s)
                 n_it = n_union[0]
@@ -359,10 +357,8 @@ def _fwd(dtype, D, arch):
                     T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
                 for r, d in T.Parallel(BLOCK_M, D):
-                    if r < n_rows:
-                        O[q0 + t0 + r // groups, hk * groups + r % groups, d] = T.cast(
-                            T.if_then_else(l_sum[r] > 0, acc_o[r, d] / l_sum[r], 0), dtype
-                        )
+                    acc_o[r, d] = T.if_then_else(l_sum[r] > 0, acc_o[r, d] / l_sum[r], 0)
+                store_rows(acc_o, O, q0 + t0, hk, n_tok, groups, 1.0)
                 for r in T.Parallel(BLOCK_M):
                     if r < n_rows:
                         LSE[hk * groups + r % groups, q0 + t0 + r // groups] = T.if_then_else(
@@ -473,13 +469,8 @@ def _bwd_dq(dtype, D, arch, tokens):
             p0 = len_k - len_q + t0
 
             if n_tok > 0:
-                for r, d in T.Parallel(BLOCK_M, D):
-                    Q_s[r, d] = T.if_then_else(
-                        r < n_rows, Q[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
-                    )
-                    dO_s[r, d] = T.if_then_else(
-                        r < n_rows, dO[q0 + t0 + r // groups, hk * groups + r % groups, d], T.cast(0, dtype)
-                    )
+                load_rows(Q, Q_s, q0 + t0, hk, n_tok, groups)
+                load_rows(dO, dO_s, q0 + t0, hk, n_tok, groups)
                 for r in T.Parallel(BLOCK_M):
                     # -inf LSE (an empty row) stays -inf and its probabilities are forced to 0
                     lse_r[r] = T.if_then_else(
@@ -515,11 +506,7 @@ def _bwd_dq(dtype, D, arch, tokens):
                     for r, c in T.Parallel(BLOCK_M, BLOCK_N):
                         dS_r[r, c] = T.cast(acc_s[r, c] * (acc_dp[r, c] - delta_r[r]), dtype)
                     T.gemm(dS_r, K_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
-                for r, d in T.Parallel(BLOCK_M, D):
-                    if r < n_rows:
-                        dQ[q0 + t0 + r // groups, hk * groups + r % groups, d] = T.cast(
-                            acc_dq[r, d] * (scale_log2 / LOG2E), dtype
-                        )
+                store_rows(acc_dq, dQ, q0 + t0, hk, n_tok, groups, scale_log2 / LOG2E)
 
     return sparse_attn_bwd_dq
 

@@ -71,131 +71,274 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
   }
   int len_k = (condval_3 - k0);
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_2 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_3 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      uint4 condval_4;
-      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+    if (groups == 16) {
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_4;
+        if (((((((((int)blockIdx.z) * 16) + ((i & 1) * 8)) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min((i >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min((i >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+          condval_4 = *(uint4*)(Q + ((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i) & (int64_t)1) * (int64_t)1024)) + ((((min((((int64_t)i) >> (int64_t)1), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+        } else {
+          condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        }
+        *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
       }
-      *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
-      bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod_8 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_9 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_10 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_4 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_11 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_5 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      uint4 condval_5;
-      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_4 : (rdiv_4 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) < total_q))) {
-        int64_t rmod_12 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_13 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_14 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_15 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        condval_5 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)groups) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rmod_14 : (rmod_14 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rdiv_7 : (rdiv_7 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+    } else {
+      if (groups == 8) {
+        #pragma unroll
+        for (int i_1 = 0; i_1 < 8; ++i_1) {
+          bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+          uint4 condval_5;
+          if ((((((((int)blockIdx.z) * 8) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min(i_1, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(i_1, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+            condval_5 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i_1), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          } else {
+            condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+          }
+          *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+        }
       } else {
-        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+        if (groups == 4) {
+          #pragma unroll
+          for (int i_2 = 0; i_2 < 8; ++i_2) {
+            bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+            uint4 condval_6;
+            if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 63) >> 4)) < heads) && (0 <= ((min(((i_2 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_2 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+              condval_6 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_2) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            } else {
+              condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+            }
+            *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_2 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+          }
+        } else {
+          if (groups == 2) {
+            #pragma unroll
+            for (int i_3 = 0; i_3 < 8; ++i_3) {
+              bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+              uint4 condval_7;
+              if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 31) >> 4)) < heads) && (0 <= ((min(((i_3 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_3 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                condval_7 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_3) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              } else {
+                condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+              }
+              *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
+            }
+          } else {
+            if (groups == 1) {
+              #pragma unroll
+              for (int i_4 = 0; i_4 < 8; ++i_4) {
+                bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                uint4 condval_8;
+                if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_4 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                  condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
+                }
+                *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
+              }
+            } else {
+              #pragma unroll
+              for (int i_5 = 0; i_5 < 8; ++i_5) {
+                bfloat16_t broadcast_var_5 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                int rmod = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_1 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_2 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                int rmod_3 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv_1 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                uint4 condval_9;
+                if ((((((((i_5 * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
+                  int64_t rmod_4 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_5 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_2 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  int64_t rmod_6 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_3 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  condval_9 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
+                }
+                *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
+              }
+            }
+          }
+        }
       }
-      *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+    }
+    if (groups == 16) {
+      #pragma unroll
+      for (int i_6 = 0; i_6 < 8; ++i_6) {
+        bfloat16_t broadcast_var_6 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_10;
+        if (((((((((int)blockIdx.z) * 16) + ((i_6 & 1) * 8)) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min((i_6 >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min((i_6 >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+          condval_10 = *(uint4*)(dO + ((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_6) & (int64_t)1) * (int64_t)1024)) + ((((min((((int64_t)i_6) >> (int64_t)1), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+        } else {
+          condval_10 = make_uint4(__pack_nv_bfloat162(broadcast_var_6, broadcast_var_6), __pack_nv_bfloat162(broadcast_var_6, broadcast_var_6), __pack_nv_bfloat162(broadcast_var_6, broadcast_var_6), __pack_nv_bfloat162(broadcast_var_6, broadcast_var_6));
+        }
+        *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_6 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_10;
+      }
+    } else {
+      if (groups == 8) {
+        #pragma unroll
+        for (int i_7 = 0; i_7 < 8; ++i_7) {
+          bfloat16_t broadcast_var_7 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+          uint4 condval_11;
+          if ((((((((int)blockIdx.z) * 8) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min(i_7, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(i_7, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+            condval_11 = *(uint4*)(dO + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i_7), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          } else {
+            condval_11 = make_uint4(__pack_nv_bfloat162(broadcast_var_7, broadcast_var_7), __pack_nv_bfloat162(broadcast_var_7, broadcast_var_7), __pack_nv_bfloat162(broadcast_var_7, broadcast_var_7), __pack_nv_bfloat162(broadcast_var_7, broadcast_var_7));
+          }
+          *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_7 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_11;
+        }
+      } else {
+        if (groups == 4) {
+          #pragma unroll
+          for (int i_8 = 0; i_8 < 8; ++i_8) {
+            bfloat16_t broadcast_var_8 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+            uint4 condval_12;
+            if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 63) >> 4)) < heads) && (0 <= ((min(((i_8 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_8 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+              condval_12 = *(uint4*)(dO + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_8) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            } else {
+              condval_12 = make_uint4(__pack_nv_bfloat162(broadcast_var_8, broadcast_var_8), __pack_nv_bfloat162(broadcast_var_8, broadcast_var_8), __pack_nv_bfloat162(broadcast_var_8, broadcast_var_8), __pack_nv_bfloat162(broadcast_var_8, broadcast_var_8));
+            }
+            *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_12;
+          }
+        } else {
+          if (groups == 2) {
+            #pragma unroll
+            for (int i_9 = 0; i_9 < 8; ++i_9) {
+              bfloat16_t broadcast_var_9 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+              uint4 condval_13;
+              if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 31) >> 4)) < heads) && (0 <= ((min(((i_9 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_9 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                condval_13 = *(uint4*)(dO + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_9) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              } else {
+                condval_13 = make_uint4(__pack_nv_bfloat162(broadcast_var_9, broadcast_var_9), __pack_nv_bfloat162(broadcast_var_9, broadcast_var_9), __pack_nv_bfloat162(broadcast_var_9, broadcast_var_9), __pack_nv_bfloat162(broadcast_var_9, broadcast_var_9));
+              }
+              *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_9 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_13;
+            }
+          } else {
+            if (groups == 1) {
+              #pragma unroll
+              for (int i_10 = 0; i_10 < 8; ++i_10) {
+                bfloat16_t broadcast_var_10 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                uint4 condval_14;
+                if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_10 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_10 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                  condval_14 = *(uint4*)(dO + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_10) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_14 = make_uint4(__pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10));
+                }
+                *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_10 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_14;
+              }
+            } else {
+              #pragma unroll
+              for (int i_11 = 0; i_11 < 8; ++i_11) {
+                bfloat16_t broadcast_var_11 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                int rmod_8 = (((i_11 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_9 = (((i_11 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_10 = (((i_11 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv_4 = (((i_11 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                int rmod_11 = (((i_11 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv_5 = (((i_11 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                uint4 condval_15;
+                if ((((((((i_11 * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_4 : (rdiv_4 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) < total_q))) {
+                  int64_t rmod_12 = (((((int64_t)i_11) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_13 = (((((int64_t)i_11) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_6 = (((((int64_t)i_11) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  int64_t rmod_14 = (((((int64_t)i_11) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_15 = (((((int64_t)i_11) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_7 = (((((int64_t)i_11) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  condval_15 = *(uint4*)(dO + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_14)) || ((((int64_t)groups) < (int64_t)0) && (rmod_14 <= (int64_t)0))) ? rmod_14 : (rmod_14 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rdiv_7 : (rdiv_7 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_15 = make_uint4(__pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11));
+                }
+                *(uint4*)(((bfloat16_t*)dO_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_15;
+              }
+            }
+          }
+        }
+      }
     }
     #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
-      float condval_6;
-      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int rmod_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        float condval_7;
+    for (int i_12 = 0; i_12 < 2; ++i_12) {
+      float condval_16;
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
+        int rmod_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        float condval_17;
         if (((((0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_16)) || ((groups < 0) && (rmod_16 <= 0))) ? rdiv_8 : (rdiv_8 - 1)))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups))) < heads))) {
-          int64_t rmod_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-          int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-          int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-          condval_7 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rmod_22 : (rmod_22 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)))];
+          int64_t rmod_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+          int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+          int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+          condval_17 = LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rmod_22 : (rmod_22 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)))];
         } else {
-          condval_7 = 0x0p+0f/*0.000000e+00*/;
+          condval_17 = 0x0p+0f/*0.000000e+00*/;
         }
-        condval_6 = (condval_7 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
+        condval_16 = (condval_17 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
       } else {
-        condval_6 = -CUDART_INF_F;
+        condval_16 = -CUDART_INF_F;
       }
-      lse_r[i_1] = condval_6;
-      int rmod_24 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-      int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-      float condval_8;
-      if ((((((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_24)) || ((groups < 0) && (rmod_24 <= 0))) ? rdiv_12 : (rdiv_12 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads))) {
-        int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-        int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-        int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-        condval_8 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rmod_30 : (rmod_30 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))];
+      lse_r[i_12] = condval_16;
+      int rmod_24 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+      float condval_18;
+      if ((((((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_24)) || ((groups < 0) && (rmod_24 <= 0))) ? rdiv_12 : (rdiv_12 - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < total_q)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rmod_27 : (rmod_27 + groups))) < heads))) {
+        int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+        int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+        int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+        condval_18 = Delta[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rmod_30 : (rmod_30 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))];
       } else {
-        condval_8 = 0x0p+0f/*0.000000e+00*/;
+        condval_18 = 0x0p+0f/*0.000000e+00*/;
       }
-      delta_r[i_1] = condval_8;
-      int condval_9;
-      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int rmod_32 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_9 = ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1));
+      delta_r[i_12] = condval_18;
+      int condval_19;
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
+        int rmod_32 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_12 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        condval_19 = ((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_16 : (rdiv_16 - 1));
       } else {
-        condval_9 = 31;
+        condval_19 = 31;
       }
-      rtok[i_1] = condval_9;
+      rtok[i_12] = condval_19;
     }
     for (int e = 0; e < 8; ++e) {
-      int condval_10;
+      int condval_20;
       if ((((e < tile_tokens) && (e < (len_q - (((int)blockIdx.x) * tile_tokens)))) && (((int)threadIdx.x) < topk))) {
-        int condval_11;
+        int condval_21;
         if (((((e + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) && (0 <= ((e + q0) + (((int)blockIdx.x) * tile_tokens))))) {
-          condval_11 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+          condval_21 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
         } else {
-          condval_11 = 0;
+          condval_21 = 0;
         }
-        condval_10 = condval_11;
+        condval_20 = condval_21;
       } else {
-        condval_10 = -1;
+        condval_20 = -1;
       }
-      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_10;
+      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_20;
     }
     __syncthreads();
     for (int e_1 = 0; e_1 < 8; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
       my_mask[e_1] = 0;
-      int condval_12;
+      int condval_22;
       if ((((0 <= v) && (v <= ((((e_1 + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
-        condval_12 = 1;
+        condval_22 = 1;
       } else {
-        condval_12 = 0;
+        condval_22 = 0;
       }
-      my_keep[e_1] = condval_12;
+      my_keep[e_1] = condval_22;
     }
     for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
@@ -217,36 +360,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 8; ++e_5) {
-      int condval_13;
+      int condval_23;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_13 = 1;
+        condval_23 = 1;
       } else {
-        condval_13 = 0;
+        condval_23 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_23;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 1024);
     __syncthreads();
     for (int e_6 = 0; e_6 < 8; ++e_6) {
       __syncthreads();
-      int condval_14;
+      int condval_24;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_14 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_24 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_14 = 0;
+        condval_24 = 0;
       }
-      if (condval_14 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_24 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
       }
       __syncthreads();
-      int condval_15;
+      int condval_25;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_15 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_25 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_15 = 0;
+        condval_25 = 0;
       }
-      if (condval_15 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_25 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -259,17 +402,17 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     __syncthreads();
     n_it = ((int*)n_union)[0];
     #pragma unroll
-    for (int i_2 = 0; i_2 < 16; ++i_2) {
-      float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_dq + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+    for (int i_13 = 0; i_13 < 16; ++i_13) {
+      float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
+      *(float4*)(acc_dq + (i_13 * 4)) = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
     }
     if (0 < n_it) {
       if (0 < n_it) {
         int blk = ((int*)ublk_s)[0];
         __syncthreads();
         #pragma unroll
-        for (int i_3 = 0; i_3 < 8; ++i_3) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        for (int i_14 = 0; i_14 < 8; ++i_14) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
       }
       tl::cp_async_commit();
@@ -280,17 +423,17 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         int blk_1 = ((int*)ublk_s)[0];
         __syncthreads();
         #pragma unroll
-        for (int i_4 = 0; i_4 < 8; ++i_4) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        for (int i_15 = 0; i_15 < 8; ++i_15) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_15 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_15) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
       }
       tl::cp_async_commit();
     }
     for (int it = 0; it < (n_it - 1); ++it) {
       #pragma unroll
-      for (int i_5 = 0; i_5 < 8; ++i_5) {
-        float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+      for (int i_16 = 0; i_16 < 8; ++i_16) {
+        float broadcast_var_13 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_s + (i_16 * 4)) = make_float4(broadcast_var_13, broadcast_var_13, broadcast_var_13, broadcast_var_13);
       }
       tl::cp_async_wait<0>();
       __syncthreads();
@@ -300,8 +443,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         for (int ki = 0; ki < 8; ++ki) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
           #pragma unroll
-          for (int i_6 = 0; i_6 < 4; ++i_6) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki >> 2) * 4096) + (i_6 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_6 * 8)])));
+          for (int i_17 = 0; i_17 < 4; ++i_17) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki >> 2) * 4096) + (i_17 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_17 * 8)])));
           }
           for (int j = 0; j < 4; ++j) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
@@ -312,37 +455,37 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_2 = ((int*)ublk_s)[it];
       if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
-        for (int i_7 = 0; i_7 < 16; ++i_7) {
+        for (int i_18 = 0; i_18 < 16; ++i_18) {
           float2 __1;
           float2 __2;
             float2 __3;
-              float2 v_ = *(float2*)(acc_s + (i_7 * 2));
+              float2 v_ = *(float2*)(acc_s + (i_18 * 2));
               float2 v__1 = make_float2(scale_log2, scale_log2);
               __3.x = (v_.x*v__1.x);
               __3.y = (v_.y*v__1.y);
-            float2 v__2 = make_float2(lse_r[(i_7 & 1)], lse_r[(i_7 & 1)]);
+            float2 v__2 = make_float2(lse_r[(i_18 & 1)], lse_r[(i_18 & 1)]);
             __2.x = (__3.x-v__2.x);
             __2.y = (__3.y-v__2.y);
           __1.x = exp2f(__2.x);
           __1.y = exp2f(__2.y);
-          *(float2*)(acc_s + (i_7 * 2)) = __1;
+          *(float2*)(acc_s + (i_18 * 2)) = __1;
         }
       } else {
         #pragma unroll
-        for (int i_8 = 0; i_8 < 32; ++i_8) {
-          float condval_16;
-          if ((((lse_r[((i_8 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_8 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_8 & 3) >> 1)]) - len_q)))) {
-            condval_16 = exp2f(((acc_s[i_8] * scale_log2) - lse_r[((i_8 & 3) >> 1)]));
+        for (int i_19 = 0; i_19 < 32; ++i_19) {
+          float condval_26;
+          if ((((lse_r[((i_19 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_19 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_19 & 3) >> 1)]) - len_q)))) {
+            condval_26 = exp2f(((acc_s[i_19] * scale_log2) - lse_r[((i_19 & 3) >> 1)]));
           } else {
-            condval_16 = 0x0p+0f/*0.000000e+00*/;
+            condval_26 = 0x0p+0f/*0.000000e+00*/;
           }
-          acc_s[i_8] = condval_16;
+          acc_s[i_19] = condval_26;
         }
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 8; ++i_9) {
-        float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_9 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+      for (int i_20 = 0; i_20 < 8; ++i_20) {
+        float broadcast_var_14 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dp + (i_20 * 4)) = make_float4(broadcast_var_14, broadcast_var_14, broadcast_var_14, broadcast_var_14);
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -352,8 +495,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[(((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_10 = 0; i_10 < 4; ++i_10) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_1 >> 2) * 4096) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
+          for (int i_21 = 0; i_21 < 4; ++i_21) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_1 >> 2) * 4096) + (i_21 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_21 * 8)])));
           }
           for (int j_1 = 0; j_1 < 4; ++j_1) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -364,31 +507,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_3 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_11 = 0; i_11 < 8; ++i_11) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_11 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_11) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_11 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_22 = 0; i_22 < 8; ++i_22) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_22 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_22) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
       #pragma unroll
-      for (int i_12 = 0; i_12 < 16; ++i_12) {
+      for (int i_23 = 0; i_23 < 16; ++i_23) {
         uint1 __4;
         float2 __5;
-          float2 v__3 = *(float2*)(acc_s + (i_12 * 2));
+          float2 v__3 = *(float2*)(acc_s + (i_23 * 2));
           float2 __6;
-            float2 v__4 = *(float2*)(acc_dp + (i_12 * 2));
-            float2 v__5 = make_float2(delta_r[(i_12 & 1)], delta_r[(i_12 & 1)]);
+            float2 v__4 = *(float2*)(acc_dp + (i_23 * 2));
+            float2 v__5 = make_float2(delta_r[(i_23 & 1)], delta_r[(i_23 & 1)]);
             __6.x = (v__4.x-v__5.x);
             __6.y = (v__4.y-v__5.y);
           __5.x = (v__3.x*__6.x);
           __5.y = (v__3.y*__6.y);
         (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_r + (i_12 * 2)) = __4;
+        *(uint1*)(dS_r + (i_23 * 2)) = __4;
       }
       {
         bfloat16_t B_local_2[64];
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
           #pragma unroll
-          for (int i_13 = 0; i_13 < 8; ++i_13) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_13 >> 2) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
+          for (int i_24 = 0; i_24 < 8; ++i_24) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_24 >> 2) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_24 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_24 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_24 * 8)])));
           }
           for (int j_2 = 0; j_2 < 8; ++j_2) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_2 * 8)), reinterpret_cast<const unsigned*>(dS_r + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -400,16 +543,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_14 = 0; i_14 < 8; ++i_14) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_25 = 0; i_25 < 8; ++i_25) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_25 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_25) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_15 = 0; i_15 < 8; ++i_15) {
-        float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_15 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+      for (int i_26 = 0; i_26 < 8; ++i_26) {
+        float broadcast_var_15 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_s + (i_26 * 4)) = make_float4(broadcast_var_15, broadcast_var_15, broadcast_var_15, broadcast_var_15);
       }
     }
     tl::cp_async_wait<0>();
@@ -421,8 +564,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((ki_3 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
-          for (int i_16 = 0; i_16 < 4; ++i_16) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki_3 >> 2) * 4096) + (i_16 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_16 * 8)])));
+          for (int i_27 = 0; i_27 < 4; ++i_27) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki_3 >> 2) * 4096) + (i_27 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_27 * 8)])));
           }
           for (int j_3 = 0; j_3 < 4; ++j_3) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
@@ -435,39 +578,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
       if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
-        for (int i_17 = 0; i_17 < 16; ++i_17) {
+        for (int i_28 = 0; i_28 < 16; ++i_28) {
           float2 __7;
           float2 __8;
             float2 __9;
-              float2 v__6 = *(float2*)(acc_s + (i_17 * 2));
+              float2 v__6 = *(float2*)(acc_s + (i_28 * 2));
               float2 v__7 = make_float2(scale_log2, scale_log2);
               __9.x = (v__6.x*v__7.x);
               __9.y = (v__6.y*v__7.y);
-            float2 v__8 = make_float2(lse_r[(i_17 & 1)], lse_r[(i_17 & 1)]);
+            float2 v__8 = make_float2(lse_r[(i_28 & 1)], lse_r[(i_28 & 1)]);
             __8.x = (__9.x-v__8.x);
             __8.y = (__9.y-v__8.y);
           __7.x = exp2f(__8.x);
           __7.y = exp2f(__8.y);
-          *(float2*)(acc_s + (i_17 * 2)) = __7;
+          *(float2*)(acc_s + (i_28 * 2)) = __7;
         }
       } else {
         #pragma unroll
-        for (int i_18 = 0; i_18 < 32; ++i_18) {
-          float condval_17;
-          if ((((lse_r[((i_18 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_18 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_18 & 3) >> 1)]) - len_q)))) {
-            condval_17 = exp2f(((acc_s[i_18] * scale_log2) - lse_r[((i_18 & 3) >> 1)]));
+        for (int i_29 = 0; i_29 < 32; ++i_29) {
+          float condval_27;
+          if ((((lse_r[((i_29 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_29 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_29 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_29 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_29 & 3) >> 1)]) - len_q)))) {
+            condval_27 = exp2f(((acc_s[i_29] * scale_log2) - lse_r[((i_29 & 3) >> 1)]));
           } else {
-            condval_17 = 0x0p+0f/*0.000000e+00*/;
+            condval_27 = 0x0p+0f/*0.000000e+00*/;
           }
-          acc_s[i_18] = condval_17;
+          acc_s[i_29] = condval_27;
         }
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_19 = 0; i_19 < 8; ++i_19) {
-        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_19 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+      for (int i_30 = 0; i_30 < 8; ++i_30) {
+        float broadcast_var_16 = 0x0p+0f/*0.000000e+00*/;
+        *(float4*)(acc_dp + (i_30 * 4)) = make_float4(broadcast_var_16, broadcast_var_16, broadcast_var_16, broadcast_var_16);
       }
     }
     tl::cp_async_wait<1>();
@@ -479,8 +622,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[(((((((ki_4 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
           #pragma unroll
-          for (int i_20 = 0; i_20 < 4; ++i_20) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_4 >> 2) * 4096) + (i_20 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_20 * 8)])));
+          for (int i_31 = 0; i_31 < 4; ++i_31) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_4 >> 2) * 4096) + (i_31 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_31 * 8)])));
           }
           for (int j_4 = 0; j_4 < 4; ++j_4) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_4 * 8)));
@@ -491,19 +634,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_21 = 0; i_21 < 16; ++i_21) {
+      for (int i_32 = 0; i_32 < 16; ++i_32) {
         uint1 __10;
         float2 __11;
-          float2 v__9 = *(float2*)(acc_s + (i_21 * 2));
+          float2 v__9 = *(float2*)(acc_s + (i_32 * 2));
           float2 __12;
-            float2 v__10 = *(float2*)(acc_dp + (i_21 * 2));
-            float2 v__11 = make_float2(delta_r[(i_21 & 1)], delta_r[(i_21 & 1)]);
+            float2 v__10 = *(float2*)(acc_dp + (i_32 * 2));
+            float2 v__11 = make_float2(delta_r[(i_32 & 1)], delta_r[(i_32 & 1)]);
             __12.x = (v__10.x-v__11.x);
             __12.y = (v__10.y-v__11.y);
           __11.x = (v__9.x*__12.x);
           __11.y = (v__9.y*__12.y);
         (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
-        *(uint1*)(dS_r + (i_21 * 2)) = __10;
+        *(uint1*)(dS_r + (i_32 * 2)) = __10;
       }
     }
     if (1 <= n_it) {
@@ -511,8 +654,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         bfloat16_t B_local_5[64];
         for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
           #pragma unroll
-          for (int i_22 = 0; i_22 < 8; ++i_22) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_22 >> 2) * 4096) + (ki_5 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_22 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_22 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_22 * 8)])));
+          for (int i_33 = 0; i_33 < 8; ++i_33) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_33 >> 2) * 4096) + (ki_5 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_33 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_33 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_33 * 8)])));
           }
           for (int j_5 = 0; j_5 < 8; ++j_5) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_5 * 8)), reinterpret_cast<const unsigned*>(dS_r + (ki_5 * 8)), reinterpret_cast<const unsigned*>(B_local_5 + (j_5 * 8)));
@@ -521,35 +664,155 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         }
       }
     }
-    #pragma unroll
-    for (int i_23 = 0; i_23 < 32; ++i_23) {
-      bfloat16_t dQ_local_cast[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        uint1 __13;
-        float2 __14;
-          float2 v__12 = *(float2*)(acc_dq + (i_23 * 2));
-          float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-          __14.x = (v__12.x*v__13.x);
-          __14.y = (v__12.y*v__13.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
-        *(uint1*)(dQ_local_cast + 0) = __13;
-        int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-          int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-            int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-              int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
+    if (groups == 16) {
+      #pragma unroll
+      for (int i_34 = 0; i_34 < 32; ++i_34) {
+        bfloat16_t dQ_local_cast[2];
+        if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+          uint1 __13;
+          float2 __14;
+            float2 v__12 = *(float2*)(acc_dq + (i_34 * 2));
+            float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+            __14.x = (v__12.x*v__13.x);
+            __14.y = (v__12.y*v__13.y);
+          (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
+          *(uint1*)(dQ_local_cast + 0) = __13;
+          if ((((((int)blockIdx.z) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+            if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+              if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_34) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
+              }
+            }
+          }
+        }
+      }
+    } else {
+      if (groups == 8) {
+        #pragma unroll
+        for (int i_35 = 0; i_35 < 32; ++i_35) {
+          bfloat16_t dQ_local_cast_1[2];
+          if (((((((int)threadIdx.x) >> 5) * 2) + (i_35 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+            uint1 __15;
+            float2 __16;
+              float2 v__14 = *(float2*)(acc_dq + (i_35 * 2));
+              float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __16.x = (v__14.x*v__15.x);
+              __16.y = (v__14.y*v__15.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&__16))[0]);
+            *(uint1*)(dQ_local_cast_1 + 0) = __15;
+            if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_35 & 1))) {
+                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_35 & 1)) < total_q) {
+                  *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_35) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_35) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (groups == 4) {
+          #pragma unroll
+          for (int i_36 = 0; i_36 < 32; ++i_36) {
+            bfloat16_t dQ_local_cast_2[2];
+            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              uint1 __17;
+              float2 __18;
+                float2 v__16 = *(float2*)(acc_dq + (i_36 * 2));
+                float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __18.x = (v__16.x*v__17.x);
+                __18.y = (v__16.y*v__17.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&__18))[0]);
+              *(uint1*)(dQ_local_cast_2 + 0) = __17;
+              if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
+                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                    *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_36) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (groups == 2) {
+            #pragma unroll
+            for (int i_37 = 0; i_37 < 32; ++i_37) {
+              bfloat16_t dQ_local_cast_3[2];
+              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                uint1 __19;
+                float2 __20;
+                  float2 v__18 = *(float2*)(acc_dq + (i_37 * 2));
+                  float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                  __20.x = (v__18.x*v__19.x);
+                  __20.y = (v__18.y*v__19.y);
+                (reinterpret_cast<__nv_bfloat162*>(&__19))[0] = __float22bfloat162_rn(((float2*)(&__20))[0]);
+                *(uint1*)(dQ_local_cast_3 + 0) = __19;
+                if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
+                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                      *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_37) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_37) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_3 + 0);
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (groups == 1) {
+              #pragma unroll
+              for (int i_38 = 0; i_38 < 32; ++i_38) {
+                bfloat16_t dQ_local_cast_4[2];
+                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                  uint1 __21;
+                  float2 __22;
+                    float2 v__20 = *(float2*)(acc_dq + (i_38 * 2));
+                    float2 v__21 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                    __22.x = (v__20.x*v__21.x);
+                    __22.y = (v__20.y*v__21.y);
+                  (reinterpret_cast<__nv_bfloat162*>(&__21))[0] = __float22bfloat162_rn(((float2*)(&__22))[0]);
+                  *(uint1*)(dQ_local_cast_4 + 0) = __21;
+                  if (((int)blockIdx.z) < heads) {
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_38) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_4 + 0);
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              #pragma unroll
+              for (int i_39 = 0; i_39 < 32; ++i_39) {
+                bfloat16_t dQ_local_cast_5[2];
+                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                  uint1 __23;
+                  float2 __24;
+                    float2 v__22 = *(float2*)(acc_dq + (i_39 * 2));
+                    float2 v__23 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                    __24.x = (v__22.x*v__23.x);
+                    __24.y = (v__22.y*v__23.y);
+                  (reinterpret_cast<__nv_bfloat162*>(&__23))[0] = __float22bfloat162_rn(((float2*)(&__24))[0]);
+                  *(uint1*)(dQ_local_cast_5 + 0) = __23;
+                  int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
+                    int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
+                      int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                      if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
+                        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                        if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
+                          int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_39) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_5 + 0);
+                        }
+                      }
+                    }
+                  }
+                }
               }
             }
           }

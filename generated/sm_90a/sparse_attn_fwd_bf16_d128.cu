@@ -77,55 +77,125 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
   }
   int len_k = (condval_3 - k0);
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      int rmod = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rmod_2 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      int rmod_3 = (((i * 8) + (((int)threadIdx.x) >> 4)) % groups);
-      int rdiv_1 = (((i * 8) + (((int)threadIdx.x) >> 4)) / groups);
-      uint4 condval_4;
-      if ((((((((i * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
-        int64_t rmod_4 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_5 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_2 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        int64_t rmod_6 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rmod_7 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
-        int64_t rdiv_3 = (((((int64_t)i) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
-        condval_4 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+    if (groups == 16) {
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_4;
+        if (((((((((int)blockIdx.z) * 16) + ((i & 1) * 8)) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min((i >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min((i >> 1), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+          condval_4 = *(uint4*)(Q + ((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i) & (int64_t)1) * (int64_t)1024)) + ((((min((((int64_t)i) >> (int64_t)1), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+        } else {
+          condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        }
+        *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
       }
-      *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+    } else {
+      if (groups == 8) {
+        #pragma unroll
+        for (int i_1 = 0; i_1 < 8; ++i_1) {
+          bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+          uint4 condval_5;
+          if ((((((((int)blockIdx.z) * 8) + (((int)threadIdx.x) >> 4)) < heads) && (0 <= ((min(i_1, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(i_1, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+            condval_5 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i_1), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          } else {
+            condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+          }
+          *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+        }
+      } else {
+        if (groups == 4) {
+          #pragma unroll
+          for (int i_2 = 0; i_2 < 8; ++i_2) {
+            bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+            uint4 condval_6;
+            if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 63) >> 4)) < heads) && (0 <= ((min(((i_2 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_2 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+              condval_6 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_2) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            } else {
+              condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+            }
+            *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_2 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+          }
+        } else {
+          if (groups == 2) {
+            #pragma unroll
+            for (int i_3 = 0; i_3 < 8; ++i_3) {
+              bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+              uint4 condval_7;
+              if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 31) >> 4)) < heads) && (0 <= ((min(((i_3 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_3 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                condval_7 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_3) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              } else {
+                condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+              }
+              *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
+            }
+          } else {
+            if (groups == 1) {
+              #pragma unroll
+              for (int i_4 = 0; i_4 < 8; ++i_4) {
+                bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                uint4 condval_8;
+                if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_4 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
+                  condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
+                }
+                *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
+              }
+            } else {
+              #pragma unroll
+              for (int i_5 = 0; i_5 < 8; ++i_5) {
+                bfloat16_t broadcast_var_5 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+                int rmod = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_1 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rmod_2 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                int rmod_3 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) % groups);
+                int rdiv_1 = (((i_5 * 8) + (((int)threadIdx.x) >> 4)) / groups);
+                uint4 condval_9;
+                if ((((((((i_5 * 8) + (((int)threadIdx.x) >> 4)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
+                  int64_t rmod_4 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_5 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_2 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  int64_t rmod_6 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) % ((int64_t)groups));
+                  int64_t rdiv_3 = (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) / ((int64_t)groups));
+                  condval_9 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                } else {
+                  condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
+                }
+                *(uint4*)(((bfloat16_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
+              }
+            }
+          }
+        }
+      }
     }
     for (int e = 0; e < 16; ++e) {
-      int condval_5;
+      int condval_10;
       if ((((e < tile_tokens) && (e < (len_q - (((int)blockIdx.x) * tile_tokens)))) && (((int)threadIdx.x) < topk))) {
-        int condval_6;
+        int condval_11;
         if (((((e + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) && (0 <= ((e + q0) + (((int)blockIdx.x) * tile_tokens))))) {
-          condval_6 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+          condval_11 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
         } else {
-          condval_6 = 0;
+          condval_11 = 0;
         }
-        condval_5 = condval_6;
+        condval_10 = condval_11;
       } else {
-        condval_5 = -1;
+        condval_10 = -1;
       }
-      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_5;
+      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_10;
     }
     __syncthreads();
     for (int e_1 = 0; e_1 < 16; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
       my_mask[e_1] = 0;
-      int condval_7;
+      int condval_12;
       if ((((0 <= v) && (v <= ((((e_1 + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
-        condval_7 = 1;
+        condval_12 = 1;
       } else {
-        condval_7 = 0;
+        condval_12 = 0;
       }
-      my_keep[e_1] = condval_7;
+      my_keep[e_1] = condval_12;
     }
     for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
@@ -147,36 +217,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 16; ++e_5) {
-      int condval_8;
+      int condval_13;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_8 = 1;
+        condval_13 = 1;
       } else {
-        condval_8 = 0;
+        condval_13 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_8;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 2048);
     __syncthreads();
     for (int e_6 = 0; e_6 < 16; ++e_6) {
       __syncthreads();
-      int condval_9;
+      int condval_14;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_9 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_14 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_9 = 0;
+        condval_14 = 0;
       }
-      if (condval_9 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_14 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
       }
       __syncthreads();
-      int condval_10;
+      int condval_15;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_10 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_15 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_10 = 0;
+        condval_15 = 0;
       }
-      if (condval_10 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_15 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -189,33 +259,33 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     __syncthreads();
     n_it = ((int*)n_union)[0];
     #pragma unroll
-    for (int i_1 = 0; i_1 < 2; ++i_1) {
-      int condval_11;
-      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
-        int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_1 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_11 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
+    for (int i_6 = 0; i_6 < 2; ++i_6) {
+      int condval_16;
+      if ((((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
+        int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+        int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+        condval_16 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
       } else {
-        condval_11 = 31;
+        condval_16 = 31;
       }
-      rtok[i_1] = condval_11;
+      rtok[i_6] = condval_16;
     }
     #pragma unroll
-    for (int i_2 = 0; i_2 < 16; ++i_2) {
-      float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
-      *(float4*)(acc_o + (i_2 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+    for (int i_7 = 0; i_7 < 16; ++i_7) {
+      float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+      *(float4*)(acc_o + (i_7 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
     }
-    float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-    *(float2*)(l_sum + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-    float broadcast_var_3 = -CUDART_INF_F;
-    *(float2*)(m_cur + 0) = make_float2(broadcast_var_3, broadcast_var_3);
+    float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
+    *(float2*)(l_sum + 0) = make_float2(broadcast_var_7, broadcast_var_7);
+    float broadcast_var_8 = -CUDART_INF_F;
+    *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
     if (0 < n_it) {
       if (0 < n_it) {
         int blk = ((int*)ublk_s)[0];
         __syncthreads();
         #pragma unroll
-        for (int i_3 = 0; i_3 < 8; ++i_3) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_3) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_3 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        for (int i_8 = 0; i_8 < 8; ++i_8) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_8) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
       }
       tl::cp_async_commit();
@@ -226,8 +296,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
         int blk_1 = ((int*)ublk_s)[0];
         __syncthreads();
         #pragma unroll
-        for (int i_4 = 0; i_4 < 8; ++i_4) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        for (int i_9 = 0; i_9 < 8; ++i_9) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_9 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_9) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
       }
       tl::cp_async_commit();
@@ -237,20 +307,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       int blk_2 = ((int*)ublk_s)[it];
       if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
-        for (int i_5 = 0; i_5 < 8; ++i_5) {
-          float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_5 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+        for (int i_10 = 0; i_10 < 8; ++i_10) {
+          float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_10 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
         }
       } else {
         #pragma unroll
-        for (int i_6 = 0; i_6 < 32; ++i_6) {
-          float condval_12;
-          if (((((((int*)umask_s)[it] >> rtok[((i_6 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_6 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_6 & 3) >> 1)]) - len_q)))) {
-            condval_12 = 0x0p+0f/*0.000000e+00*/;
+        for (int i_11 = 0; i_11 < 32; ++i_11) {
+          float condval_17;
+          if (((((((int*)umask_s)[it] >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_11 & 3) >> 1)]) - len_q)))) {
+            condval_17 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_12 = -CUDART_INF_F;
+            condval_17 = -CUDART_INF_F;
           }
-          acc_s[i_6] = condval_12;
+          acc_s[i_11] = condval_17;
         }
       }
       tl::cp_async_wait<1>();
@@ -274,39 +344,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       int blk_3 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_7 = 0; i_7 < 8; ++i_7) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_7 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_7) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_7 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_12 = 0; i_12 < 8; ++i_12) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_12 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_12) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
-      for (int i_8 = 0; i_8 < 2; ++i_8) {
-        m_cur_clear[i_8] = -CUDART_INF_F;
+      for (int i_13 = 0; i_13 < 2; ++i_13) {
+        m_cur_clear[i_13] = -CUDART_INF_F;
         #pragma unroll
         for (int rv = 0; rv < 16; ++rv) {
-          m_cur_clear[i_8] = max(m_cur_clear[i_8], acc_s[((((rv & 7) * 4) + (i_8 * 2)) + (rv >> 3))]);
+          m_cur_clear[i_13] = max(m_cur_clear[i_13], acc_s[((((rv & 7) * 4) + (i_13 * 2)) + (rv >> 3))]);
         }
-        m_cur_clear[i_8] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_8]);
-        m_cur[i_8] = max(m_cur[i_8], m_cur_clear[i_8]);
+        m_cur_clear[i_13] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_13]);
+        m_cur[i_13] = max(m_cur[i_13], m_cur_clear[i_13]);
       }
       #pragma unroll
-      for (int i_9 = 0; i_9 < 2; ++i_9) {
-        float condval_13;
-        if ((m_cur[i_9] == -CUDART_INF_F)) {
-          condval_13 = 0x0p+0f/*0.000000e+00*/;
+      for (int i_14 = 0; i_14 < 2; ++i_14) {
+        float condval_18;
+        if ((m_cur[i_14] == -CUDART_INF_F)) {
+          condval_18 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_13 = m_cur[i_9];
+          condval_18 = m_cur[i_14];
         }
-        m_safe[i_9] = condval_13;
-        r_scale[i_9] = exp2f(((m_prev[i_9] - m_safe[i_9]) * scale_log2));
+        m_safe[i_14] = condval_18;
+        r_scale[i_14] = exp2f(((m_prev[i_14] - m_safe[i_14]) * scale_log2));
       }
       #pragma unroll
-      for (int i_10 = 0; i_10 < 16; ++i_10) {
+      for (int i_15 = 0; i_15 < 16; ++i_15) {
         float2 __1;
         float2 __2;
           float2 __3;
-            float2 v_ = *(float2*)(acc_s + (i_10 * 2));
-            float2 v__1 = make_float2(m_safe[(i_10 & 1)], m_safe[(i_10 & 1)]);
+            float2 v_ = *(float2*)(acc_s + (i_15 * 2));
+            float2 v__1 = make_float2(m_safe[(i_15 & 1)], m_safe[(i_15 & 1)]);
             __3.x = (v_.x-v__1.x);
             __3.y = (v_.y-v__1.y);
           float2 v__2 = make_float2(scale_log2, scale_log2);
@@ -314,16 +384,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
           __2.y = (__3.y*v__2.y);
         __1.x = exp2f(__2.x);
         __1.y = exp2f(__2.y);
-        *(float2*)(acc_s + (i_10 * 2)) = __1;
+        *(float2*)(acc_s + (i_15 * 2)) = __1;
       }
       #pragma unroll
-      for (int i_11 = 0; i_11 < 2; ++i_11) {
-        r_sum[i_11] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_16 = 0; i_16 < 2; ++i_16) {
+        r_sum[i_16] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-          r_sum[i_11] = (r_sum[i_11] + acc_s[((((rv_1 & 7) * 4) + (i_11 * 2)) + (rv_1 >> 3))]);
+          r_sum[i_16] = (r_sum[i_16] + acc_s[((((rv_1 & 7) * 4) + (i_16 * 2)) + (rv_1 >> 3))]);
         }
-        r_sum[i_11] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_11]);
+        r_sum[i_16] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_16]);
       }
       float2 __4;
         float2 __5;
@@ -336,21 +406,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
         __4.y = (__5.y+v__5.y);
       *(float2*)(l_sum + 0) = __4;
       #pragma unroll
-      for (int i_12 = 0; i_12 < 8; ++i_12) {
+      for (int i_17 = 0; i_17 < 8; ++i_17) {
         uint2 __6;
-        float4 v__6 = *(float4*)(acc_s + (i_12 * 4));
+        float4 v__6 = *(float4*)(acc_s + (i_17 * 4));
         (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__6))[1] = __float22bfloat162_rn(((float2*)(&v__6))[1]);
-        *(uint2*)(acc_s_cast + (i_12 * 4)) = __6;
+        *(uint2*)(acc_s_cast + (i_17 * 4)) = __6;
       }
       #pragma unroll
-      for (int i_13 = 0; i_13 < 32; ++i_13) {
+      for (int i_18 = 0; i_18 < 32; ++i_18) {
         float2 __7;
-          float2 v__7 = *(float2*)(acc_o + (i_13 * 2));
-          float2 v__8 = make_float2(r_scale[(i_13 & 1)], r_scale[(i_13 & 1)]);
+          float2 v__7 = *(float2*)(acc_o + (i_18 * 2));
+          float2 v__8 = make_float2(r_scale[(i_18 & 1)], r_scale[(i_18 & 1)]);
           __7.x = (v__7.x*v__8.x);
           __7.y = (v__7.y*v__8.y);
-        *(float2*)(acc_o + (i_13 * 2)) = __7;
+        *(float2*)(acc_o + (i_18 * 2)) = __7;
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -373,8 +443,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_14 = 0; i_14 < 8; ++i_14) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_19 = 0; i_19 < 8; ++i_19) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_19 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_19) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
     }
@@ -383,20 +453,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
       if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
-        for (int i_15 = 0; i_15 < 8; ++i_15) {
-          float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_15 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
+        for (int i_20 = 0; i_20 < 8; ++i_20) {
+          float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_20 * 4)) = make_float4(broadcast_var_10, broadcast_var_10, broadcast_var_10, broadcast_var_10);
         }
       } else {
         #pragma unroll
-        for (int i_16 = 0; i_16 < 32; ++i_16) {
-          float condval_14;
-          if (((((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_16 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_16 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_16 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_16 & 3) >> 1)]) - len_q)))) {
-            condval_14 = 0x0p+0f/*0.000000e+00*/;
+        for (int i_21 = 0; i_21 < 32; ++i_21) {
+          float condval_19;
+          if (((((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_21 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_21 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_21 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_21 & 3) >> 1)]) - len_q)))) {
+            condval_19 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_14 = -CUDART_INF_F;
+            condval_19 = -CUDART_INF_F;
           }
-          acc_s[i_16] = condval_14;
+          acc_s[i_21] = condval_19;
         }
       }
     }
@@ -425,37 +495,37 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_17 = 0; i_17 < 2; ++i_17) {
-        m_cur_clear_1[i_17] = -CUDART_INF_F;
+      for (int i_22 = 0; i_22 < 2; ++i_22) {
+        m_cur_clear_1[i_22] = -CUDART_INF_F;
         #pragma unroll
         for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-          m_cur_clear_1[i_17] = max(m_cur_clear_1[i_17], acc_s[((((rv_2 & 7) * 4) + (i_17 * 2)) + (rv_2 >> 3))]);
+          m_cur_clear_1[i_22] = max(m_cur_clear_1[i_22], acc_s[((((rv_2 & 7) * 4) + (i_22 * 2)) + (rv_2 >> 3))]);
         }
-        m_cur_clear_1[i_17] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_17]);
-        m_cur[i_17] = max(m_cur[i_17], m_cur_clear_1[i_17]);
+        m_cur_clear_1[i_22] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_22]);
+        m_cur[i_22] = max(m_cur[i_22], m_cur_clear_1[i_22]);
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_18 = 0; i_18 < 2; ++i_18) {
-        float condval_15;
-        if ((m_cur[i_18] == -CUDART_INF_F)) {
-          condval_15 = 0x0p+0f/*0.000000e+00*/;
+      for (int i_23 = 0; i_23 < 2; ++i_23) {
+        float condval_20;
+        if ((m_cur[i_23] == -CUDART_INF_F)) {
+          condval_20 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_15 = m_cur[i_18];
+          condval_20 = m_cur[i_23];
         }
-        m_safe[i_18] = condval_15;
-        r_scale[i_18] = exp2f(((m_prev[i_18] - m_safe[i_18]) * scale_log2));
+        m_safe[i_23] = condval_20;
+        r_scale[i_23] = exp2f(((m_prev[i_23] - m_safe[i_23]) * scale_log2));
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_19 = 0; i_19 < 16; ++i_19) {
+      for (int i_24 = 0; i_24 < 16; ++i_24) {
         float2 __8;
         float2 __9;
           float2 __10;
-            float2 v__9 = *(float2*)(acc_s + (i_19 * 2));
-            float2 v__10 = make_float2(m_safe[(i_19 & 1)], m_safe[(i_19 & 1)]);
+            float2 v__9 = *(float2*)(acc_s + (i_24 * 2));
+            float2 v__10 = make_float2(m_safe[(i_24 & 1)], m_safe[(i_24 & 1)]);
             __10.x = (v__9.x-v__10.x);
             __10.y = (v__9.y-v__10.y);
           float2 v__11 = make_float2(scale_log2, scale_log2);
@@ -463,18 +533,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
           __9.y = (__10.y*v__11.y);
         __8.x = exp2f(__9.x);
         __8.y = exp2f(__9.y);
-        *(float2*)(acc_s + (i_19 * 2)) = __8;
+        *(float2*)(acc_s + (i_24 * 2)) = __8;
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_20 = 0; i_20 < 2; ++i_20) {
-        r_sum[i_20] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_25 = 0; i_25 < 2; ++i_25) {
+        r_sum[i_25] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-          r_sum[i_20] = (r_sum[i_20] + acc_s[((((rv_3 & 7) * 4) + (i_20 * 2)) + (rv_3 >> 3))]);
+          r_sum[i_25] = (r_sum[i_25] + acc_s[((((rv_3 & 7) * 4) + (i_25 * 2)) + (rv_3 >> 3))]);
         }
-        r_sum[i_20] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_20]);
+        r_sum[i_25] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_25]);
       }
     }
     if (1 <= n_it) {
@@ -491,23 +561,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_21 = 0; i_21 < 8; ++i_21) {
+      for (int i_26 = 0; i_26 < 8; ++i_26) {
         uint2 __13;
-        float4 v__15 = *(float4*)(acc_s + (i_21 * 4));
+        float4 v__15 = *(float4*)(acc_s + (i_26 * 4));
         (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__15))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_21 * 4)) = __13;
+        *(uint2*)(acc_s_cast + (i_26 * 4)) = __13;
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_22 = 0; i_22 < 32; ++i_22) {
+      for (int i_27 = 0; i_27 < 32; ++i_27) {
         float2 __14;
-          float2 v__16 = *(float2*)(acc_o + (i_22 * 2));
-          float2 v__17 = make_float2(r_scale[(i_22 & 1)], r_scale[(i_22 & 1)]);
+          float2 v__16 = *(float2*)(acc_o + (i_27 * 2));
+          float2 v__17 = make_float2(r_scale[(i_27 & 1)], r_scale[(i_27 & 1)]);
           __14.x = (v__16.x*v__17.x);
           __14.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_22 * 2)) = __14;
+        *(float2*)(acc_o + (i_27 * 2)) = __14;
       }
     }
     tl::cp_async_wait<0>();
@@ -531,41 +601,146 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       }
     }
     #pragma unroll
-    for (int i_23 = 0; i_23 < 32; ++i_23) {
-      bfloat16_t O_local_cast[2];
-      if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-        float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-        uint1 __15;
-        float2 condval_16;
-        if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_23 & 1)])) {
-          float2 __16;
-            float2 v__18 = *(float2*)(acc_o + (i_23 * 2));
-            float2 v__19 = make_float2(l_sum[(i_23 & 1)], l_sum[(i_23 & 1)]);
-            __16.x = (v__18.x/v__19.x);
-            __16.y = (v__18.y/v__19.y);
-          condval_16 = __16;
-        } else {
-          condval_16 = make_float2(broadcast_var_6, broadcast_var_6);
+    for (int i_28 = 0; i_28 < 32; ++i_28) {
+      float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
+      float2 condval_21;
+      if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_28 & 1)])) {
+        float2 __15;
+          float2 v__18 = *(float2*)(acc_o + (i_28 * 2));
+          float2 v__19 = make_float2(l_sum[(i_28 & 1)], l_sum[(i_28 & 1)]);
+          __15.x = (v__18.x/v__19.x);
+          __15.y = (v__18.y/v__19.y);
+        condval_21 = __15;
+      } else {
+        condval_21 = make_float2(broadcast_var_11, broadcast_var_11);
+      }
+      *(float2*)(acc_o + (i_28 * 2)) = condval_21;
+    }
+    if (groups == 16) {
+      #pragma unroll
+      for (int i_29 = 0; i_29 < 32; ++i_29) {
+        bfloat16_t O_local_cast[2];
+        if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+          uint1 __16;
+          float2 v__20 = *(float2*)(acc_o + (i_29 * 2));
+          (reinterpret_cast<__nv_bfloat162*>(&__16))[0] = __float22bfloat162_rn(((float2*)(&v__20))[0]);
+          *(uint1*)(O_local_cast + 0) = __16;
+          if ((((((int)blockIdx.z) * 16) + ((i_29 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+            if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+              if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_29) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
+              }
+            }
+          }
         }
-        (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&condval_16))[0]);
-        *(uint1*)(O_local_cast + 0) = __15;
-        int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-        if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-          int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-            int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-            if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-              int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-              if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
+      }
+    } else {
+      if (groups == 8) {
+        #pragma unroll
+        for (int i_30 = 0; i_30 < 32; ++i_30) {
+          bfloat16_t O_local_cast_1[2];
+          if (((((((int)threadIdx.x) >> 5) * 2) + (i_30 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+            uint1 __17;
+            float2 v__21 = *(float2*)(acc_o + (i_30 * 2));
+            (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&v__21))[0]);
+            *(uint1*)(O_local_cast_1 + 0) = __17;
+            if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_30 & 1))) {
+                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_30 & 1)) < total_q) {
+                  *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_30) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_1 + 0);
+                }
+              }
+            }
+          }
+        }
+      } else {
+        if (groups == 4) {
+          #pragma unroll
+          for (int i_31 = 0; i_31 < 32; ++i_31) {
+            bfloat16_t O_local_cast_2[2];
+            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_31 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              uint1 __18;
+              float2 v__22 = *(float2*)(acc_o + (i_31 * 2));
+              (reinterpret_cast<__nv_bfloat162*>(&__18))[0] = __float22bfloat162_rn(((float2*)(&v__22))[0]);
+              *(uint1*)(O_local_cast_2 + 0) = __18;
+              if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
+                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_31 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_31 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                    *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_2 + 0);
+                  }
+                }
+              }
+            }
+          }
+        } else {
+          if (groups == 2) {
+            #pragma unroll
+            for (int i_32 = 0; i_32 < 32; ++i_32) {
+              bfloat16_t O_local_cast_3[2];
+              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_32 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                uint1 __19;
+                float2 v__23 = *(float2*)(acc_o + (i_32 * 2));
+                (reinterpret_cast<__nv_bfloat162*>(&__19))[0] = __float22bfloat162_rn(((float2*)(&v__23))[0]);
+                *(uint1*)(O_local_cast_3 + 0) = __19;
+                if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
+                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_32 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_32 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_32) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_32) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_3 + 0);
+                    }
+                  }
+                }
+              }
+            }
+          } else {
+            if (groups == 1) {
+              #pragma unroll
+              for (int i_33 = 0; i_33 < 32; ++i_33) {
+                bfloat16_t O_local_cast_4[2];
+                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                  uint1 __20;
+                  float2 v__24 = *(float2*)(acc_o + (i_33 * 2));
+                  (reinterpret_cast<__nv_bfloat162*>(&__20))[0] = __float22bfloat162_rn(((float2*)(&v__24))[0]);
+                  *(uint1*)(O_local_cast_4 + 0) = __20;
+                  if (((int)blockIdx.z) < heads) {
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_33) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_4 + 0);
+                      }
+                    }
+                  }
+                }
+              }
+            } else {
+              #pragma unroll
+              for (int i_34 = 0; i_34 < 32; ++i_34) {
+                bfloat16_t O_local_cast_5[2];
+                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                  uint1 __21;
+                  float2 v__25 = *(float2*)(acc_o + (i_34 * 2));
+                  (reinterpret_cast<__nv_bfloat162*>(&__21))[0] = __float22bfloat162_rn(((float2*)(&v__25))[0]);
+                  *(uint1*)(O_local_cast_5 + 0) = __21;
+                  int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
+                    int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
+                      int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                      if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
+                        int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                        if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
+                          int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_34) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_5 + 0);
+                        }
+                      }
+                    }
+                  }
+                }
               }
             }
           }
@@ -574,31 +749,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     }
     if ((((int)threadIdx.x) % 4) == 0) {
       #pragma unroll
-      for (int i_24 = 0; i_24 < 2; ++i_24) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      for (int i_35 = 0; i_35 < 2; ++i_35) {
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+          int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
-                  float condval_17;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_24])) {
-                    condval_17 = (((m_cur[i_24] * scale_log2) + log2f(l_sum[i_24])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  float condval_22;
+                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_35])) {
+                    condval_22 = (((m_cur[i_35] * scale_log2) + log2f(l_sum[i_35])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_17 = -CUDART_INF_F;
+                    condval_22 = -CUDART_INF_F;
                   }
-                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_17;
+                  int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_22;
                 }
               }
             }
