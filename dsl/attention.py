@@ -1,6 +1,7 @@
 """attention: the kernels the one-call C entry point (infllmv2_attention_fwd) needs beyond the
 ops' own, so that a C caller gets compression, selection and sparse attention with no host
-synchronisation.
+synchronisation. The offsets kernel is also an entry point of its own
+(infllmv2_attention_compressed_offsets), which infllmv2.select_blocks uses.
 
   compressed_offsets   cu_seqlens_c[b] = sum over sequences i < b of n(L_i), where
                        n(L) = floor((L - w) / s) + 1 if L >= w else 0 (SPEC.md, stage 0): the
