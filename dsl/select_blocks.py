@@ -185,17 +185,27 @@ def _rows_sum(P_s, r0, c, n):
     return _rows_sum(P_s, r0, c, n // 2) + _rows_sum(P_s, r0 + n // 2, c, n - n // 2)
 
 
-def _make_group_sum(g):
-    """A macro: GS_s[t, c] = sum of the g rows of token t in P_s, for a compile-time group size g."""
+GS_VEC = 4  # columns a thread sums at once in the compile-time group sums
 
-    n_max = T.ceildiv(min(BLOCK_M // g, T_MAX) * BN, THREADS)
+
+def _make_group_sum(g):
+    """A macro: GS_s[t, c] = sum of the g rows of token t in P_s, for a compile-time group size g.
+
+    Each thread sums GS_VEC adjacent columns: 16-byte loads and stores (the swizzle P_s inherits
+    from K_s moves 16-byte units, so four columns stay contiguous), a quarter of the shared
+    memory instructions of one column a thread. H100, kernel alone: 11.90 -> 11.49 ms at 32K x 8,
+    42.40 -> 39.99 ms at 128K x 2, 20.11 -> 18.27 ms with G = 4; selections bitwise the same."""
+
+    CV = BN // GS_VEC
+    n_max = T.ceildiv(min(BLOCK_M // g, T_MAX) * CV, THREADS)
 
     @T.macro
     def group_sum(P_s, GS_s, n_tok, tx):
         for e in T.unroll(n_max):
-            if e * THREADS + tx < n_tok * BN:
-                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN] = _rows_sum(
-                    P_s, ((e * THREADS + tx) // BN) * g, (e * THREADS + tx) % BN, g)
+            if e * THREADS + tx < n_tok * CV:
+                for v in T.vectorized(GS_VEC):
+                    GS_s[(e * THREADS + tx) // CV, ((e * THREADS + tx) % CV) * GS_VEC + v] = _rows_sum(
+                        P_s, ((e * THREADS + tx) // CV) * g, ((e * THREADS + tx) % CV) * GS_VEC + v, g)
 
     return group_sum
 

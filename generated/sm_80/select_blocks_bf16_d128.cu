@@ -570,61 +570,215 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_bf16
       }
       __syncthreads();
       if (groups == 16) {
-        #pragma unroll
-        for (int e_2 = 0; e_2 < 2; ++e_2) {
-          if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-            ((float*)GS_s)[((e_2 * 128) + ((int)threadIdx.x))] = ((((((float*)P_s)[((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((int)threadIdx.x) & 31))] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 128)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 160)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 192)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 224)]))) + (((((float*)P_s)[(((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((int)threadIdx.x) & 31)) + 256)] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 288)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 320)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 352)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 384)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 416)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 448)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 6) * 512)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 480)]))));
-          }
+        if (((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+          float4 __17;
+            float4 __18;
+              float4 __19;
+                float4 __20;
+                  float4 v__18 = *(float4*)(((float*)P_s) + (((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 4)));
+                  float4 v__19 = *(float4*)(((float*)P_s) + (((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((int)threadIdx.x) & 7) >> 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 32));
+                  __20.x = (v__18.x+v__19.x);
+                  __20.y = (v__18.y+v__19.y);
+                  __20.z = (v__18.z+v__19.z);
+                  __20.w = (v__18.w+v__19.w);
+                float4 __21;
+                  float4 v__20 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((int)threadIdx.x) & 7) >> 2) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)) + 64));
+                  float4 v__21 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((int)threadIdx.x) & 7) >> 2) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 96));
+                  __21.x = (v__20.x+v__21.x);
+                  __21.y = (v__20.y+v__21.y);
+                  __21.z = (v__20.z+v__21.z);
+                  __21.w = (v__20.w+v__21.w);
+                __19.x = (__20.x+__21.x);
+                __19.y = (__20.y+__21.y);
+                __19.z = (__20.z+__21.z);
+                __19.w = (__20.w+__21.w);
+              float4 __22;
+                float4 __23;
+                  float4 v__22 = *(float4*)(((float*)P_s) + (((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + 128));
+                  float4 v__23 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 3) >> 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 160));
+                  __23.x = (v__22.x+v__23.x);
+                  __23.y = (v__22.y+v__23.y);
+                  __23.z = (v__22.z+v__23.z);
+                  __23.w = (v__22.w+v__23.w);
+                float4 __24;
+                  float4 v__24 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)) + 192));
+                  float4 v__25 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 224));
+                  __24.x = (v__24.x+v__25.x);
+                  __24.y = (v__24.y+v__25.y);
+                  __24.z = (v__24.z+v__25.z);
+                  __24.w = (v__24.w+v__25.w);
+                __22.x = (__23.x+__24.x);
+                __22.y = (__23.y+__24.y);
+                __22.z = (__23.z+__24.z);
+                __22.w = (__23.w+__24.w);
+              __18.x = (__19.x+__22.x);
+              __18.y = (__19.y+__22.y);
+              __18.z = (__19.z+__22.z);
+              __18.w = (__19.w+__22.w);
+            float4 __25;
+              float4 __26;
+                float4 __27;
+                  float4 v__26 = *(float4*)(((float*)P_s) + ((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 4)) + 256));
+                  float4 v__27 = *(float4*)(((float*)P_s) + (((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((int)threadIdx.x) & 7) >> 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 288));
+                  __27.x = (v__26.x+v__27.x);
+                  __27.y = (v__26.y+v__27.y);
+                  __27.z = (v__26.z+v__27.z);
+                  __27.w = (v__26.w+v__27.w);
+                float4 __28;
+                  float4 v__28 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((int)threadIdx.x) & 7) >> 2) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)) + 320));
+                  float4 v__29 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((int)threadIdx.x) & 7) >> 2) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 352));
+                  __28.x = (v__28.x+v__29.x);
+                  __28.y = (v__28.y+v__29.y);
+                  __28.z = (v__28.z+v__29.z);
+                  __28.w = (v__28.w+v__29.w);
+                __26.x = (__27.x+__28.x);
+                __26.y = (__27.y+__28.y);
+                __26.z = (__27.z+__28.z);
+                __26.w = (__27.w+__28.w);
+              float4 __29;
+                float4 __30;
+                  float4 v__30 = *(float4*)(((float*)P_s) + (((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + 384));
+                  float4 v__31 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 3) >> 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 416));
+                  __30.x = (v__30.x+v__31.x);
+                  __30.y = (v__30.y+v__31.y);
+                  __30.z = (v__30.z+v__31.z);
+                  __30.w = (v__30.w+v__31.w);
+                float4 __31;
+                  float4 v__32 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)) + 448));
+                  float4 v__33 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 512)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 480));
+                  __31.x = (v__32.x+v__33.x);
+                  __31.y = (v__32.y+v__33.y);
+                  __31.z = (v__32.z+v__33.z);
+                  __31.w = (v__32.w+v__33.w);
+                __29.x = (__30.x+__31.x);
+                __29.y = (__30.y+__31.y);
+                __29.z = (__30.z+__31.z);
+                __29.w = (__30.w+__31.w);
+              __25.x = (__26.x+__29.x);
+              __25.y = (__26.y+__29.y);
+              __25.z = (__26.z+__29.z);
+              __25.w = (__26.w+__29.w);
+            __17.x = (__18.x+__25.x);
+            __17.y = (__18.y+__25.y);
+            __17.z = (__18.z+__25.z);
+            __17.w = (__18.w+__25.w);
+          *(float4*)(((float*)GS_s) + (((int)threadIdx.x) * 4)) = __17;
         }
       } else {
         if (groups == 8) {
-          #pragma unroll
-          for (int e_3 = 0; e_3 < 4; ++e_3) {
-            if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-              ((float*)GS_s)[((e_3 * 128) + ((int)threadIdx.x))] = (((((float*)P_s)[((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((int)threadIdx.x) & 31))] + ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((int)threadIdx.x) & 31) >> 4) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)])) + ((((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((int)threadIdx.x) & 15)) + 128)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 160)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 192)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 6) * 256)) + (((((((int)threadIdx.x) & 31) >> 4) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 224)])));
-            }
+          if (((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+            float4 __32;
+              float4 __33;
+                float4 __34;
+                  float4 v__34 = *(float4*)(((float*)P_s) + (((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + ((((int)threadIdx.x) & 7) * 4)));
+                  float4 v__35 = *(float4*)(((float*)P_s) + (((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + (((((int)threadIdx.x) & 7) >> 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 32));
+                  __34.x = (v__34.x+v__35.x);
+                  __34.y = (v__34.y+v__35.y);
+                  __34.z = (v__34.z+v__35.z);
+                  __34.w = (v__34.w+v__35.w);
+                float4 __35;
+                  float4 v__36 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + (((((int)threadIdx.x) & 7) >> 2) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)) + 64));
+                  float4 v__37 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + (((((int)threadIdx.x) & 7) >> 2) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 96));
+                  __35.x = (v__36.x+v__37.x);
+                  __35.y = (v__36.y+v__37.y);
+                  __35.z = (v__36.z+v__37.z);
+                  __35.w = (v__36.w+v__37.w);
+                __33.x = (__34.x+__35.x);
+                __33.y = (__34.y+__35.y);
+                __33.z = (__34.z+__35.z);
+                __33.w = (__34.w+__35.w);
+              float4 __36;
+                float4 __37;
+                  float4 v__38 = *(float4*)(((float*)P_s) + (((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + 128));
+                  float4 v__39 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((int)threadIdx.x) & 3) >> 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 160));
+                  __37.x = (v__38.x+v__39.x);
+                  __37.y = (v__38.y+v__39.y);
+                  __37.z = (v__38.z+v__39.z);
+                  __37.w = (v__38.w+v__39.w);
+                float4 __38;
+                  float4 v__40 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)) + 192));
+                  float4 v__41 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + ((((int)threadIdx.x) >> 4) * 256)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 224));
+                  __38.x = (v__40.x+v__41.x);
+                  __38.y = (v__40.y+v__41.y);
+                  __38.z = (v__40.z+v__41.z);
+                  __38.w = (v__40.w+v__41.w);
+                __36.x = (__37.x+__38.x);
+                __36.y = (__37.y+__38.y);
+                __36.z = (__37.z+__38.z);
+                __36.w = (__37.w+__38.w);
+              __32.x = (__33.x+__36.x);
+              __32.y = (__33.y+__36.y);
+              __32.z = (__33.z+__36.z);
+              __32.w = (__33.w+__36.w);
+            *(float4*)(((float*)GS_s) + (((int)threadIdx.x) * 4)) = __32;
           }
         } else {
           if (groups == 4) {
             #pragma unroll
-            for (int e_4 = 0; e_4 < 8; ++e_4) {
-              if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                ((float*)GS_s)[((e_4 * 128) + ((int)threadIdx.x))] = ((((float*)P_s)[(((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((int)threadIdx.x) & 15))] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((int)threadIdx.x) & 15) >> 3) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]) + (((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((int)threadIdx.x) & 7)) + 64)] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 6) * 128)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + 1) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 96)]));
+            for (int e_2 = 0; e_2 < 2; ++e_2) {
+              if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+                float4 __39;
+                  float4 __40;
+                    float4 v__42 = *(float4*)(((float*)P_s) + (((((((((int)threadIdx.x) & 15) >> 3) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 4) * 128)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 16)) + ((((int)threadIdx.x) & 3) * 4)));
+                    float4 v__43 = *(float4*)(((float*)P_s) + (((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 4) * 128)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 16)) + (((((int)threadIdx.x) & 3) >> 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 32));
+                    __40.x = (v__42.x+v__43.x);
+                    __40.y = (v__42.y+v__43.y);
+                    __40.z = (v__42.z+v__43.z);
+                    __40.w = (v__42.w+v__43.w);
+                  float4 __41;
+                    float4 v__44 = *(float4*)(((float*)P_s) + (((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 4) * 128)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)) + 64));
+                    float4 v__45 = *(float4*)(((float*)P_s) + (((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + (e_2 * 1024)) + ((((int)threadIdx.x) >> 4) * 128)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 3) >> 1) + 1) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 96));
+                    __41.x = (v__44.x+v__45.x);
+                    __41.y = (v__44.y+v__45.y);
+                    __41.z = (v__44.z+v__45.z);
+                    __41.w = (v__44.w+v__45.w);
+                  __39.x = (__40.x+__41.x);
+                  __39.y = (__40.y+__41.y);
+                  __39.z = (__40.z+__41.z);
+                  __39.w = (__40.w+__41.w);
+                *(float4*)(((float*)GS_s) + ((e_2 * 512) + (((int)threadIdx.x) * 4))) = __39;
               }
             }
           } else {
             if (groups == 2) {
               #pragma unroll
-              for (int e_5 = 0; e_5 < 8; ++e_5) {
-                if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                  ((float*)GS_s)[((e_5 * 128) + ((int)threadIdx.x))] = (((float*)P_s)[((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_5 * 128)) + ((((int)threadIdx.x) >> 6) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (e_5 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((int)threadIdx.x) & 7))] + ((float*)P_s)[((((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_5 * 128)) + ((((int)threadIdx.x) >> 6) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (e_5 & 1)) & 1) * 16)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 8)) + (((((((int)threadIdx.x) & 7) >> 2) + 1) & 1) * 4)) + (((int)threadIdx.x) & 3)) + 32)]);
+              for (int e_3 = 0; e_3 < 2; ++e_3) {
+                if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+                  float4 __42;
+                    float4 v__46 = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 1) * 4)));
+                    float4 v__47 = *(float4*)(((float*)P_s) + (((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + (e_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 8)) + ((((((int)threadIdx.x) & 1) + 1) & 1) * 4)) + 32));
+                    __42.x = (v__46.x+v__47.x);
+                    __42.y = (v__46.y+v__47.y);
+                    __42.z = (v__46.z+v__47.z);
+                    __42.w = (v__46.w+v__47.w);
+                  *(float4*)(((float*)GS_s) + ((e_3 * 512) + (((int)threadIdx.x) * 4))) = __42;
                 }
               }
             } else {
               if (groups == 1) {
                 #pragma unroll
-                for (int e_6 = 0; e_6 < 8; ++e_6) {
-                  if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((e_6 * 128) + ((int)threadIdx.x))] = ((float*)P_s)[(((((((((((int)threadIdx.x) & 63) >> 5) * 2048) + (e_6 * 64)) + ((((int)threadIdx.x) >> 6) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((e_6 & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (e_6 & 1)) & 1) * 8)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 4)) + (((int)threadIdx.x) & 3))];
+                for (int e_4 = 0; e_4 < 2; ++e_4) {
+                  if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+                    *(float4*)(((float*)GS_s) + ((e_4 * 512) + (((int)threadIdx.x) * 4))) = *(float4*)(((float*)P_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 2048) + (e_4 * 256)) + ((((int)threadIdx.x) >> 4) * 32)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 8)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 4)));
                   }
                 }
               } else {
-                for (int e_7 = 0; e_7 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_7) {
-                  if (((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
+                for (int e_5 = 0; e_5 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_5) {
+                  if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
                     gsum = 0x0p+0f/*0.000000e+00*/;
                   }
                   __syncthreads();
-                  if (((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
+                  if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
                     for (int h4 = 0; h4 < (groups >> 2); ++h4) {
-                      gsum = (gsum + ((((float*)P_s)[(((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)32)]) + (((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)2) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)1) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)64)] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)96)])));
+                      gsum = (gsum + ((((float*)P_s)[(((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + ((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + (((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)32)]) + (((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)2) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) >> (int64_t)1) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + ((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)64)] + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + (((int64_t)h4) * (int64_t)128)) + ((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) >> (int64_t)2) + ((int64_t)h4)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)3) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + (int64_t)1) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3)) + (int64_t)96)])));
                     }
                     for (int h = 0; h < (groups & 3); ++h) {
-                      gsum = (gsum + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + ((((int64_t)groups) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((int64_t)h) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((int64_t)groups) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) >> (int64_t)2)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))]);
+                      gsum = (gsum + ((float*)P_s)[((((((((((((int64_t)((int)threadIdx.x)) & (int64_t)63) >> (int64_t)5) * (int64_t)2048) + ((((int64_t)groups) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)32)) + (((int64_t)h) * (int64_t)32)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) + (((((int64_t)groups) >> (int64_t)2) + (((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) >> (int64_t)2)) & (int64_t)1)) & (int64_t)1) * (int64_t)16)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)3) + ((((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)3) >> (int64_t)1)) & (int64_t)1) * (int64_t)8)) + (((((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) + (((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) + ((int64_t)h)) & (int64_t)1)) & (int64_t)1) * (int64_t)4)) + (((int64_t)((int)threadIdx.x)) & (int64_t)3))]);
                     }
                   }
                   __syncthreads();
-                  if (((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = gsum;
+                  if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
+                    ((float*)GS_s)[((((int64_t)e_5) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = gsum;
                   }
                 }
               }
@@ -634,34 +788,34 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_bf16
       }
       __syncthreads();
       #pragma unroll
-      for (int e_8 = 0; e_8 < 2; ++e_8) {
-        if (((e_8 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+      for (int e_6 = 0; e_6 < 2; ++e_6) {
+        if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
           float condval_29;
           if (((((int)threadIdx.x) % 16) == 0)) {
-            condval_29 = last_r[e_8];
+            condval_29 = last_r[e_6];
           } else {
-            condval_29 = ((float*)GS_s)[(((e_8 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + max((((((int)threadIdx.x) & 15) * 4) - 1), 0))];
+            condval_29 = ((float*)GS_s)[(((e_6 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + max((((((int)threadIdx.x) & 15) * 4) - 1), 0))];
           }
-          pool_r[e_8] = max(max(max(condval_29, ((float*)GS_s)[((e_8 * 512) + (((int)threadIdx.x) * 4))]), max(((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 1)], ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 2)])), ((float*)GS_s)[(((e_8 * 512) + (((int)threadIdx.x) * 4)) + 3)]);
+          pool_r[e_6] = max(max(max(condval_29, ((float*)GS_s)[((e_6 * 512) + (((int)threadIdx.x) * 4))]), max(((float*)GS_s)[(((e_6 * 512) + (((int)threadIdx.x) * 4)) + 1)], ((float*)GS_s)[(((e_6 * 512) + (((int)threadIdx.x) * 4)) + 2)])), ((float*)GS_s)[(((e_6 * 512) + (((int)threadIdx.x) * 4)) + 3)]);
           if ((((int)threadIdx.x) % 16) == 0) {
-            last_r[e_8] = ((float*)GS_s)[(((e_8 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + 63)];
+            last_r[e_6] = ((float*)GS_s)[(((e_6 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + 63)];
           }
         }
       }
       __syncthreads();
       #pragma unroll
-      for (int e_9 = 0; e_9 < 2; ++e_9) {
-        if (((e_9 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
-          if ((((ch_2 * 16) + (((int)threadIdx.x) & 15)) <= ((((((e_9 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((ch_2 * 16) + (((int)threadIdx.x) & 15)) < score_stride)) {
-            ((float*)SC_s)[(((((int64_t)ch_2) * (int64_t)16) + (((((int64_t)e_9) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = pool_r[e_9];
+      for (int e_7 = 0; e_7 < 2; ++e_7) {
+        if (((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+          if ((((ch_2 * 16) + (((int)threadIdx.x) & 15)) <= ((((((e_7 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((ch_2 * 16) + (((int)threadIdx.x) & 15)) < score_stride)) {
+            ((float*)SC_s)[(((((int64_t)ch_2) * (int64_t)16) + (((((int64_t)e_7) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = pool_r[e_7];
           }
         }
       }
     }
     __syncthreads();
     #pragma unroll
-    for (int e_10 = 0; e_10 < 2; ++e_10) {
-      if ((((e_10 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) && ((((int)threadIdx.x) % 16) == 0)) {
+    for (int e_8 = 0; e_8 < 2; ++e_8) {
+      if ((((e_8 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) && ((((int)threadIdx.x) % 16) == 0)) {
         int condval_30;
         if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           condval_30 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
@@ -674,7 +828,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_bf16
         } else {
           condval_31 = 0;
         }
-        if (((((min(condval_30, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) <= ((((((e_10 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((min(condval_31, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) < score_stride)) {
+        if (((((min(condval_30, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) <= ((((((e_8 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((min(condval_31, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) < score_stride)) {
           int64_t condval_32;
           if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
             condval_32 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
@@ -687,7 +841,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_bf16
           } else {
             condval_33 = (int64_t)0;
           }
-          ((float*)SC_s)[((((min(condval_33, (max(((((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) - (int64_t)1) >> (int64_t)6) - ((int64_t)local_blocks)), (int64_t)0) * (int64_t)4)) + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_10) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_10];
+          ((float*)SC_s)[((((min(condval_33, (max(((((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) - (int64_t)1) >> (int64_t)6) - ((int64_t)local_blocks)), (int64_t)0) * (int64_t)4)) + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_8) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_8];
         }
       }
     }
@@ -715,8 +869,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_bf16
               condval_35 = (ru[2] | (uint)2147483648);
             }
             ru[2] = condval_35;
-            uint v__18 = ru[2];
-            ((float*)SC_s)[(((((int64_t)i_30) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__18)));
+            uint v__48 = ru[2];
+            ((float*)SC_s)[(((((int64_t)i_30) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__48)));
             if ((uint)8388607 < ru[2]) {
               rs[0] = (rs[0] + 1);
             }
@@ -742,8 +896,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_bf16
             for (int i_31 = 0; i_31 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_31) {
               #pragma unroll
               for (int u = 0; u < 4; ++u) {
-                float v__19 = ((float*)SC_s)[(min((((((int64_t)i_31) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
-                kk[u] = (*(uint *)(&(v__19)));
+                float v__49 = ((float*)SC_s)[(min((((((int64_t)i_31) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
+                kk[u] = (*(uint *)(&(v__49)));
                 int condval_36;
                 if ((((((((i_31 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_31 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
                   condval_36 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
@@ -803,8 +957,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_select_blocks_bf16
           for (int u_2 = 0; u_2 < 4; ++u_2) {
             uint condval_37;
             if ((((((i_32 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_32 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) < score_stride))) {
-              float v__20 = ((float*)SC_s)[(min((((((int64_t)i_32) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
-              condval_37 = (*(uint *)(&(v__20)));
+              float v__50 = ((float*)SC_s)[(min((((((int64_t)i_32) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
+              condval_37 = (*(uint *)(&(v__50)));
             } else {
               condval_37 = (uint)0;
             }

@@ -565,61 +565,215 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         }
         __syncthreads();
         if (groups == 16) {
-          #pragma unroll
-          for (int e_1 = 0; e_1 < 2; ++e_1) {
-            if (((e_1 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-              ((float*)GS_s)[((e_1 * 128) + ((int)threadIdx.x))] = ((((((float*)P_s)[(((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 72)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 144)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 216)])) + ((((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 288)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 360)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 432)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 504)]))) + (((((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 576)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 648)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 720)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 792)])) + ((((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 864)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 936)]) + (((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 1008)] + ((float*)P_s)[((((e_1 * 2304) + ((((int)threadIdx.x) >> 6) * 1152)) + (((int)threadIdx.x) & 63)) + 1080)]))));
-            }
+          if (((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+            float4 __17;
+              float4 __18;
+                float4 __19;
+                  float4 __20;
+                    float4 v__18 = *(float4*)(((float*)P_s) + (((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)));
+                    float4 v__19 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 72));
+                    __20.x = (v__18.x+v__19.x);
+                    __20.y = (v__18.y+v__19.y);
+                    __20.z = (v__18.z+v__19.z);
+                    __20.w = (v__18.w+v__19.w);
+                  float4 __21;
+                    float4 v__20 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 144));
+                    float4 v__21 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 216));
+                    __21.x = (v__20.x+v__21.x);
+                    __21.y = (v__20.y+v__21.y);
+                    __21.z = (v__20.z+v__21.z);
+                    __21.w = (v__20.w+v__21.w);
+                  __19.x = (__20.x+__21.x);
+                  __19.y = (__20.y+__21.y);
+                  __19.z = (__20.z+__21.z);
+                  __19.w = (__20.w+__21.w);
+                float4 __22;
+                  float4 __23;
+                    float4 v__22 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 288));
+                    float4 v__23 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 360));
+                    __23.x = (v__22.x+v__23.x);
+                    __23.y = (v__22.y+v__23.y);
+                    __23.z = (v__22.z+v__23.z);
+                    __23.w = (v__22.w+v__23.w);
+                  float4 __24;
+                    float4 v__24 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 432));
+                    float4 v__25 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 504));
+                    __24.x = (v__24.x+v__25.x);
+                    __24.y = (v__24.y+v__25.y);
+                    __24.z = (v__24.z+v__25.z);
+                    __24.w = (v__24.w+v__25.w);
+                  __22.x = (__23.x+__24.x);
+                  __22.y = (__23.y+__24.y);
+                  __22.z = (__23.z+__24.z);
+                  __22.w = (__23.w+__24.w);
+                __18.x = (__19.x+__22.x);
+                __18.y = (__19.y+__22.y);
+                __18.z = (__19.z+__22.z);
+                __18.w = (__19.w+__22.w);
+              float4 __25;
+                float4 __26;
+                  float4 __27;
+                    float4 v__26 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 576));
+                    float4 v__27 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 648));
+                    __27.x = (v__26.x+v__27.x);
+                    __27.y = (v__26.y+v__27.y);
+                    __27.z = (v__26.z+v__27.z);
+                    __27.w = (v__26.w+v__27.w);
+                  float4 __28;
+                    float4 v__28 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 720));
+                    float4 v__29 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 792));
+                    __28.x = (v__28.x+v__29.x);
+                    __28.y = (v__28.y+v__29.y);
+                    __28.z = (v__28.z+v__29.z);
+                    __28.w = (v__28.w+v__29.w);
+                  __26.x = (__27.x+__28.x);
+                  __26.y = (__27.y+__28.y);
+                  __26.z = (__27.z+__28.z);
+                  __26.w = (__27.w+__28.w);
+                float4 __29;
+                  float4 __30;
+                    float4 v__30 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 864));
+                    float4 v__31 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 936));
+                    __30.x = (v__30.x+v__31.x);
+                    __30.y = (v__30.y+v__31.y);
+                    __30.z = (v__30.z+v__31.z);
+                    __30.w = (v__30.w+v__31.w);
+                  float4 __31;
+                    float4 v__32 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 1008));
+                    float4 v__33 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 1152) + ((((int)threadIdx.x) & 15) * 4)) + 1080));
+                    __31.x = (v__32.x+v__33.x);
+                    __31.y = (v__32.y+v__33.y);
+                    __31.z = (v__32.z+v__33.z);
+                    __31.w = (v__32.w+v__33.w);
+                  __29.x = (__30.x+__31.x);
+                  __29.y = (__30.y+__31.y);
+                  __29.z = (__30.z+__31.z);
+                  __29.w = (__30.w+__31.w);
+                __25.x = (__26.x+__29.x);
+                __25.y = (__26.y+__29.y);
+                __25.z = (__26.z+__29.z);
+                __25.w = (__26.w+__29.w);
+              __17.x = (__18.x+__25.x);
+              __17.y = (__18.y+__25.y);
+              __17.z = (__18.z+__25.z);
+              __17.w = (__18.w+__25.w);
+            *(float4*)(((float*)GS_s) + (((int)threadIdx.x) * 4)) = __17;
           }
         } else {
           if (groups == 8) {
-            #pragma unroll
-            for (int e_2 = 0; e_2 < 4; ++e_2) {
-              if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                ((float*)GS_s)[((e_2 * 128) + ((int)threadIdx.x))] = (((((float*)P_s)[(((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 72)]) + (((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 144)] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 216)])) + ((((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 288)] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 360)]) + (((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 432)] + ((float*)P_s)[((((e_2 * 1152) + ((((int)threadIdx.x) >> 6) * 576)) + (((int)threadIdx.x) & 63)) + 504)])));
-              }
+            if (((int)threadIdx.x) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+              float4 __32;
+                float4 __33;
+                  float4 __34;
+                    float4 v__34 = *(float4*)(((float*)P_s) + (((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)));
+                    float4 v__35 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)) + 72));
+                    __34.x = (v__34.x+v__35.x);
+                    __34.y = (v__34.y+v__35.y);
+                    __34.z = (v__34.z+v__35.z);
+                    __34.w = (v__34.w+v__35.w);
+                  float4 __35;
+                    float4 v__36 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)) + 144));
+                    float4 v__37 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)) + 216));
+                    __35.x = (v__36.x+v__37.x);
+                    __35.y = (v__36.y+v__37.y);
+                    __35.z = (v__36.z+v__37.z);
+                    __35.w = (v__36.w+v__37.w);
+                  __33.x = (__34.x+__35.x);
+                  __33.y = (__34.y+__35.y);
+                  __33.z = (__34.z+__35.z);
+                  __33.w = (__34.w+__35.w);
+                float4 __36;
+                  float4 __37;
+                    float4 v__38 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)) + 288));
+                    float4 v__39 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)) + 360));
+                    __37.x = (v__38.x+v__39.x);
+                    __37.y = (v__38.y+v__39.y);
+                    __37.z = (v__38.z+v__39.z);
+                    __37.w = (v__38.w+v__39.w);
+                  float4 __38;
+                    float4 v__40 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)) + 432));
+                    float4 v__41 = *(float4*)(((float*)P_s) + ((((((int)threadIdx.x) >> 4) * 576) + ((((int)threadIdx.x) & 15) * 4)) + 504));
+                    __38.x = (v__40.x+v__41.x);
+                    __38.y = (v__40.y+v__41.y);
+                    __38.z = (v__40.z+v__41.z);
+                    __38.w = (v__40.w+v__41.w);
+                  __36.x = (__37.x+__38.x);
+                  __36.y = (__37.y+__38.y);
+                  __36.z = (__37.z+__38.z);
+                  __36.w = (__37.w+__38.w);
+                __32.x = (__33.x+__36.x);
+                __32.y = (__33.y+__36.y);
+                __32.z = (__33.z+__36.z);
+                __32.w = (__33.w+__36.w);
+              *(float4*)(((float*)GS_s) + (((int)threadIdx.x) * 4)) = __32;
             }
           } else {
             if (groups == 4) {
               #pragma unroll
-              for (int e_3 = 0; e_3 < 8; ++e_3) {
-                if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                  ((float*)GS_s)[((e_3 * 128) + ((int)threadIdx.x))] = ((((float*)P_s)[(((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63)) + 72)]) + (((float*)P_s)[((((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63)) + 144)] + ((float*)P_s)[((((e_3 * 576) + ((((int)threadIdx.x) >> 6) * 288)) + (((int)threadIdx.x) & 63)) + 216)]));
+              for (int e_1 = 0; e_1 < 2; ++e_1) {
+                if (((e_1 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+                  float4 __39;
+                    float4 __40;
+                      float4 v__42 = *(float4*)(((float*)P_s) + (((e_1 * 2304) + ((((int)threadIdx.x) >> 4) * 288)) + ((((int)threadIdx.x) & 15) * 4)));
+                      float4 v__43 = *(float4*)(((float*)P_s) + ((((e_1 * 2304) + ((((int)threadIdx.x) >> 4) * 288)) + ((((int)threadIdx.x) & 15) * 4)) + 72));
+                      __40.x = (v__42.x+v__43.x);
+                      __40.y = (v__42.y+v__43.y);
+                      __40.z = (v__42.z+v__43.z);
+                      __40.w = (v__42.w+v__43.w);
+                    float4 __41;
+                      float4 v__44 = *(float4*)(((float*)P_s) + ((((e_1 * 2304) + ((((int)threadIdx.x) >> 4) * 288)) + ((((int)threadIdx.x) & 15) * 4)) + 144));
+                      float4 v__45 = *(float4*)(((float*)P_s) + ((((e_1 * 2304) + ((((int)threadIdx.x) >> 4) * 288)) + ((((int)threadIdx.x) & 15) * 4)) + 216));
+                      __41.x = (v__44.x+v__45.x);
+                      __41.y = (v__44.y+v__45.y);
+                      __41.z = (v__44.z+v__45.z);
+                      __41.w = (v__44.w+v__45.w);
+                    __39.x = (__40.x+__41.x);
+                    __39.y = (__40.y+__41.y);
+                    __39.z = (__40.z+__41.z);
+                    __39.w = (__40.w+__41.w);
+                  *(float4*)(((float*)GS_s) + ((e_1 * 512) + (((int)threadIdx.x) * 4))) = __39;
                 }
               }
             } else {
               if (groups == 2) {
                 #pragma unroll
-                for (int e_4 = 0; e_4 < 8; ++e_4) {
-                  if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                    ((float*)GS_s)[((e_4 * 128) + ((int)threadIdx.x))] = (((float*)P_s)[(((e_4 * 288) + ((((int)threadIdx.x) >> 6) * 144)) + (((int)threadIdx.x) & 63))] + ((float*)P_s)[((((e_4 * 288) + ((((int)threadIdx.x) >> 6) * 144)) + (((int)threadIdx.x) & 63)) + 72)]);
+                for (int e_2 = 0; e_2 < 2; ++e_2) {
+                  if (((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+                    float4 __42;
+                      float4 v__46 = *(float4*)(((float*)P_s) + (((e_2 * 1152) + ((((int)threadIdx.x) >> 4) * 144)) + ((((int)threadIdx.x) & 15) * 4)));
+                      float4 v__47 = *(float4*)(((float*)P_s) + ((((e_2 * 1152) + ((((int)threadIdx.x) >> 4) * 144)) + ((((int)threadIdx.x) & 15) * 4)) + 72));
+                      __42.x = (v__46.x+v__47.x);
+                      __42.y = (v__46.y+v__47.y);
+                      __42.z = (v__46.z+v__47.z);
+                      __42.w = (v__46.w+v__47.w);
+                    *(float4*)(((float*)GS_s) + ((e_2 * 512) + (((int)threadIdx.x) * 4))) = __42;
                   }
                 }
               } else {
                 if (groups == 1) {
                   #pragma unroll
-                  for (int e_5 = 0; e_5 < 8; ++e_5) {
-                    if (((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                      ((float*)GS_s)[((e_5 * 128) + ((int)threadIdx.x))] = ((float*)P_s)[(((e_5 * 144) + ((((int)threadIdx.x) >> 6) * 72)) + (((int)threadIdx.x) & 63))];
+                  for (int e_3 = 0; e_3 < 2; ++e_3) {
+                    if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+                      *(float4*)(((float*)GS_s) + ((e_3 * 512) + (((int)threadIdx.x) * 4))) = *(float4*)(((float*)P_s) + (((e_3 * 576) + ((((int)threadIdx.x) >> 4) * 72)) + ((((int)threadIdx.x) & 15) * 4)));
                     }
                   }
                 } else {
-                  for (int e_6 = 0; e_6 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_6) {
-                    if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
+                  for (int e_4 = 0; e_4 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_4) {
+                    if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
                       gsum = 0x0p+0f/*0.000000e+00*/;
                     }
                     __syncthreads();
-                    if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
+                    if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
                       for (int h4 = 0; h4 < (groups >> 2); ++h4) {
-                        gsum = (gsum + ((((float*)P_s)[(((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])));
+                        gsum = (gsum + ((((float*)P_s)[(((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_4) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_4) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)72)]) + (((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_4) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)144)] + ((float*)P_s)[((((((int64_t)h4) * (int64_t)288) + ((((((int64_t)e_4) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63)) + (int64_t)216)])));
                       }
                       for (int h = 0; h < (groups & 3); ++h) {
-                        gsum = (gsum + ((float*)P_s)[(((((((int64_t)groups) >> (int64_t)2) * (int64_t)288) + ((((((int64_t)e_6) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)h) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))]);
+                        gsum = (gsum + ((float*)P_s)[(((((((int64_t)groups) >> (int64_t)2) * (int64_t)288) + ((((((int64_t)e_4) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72)) + (((int64_t)h) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))]);
                       }
                     }
                     __syncthreads();
-                    if (((e_6 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
-                      ((float*)GS_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = gsum;
+                    if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) {
+                      ((float*)GS_s)[((((int64_t)e_4) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = gsum;
                     }
                   }
                 }
@@ -629,10 +783,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         }
         __syncthreads();
       }
-      for (int e_7 = 0; e_7 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_7) {
-        if ((((e_7 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) && (((ch_2 * 64) + (((int)threadIdx.x) & 63)) < width)) {
-          if (0 <= ((((e_7 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-            if (((((e_7 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+      for (int e_5 = 0; e_5 < ((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + 1) >> 1); ++e_5) {
+        if ((((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) && (((ch_2 * 64) + (((int)threadIdx.x) & 63)) < width)) {
+          if (0 <= ((((e_5 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+            if (((((e_5 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
               int condval_31;
               if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
                 condval_31 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
@@ -641,11 +795,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
               }
               float condval_30;
               if (((ch_2 * 64) < condval_31)) {
-                condval_30 = max(((float*)GS_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))], 0x0p+0f/*0.000000e+00*/);
+                condval_30 = max(((float*)GS_s)[((((int64_t)e_5) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))], 0x0p+0f/*0.000000e+00*/);
               } else {
                 condval_30 = 0x0p+0f/*0.000000e+00*/;
               }
-              S[((((((int64_t)ch_2) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + (((((((int64_t)e_7) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)width))) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] = condval_30;
+              S[((((((int64_t)ch_2) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + (((((((int64_t)e_5) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)width))) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] = condval_30;
             }
           }
         }
