@@ -43,15 +43,20 @@ def _check_kernel_tensor(t: torch.Tensor, name: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _compress_keys_args(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, out, max_nc, kernel_size,
+                        kernel_stride, stream):
+    return (_ptr(k), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
+            _ptr(punct_mask.view(torch.uint8)) if punct_mask is not None else None, float(phsa_lambda),
+            _ptr(out), cu_seqlens_k.numel() - 1, k.shape[0], out.shape[0], max_nc, k.shape[1], k.shape[2],
+            _KERNEL_DTYPES[k.dtype], kernel_size, kernel_stride, stream)
+
+
 def compress_keys_launch(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, out, max_nc, kernel_size, kernel_stride):
     """Runs the CUDA kernel into ``out`` (already allocated, ``(total_c, Hk, D)``)."""
     with torch.cuda.device(k.device):
-        status = _lib.lib().infllmv2_compress_keys(
-            _ptr(k), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
-            _ptr(punct_mask.view(torch.uint8)) if punct_mask is not None else None, float(phsa_lambda),
-            _ptr(out), cu_seqlens_k.numel() - 1, k.shape[0], out.shape[0], max_nc, k.shape[1], k.shape[2],
-            _KERNEL_DTYPES[k.dtype], kernel_size, kernel_stride, _stream(k.device),
-        )
+        status = _lib.lib().infllmv2_compress_keys(*_compress_keys_args(
+            k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, out, max_nc, kernel_size, kernel_stride,
+            _stream(k.device)))
     _lib.check(status)
 
 
@@ -503,17 +508,23 @@ def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_ke
     _check_offsets(cus, q.device)
 
 
+def _select_blocks_args(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks,
+                        local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k,
+                        stream):
+    return (_ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
+            _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
+            0 if norm_keys is None else norm_keys.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], ck.shape[1],
+            q.shape[2], out.shape[2], init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
+            _KERNEL_DTYPES[q.dtype], softmax_scale, stream)
+
+
 def select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks,
                          local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
     """Runs the fused selection kernel into ``out`` (int32 ``(Hk, total_q, K)``, already allocated)."""
     with torch.cuda.device(q.device):
-        status = _lib.lib().infllmv2_select_blocks(
-            _ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
-            _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
-            0 if norm_keys is None else norm_keys.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], ck.shape[1],
-            q.shape[2], out.shape[2], init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
-            _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
-        )
+        status = _lib.lib().infllmv2_select_blocks(*_select_blocks_args(
+            q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks, local_blocks,
+            norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k, _stream(q.device)))
     _lib.check(status)
 
 
@@ -546,25 +557,30 @@ def _select_blocks_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambd
                        approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
     """Stages 0 and 1 on the GPU with no host read: per compression, its offsets
     (infllmv2_attention_compressed_offsets) and keys, sized by the bound total_k // s + B; then
-    the fused selection. One Python call for the five launches: the host time before the first
-    one is what a caller waits for."""
+    the fused selection. Every buffer and argument is ready before the first launch, and the
+    five launches follow one another: Python work between them would leave the GPU idle (the
+    first ones are short), and the caller waits for it."""
     batch = cu_seqlens_q.numel() - 1
     levels = [_KERNEL_FINE] + ([(norm_kernel_size, norm_kernel_stride)] if approx_lse else [])
     offsets = torch.empty((len(levels), batch + 1), dtype=torch.int32, device=q.device)
+    keys = [k.new_empty((k.shape[0] // s + batch, k.shape[1], k.shape[2])) for _, s in levels]
     out = torch.empty((k.shape[1], q.shape[0], topk), dtype=torch.int32, device=q.device)
-    keys = []
+    lib = _lib.lib()
     with torch.cuda.device(q.device):
         stream = _stream(q.device)
-        for i, (w, s) in enumerate(levels):
-            _lib.check(_lib.lib().infllmv2_attention_compressed_offsets(_ptr(cu_seqlens_k), _ptr(offsets[i]), batch,
-                                                                        w, s, stream))
-            bound = k.shape[0] // s + batch
-            keys.append(k.new_empty((bound, k.shape[1], k.shape[2])))
-            compress_keys_launch(k, cu_seqlens_k, offsets[i], punct_mask, phsa_lambda, keys[i],
-                                 min(_num_windows(max_seqlen_k, w, s), bound), w, s)
-        select_blocks_launch(q, keys[0], keys[1] if approx_lse else None, cu_seqlens_q, cu_seqlens_k, offsets[0],
-                             offsets[1] if approx_lse else None, out, init_blocks, local_blocks, norm_kernel_size,
-                             norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k)
+        calls = []
+        for (w, s), cu_c, ck in zip(levels, offsets, keys):
+            calls.append((lib.infllmv2_attention_compressed_offsets, (_ptr(cu_seqlens_k), _ptr(cu_c), batch, w, s,
+                                                                       stream)))
+            calls.append((lib.infllmv2_compress_keys, _compress_keys_args(
+                k, cu_seqlens_k, cu_c, punct_mask, phsa_lambda, ck, min(_num_windows(max_seqlen_k, w, s), ck.shape[0]),
+                w, s, stream)))
+        calls.append((lib.infllmv2_select_blocks, _select_blocks_args(
+            q, keys[0], keys[1] if approx_lse else None, cu_seqlens_q, cu_seqlens_k, offsets[0],
+            offsets[1] if approx_lse else None, out, init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
+            softmax_scale, max_seqlen_q, max_seqlen_k, stream)))
+        for fn, args in calls:
+            _lib.check(fn(*args))
     return out
 
 
