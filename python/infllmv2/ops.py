@@ -620,7 +620,8 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
     on the GPU and their buffers sized by a bound. With ``max_seqlen_q`` and ``max_seqlen_k``
     given nothing is read on the host (no synchronisation), and the offsets are trusted as the C
     ABI trusts them (inconsistent ones give wrong selections, never an out-of-bounds access).
-    Otherwise both offsets are read and checked on the host. CPU runs the reference.
+    Otherwise the longest sequences are read on the host, and ``cu_seqlens_k`` is checked there.
+    CPU runs the reference.
     """
     _check_tensor3(q, "q")
     _check_tensor3(k, "k")
