@@ -22,23 +22,24 @@ Kernels:
 Tiling (select_blocks, group_scores). A tile is T consecutive tokens x the G heads of one KV
 group = 64 GEMM rows (row r = token r // G, head r % G), as in sparse_attn. Pass 1 runs an
 online log-sum-exp over the normaliser keys visible to the tile in chunks of 64 keys. Pass 2
-multiplies the same rows with chunks of 64 fine keys (16 blocks), writes the probabilities to
-shared memory, sums each token's G rows (straight-line code for G in 1, 2, 4, 8, 16, a loop
-otherwise) and max-pools the sums into a per-token block-score row in shared memory (the key
-4b-1 of a chunk's first block comes from the previous chunk). Chunks every row of the tile sees
+multiplies the same rows with chunks of 64 fine keys (16 blocks), turns the logits into
+probabilities in registers, sums each token's G rows (in registers with warp shuffles for G in
+1, 2, 4, 8, 16, see GROUP_SUM_CUDA; through shared memory otherwise) and max-pools the sums into
+a per-token block-score row in shared memory (the key 4b-1 of a chunk's first block comes from
+the previous chunk). Chunks every row of the tile sees
 whole skip the per-element visibility mask (all but the last one or two of a causal tile). The
 query tile lives in registers (the GEMMs' A operand, staged once through shared memory), key
-chunks are single-buffered (see fetch) and, with D = 128, the probabilities reuse the chunk's
-memory, which keeps a tile at 52 KB of shared memory on sm_90a (44 KB on sm_80/sm_89): four
+chunks are single-buffered (see fetch) and, with D = 128, the probabilities of the other group
+sizes reuse the chunk's memory, which keeps a tile at 52 KB of shared memory on sm_90a (44 KB on sm_80/sm_89): four
 tiles share an H100 SM (three an A100's, two an sm_89's), and each hides the others' load and
-GEMM latency. The group sums and the pooling loops have compile-time trip counts and keep the
+GEMM latency. The pooling loops have compile-time trip counts and keep the
 previous chunk's last column in a register, so that TileLang's barrier planner, which cannot
 tell the run-time-strided score rows from the group sums, adds no barriers inside them.
 Pass 2 stops before the keys of the last token's local window: from there on every block is
 forced (or in the future) for every token of the tile. Measured on an H100 at 32K x 8 (G = 16,
 K = 96), the kernel went from 26.3 (three tiles of 100 KB per SM) to 16.3 (72 KB), 14.4 (52 KB,
-no barriers in the loops), 13.4 (the local window skipped) and 12.1 ms (the query tile
-loaded without run-time divisions). Top-K then runs per
+no barriers in the loops), 13.4 (the local window skipped), 12.1 (the query tile loaded
+without run-time divisions) and 11.0 ms (group sums in registers). Top-K then runs per
 token, one warp per token: the scores are turned in place into their order-preserving uint32
 images, an 8-bit radix select
 (four histogram passes in shared memory, warp-aggregated atomics) finds the K-th best, and a
@@ -185,32 +186,65 @@ def _rows_sum(P_s, r0, c, n):
     return _rows_sum(P_s, r0, c, n // 2) + _rows_sum(P_s, r0 + n // 2, c, n - n // 2)
 
 
-GS_VEC = 4  # columns a thread sums at once in the compile-time group sums
+# A token's G rows of the GEMM accumulator are summed in registers, by a CUDA helper that TileLang
+# emits into the kernel's source: its fragment abstraction has no way to say "add the value that
+# lane l ^ m holds for the same element", which is what the sum needs.
+#
+# Layout (wgmma m64nNk16 on sm_90a; mma.m16n8k16 with a 16-row slab per warp under FullRow
+# elsewhere): element i of lane l of warp w is row 16w + l/4 + 8*((i >> 1) & 1), column
+# 8*(i >> 2) + 2*(l & 3) + (i & 1). Rows of one token (r // G) are lanes differing in the low
+# log2(G) bits of l/4 (and, for G = 16, the two row halves of a thread). A butterfly over those
+# lane bits in which each step hands half of the columns to the partner and keeps the other half
+# ("transpose-reduce") leaves each lane with whole sums of 16 >> bits columns: 14 shuffles for
+# G = 16, against writing the 16 KB of probabilities to shared memory and reading them back,
+# which with two barriers around it was the shared-memory pipe's largest load.
+GROUP_SUM_CUDA = r"""
+template <int CNT, int J>
+__device__ __forceinline__ void infllmv2_group_sum_step(float* s, int lane) {
+  if constexpr (J >= 0) {
+    const bool up = (lane >> (2 + J)) & 1;
+#pragma unroll
+    for (int k = 0; k < CNT / 2; ++k) {
+      const float send = up ? s[k] : s[k + CNT / 2];
+      const float keep = up ? s[k + CNT / 2] : s[k];
+      s[k] = keep + __shfl_xor_sync(0xffffffffu, send, 4 << J);
+    }
+    infllmv2_group_sum_step<CNT / 2, J - 1>(s, lane);
+  }
+}
+
+template <int G>
+__device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, int n_tok) {
+  constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
+  constexpr int HALVES = G == 16 ? 1 : 2;
+  constexpr int KEEP = 16 >> BITS;
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < HALVES; ++h) {
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int n = i >> 1, b = i & 1;
+      s[i] = G == 16 ? acc[4 * n + b] + acc[4 * n + 2 + b] : acc[4 * n + 2 * h + b];
+    }
+    // s[2n + b] is column 8n + 2(l & 3) + b; the steps pair n's top bits with lane bits 2 + j
+    infllmv2_group_sum_step<16, BITS - 1>(s, lane);
+    const int tok = (16 * warp + 8 * h + (lane >> 2)) / G;
+    if (tok < n_tok) {
+      const int n0 = (KEEP / 2) * ((lane >> 2) & ((1 << BITS) - 1));
+#pragma unroll
+      for (int m = 0; m < KEEP / 2; ++m)
+        *reinterpret_cast<float2*>(gs + tok * 64 + 8 * (n0 + m) + 2 * (lane & 3)) = make_float2(s[2 * m], s[2 * m + 1]);
+    }
+  }
+}
+"""
 
 
-def _make_group_sum(g):
-    """A macro: GS_s[t, c] = sum of the g rows of token t in P_s, for a compile-time group size g.
-
-    Each thread sums GS_VEC adjacent columns: 16-byte loads and stores (the swizzle P_s inherits
-    from K_s moves 16-byte units, so four columns stay contiguous), a quarter of the shared
-    memory instructions of one column a thread. H100, kernel alone: 11.90 -> 11.49 ms at 32K x 8,
-    42.40 -> 39.99 ms at 128K x 2, 20.11 -> 18.27 ms with G = 4; selections bitwise the same."""
-
-    CV = BN // GS_VEC
-    n_max = T.ceildiv(min(BLOCK_M // g, T_MAX) * CV, THREADS)
-
-    @T.macro
-    def group_sum(P_s, GS_s, n_tok, tx):
-        for e in T.unroll(n_max):
-            if e * THREADS + tx < n_tok * CV:
-                for v in T.vectorized(GS_VEC):
-                    GS_s[(e * THREADS + tx) // CV, ((e * THREADS + tx) % CV) * GS_VEC + v] = _rows_sum(
-                        P_s, ((e * THREADS + tx) // CV) * g, ((e * THREADS + tx) % CV) * GS_VEC + v, g)
-
-    return group_sum
-
-
-group_sum_1, group_sum_2, group_sum_4, group_sum_8, group_sum_16 = (_make_group_sum(g) for g in (1, 2, 4, 8, 16))
+def _group_sum_regs(g, acc_s, GS_s, n_tok):
+    """GS_s[t, :] = the sum of token t's g rows of acc_s (for t < n_tok), see GROUP_SUM_CUDA."""
+    return T.call_extern("handle", f"infllmv2_group_sum<{g}>", acc_s.data, T.address_of(GS_s[0, 0]), n_tok)
 
 
 def _scoring(kernel, dtype, D, arch):
@@ -343,37 +377,39 @@ def _scoring(kernel, dtype, D, arch):
                     fetch(CK, c0, hk, ch, K_s)
                     T.clear(acc_s)
                     T.gemm(Q_f, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    if ALIAS_P:
-                        T.sync_threads()  # every warp's GEMM is done reading K_s
                     if (ch + 1) * BN <= n_fine0:
                         # rows past the tile's tokens get values too; no group sum reads them
                         for r, c in T.Parallel(BLOCK_M, BN):
-                            P_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse2[r])
+                            acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse2[r])
                     else:
                         for r, c in T.Parallel(BLOCK_M, BN):
                             # invisible columns get -inf so that a token's group sum is -inf there
-                            P_s[r, c] = T.if_then_else(
+                            acc_s[r, c] = T.if_then_else(
                                 ch * BN + c < n_fine and (ch * BN + c) * FINE_S + FINE_W - 1 <= rowpos[r],
                                 T.exp2(acc_s[r, c] * scale_log2 - lse2[r]),
                                 NEG_INF,
                             )
-                    T.sync_threads()
-                    # the common group sizes get a straight-line sum (no loop, no accumulator)
                     if groups == 16:
-                        group_sum_16(P_s, GS_s, n_tok, tx)
+                        _group_sum_regs(16, acc_s, GS_s, n_tok)
                     elif groups == 8:
-                        group_sum_8(P_s, GS_s, n_tok, tx)
+                        _group_sum_regs(8, acc_s, GS_s, n_tok)
                     elif groups == 4:
-                        group_sum_4(P_s, GS_s, n_tok, tx)
+                        _group_sum_regs(4, acc_s, GS_s, n_tok)
                     elif groups == 2:
-                        group_sum_2(P_s, GS_s, n_tok, tx)
+                        _group_sum_regs(2, acc_s, GS_s, n_tok)
                     elif groups == 1:
-                        group_sum_1(P_s, GS_s, n_tok, tx)
+                        _group_sum_regs(1, acc_s, GS_s, n_tok)
                     else:
+                        # other group sizes: through shared memory, G a run-time int
+                        if ALIAS_P:
+                            T.sync_threads()  # every warp's GEMM is done reading K_s
+                        for r, c in T.Parallel(BLOCK_M, BN):
+                            P_s[r, c] = acc_s[r, c]
+                        T.sync_threads()
                         for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
                             if e * THREADS + tx < n_tok * BN:
                                 gsum = 0
-                                # four independent loads per step; G is a run-time int
+                                # four independent loads per step
                                 for h4 in T.serial(groups // 4):
                                     gsum += (
                                         _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + h4 * 4, (e * THREADS + tx) % BN, 2)
@@ -454,6 +490,7 @@ def _scoring(kernel, dtype, D, arch):
             scale_log2: T.float32,
         ):
             with T.Kernel(max_tiles, batch, heads_k, threads=THREADS) as (bx, b, hk):
+                T.import_source(GROUP_SUM_CUDA)
                 T.annotate_min_blocks_per_sm(TILES_PER_SM)
                 tile_scores(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, topk_idx, groups,
                             tile_tokens, score_stride, init_blocks, local_blocks, norm_window, norm_stride, approx,
@@ -481,6 +518,7 @@ def _scoring(kernel, dtype, D, arch):
         scale_log2: T.float32,
     ):
         with T.Kernel(max_tiles, batch, heads_k, threads=THREADS) as (bx, b, hk):
+            T.import_source(GROUP_SUM_CUDA)
             tile_scores(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, S, groups,
                         tile_tokens, 0, 0, 0, norm_window, norm_stride, approx, scale_log2, bx, b, hk)
 
