@@ -25,8 +25,8 @@ online log-sum-exp over the normaliser keys visible to the tile in chunks of 64 
 multiplies the same rows with chunks of 64 fine keys (16 blocks), turns the logits into
 probabilities in registers, sums each token's G rows (in registers with warp shuffles for G in
 1, 2, 4, 8, 16, see GROUP_SUM_CUDA; through shared memory otherwise) and max-pools the sums into
-a per-token block-score row in shared memory (the key 4b-1 of a chunk's first block comes from
-the previous chunk). Chunks every row of the tile sees
+a per-token block-score row in shared memory (in registers too for G = 16 and 8; the key 4b-1
+of a chunk's first block comes from the previous chunk). Chunks every row of the tile sees
 whole skip the per-element visibility mask (all but the last one or two of a causal tile). The
 query tile lives in registers (the GEMMs' A operand, staged once through shared memory), key
 chunks are single-buffered (see fetch) and, with D = 128, the probabilities of the other group
@@ -39,7 +39,8 @@ Pass 2 stops before the keys of the last token's local window: from there on eve
 forced (or in the future) for every token of the tile. Measured on an H100 at 32K x 8 (G = 16,
 K = 96), the kernel went from 26.3 (three tiles of 100 KB per SM) to 16.3 (72 KB), 14.4 (52 KB,
 no barriers in the loops), 13.4 (the local window skipped), 12.1 (the query tile loaded
-without run-time divisions) and 11.0 ms (group sums in registers). Top-K then runs per
+without run-time divisions), 11.0 (group sums in registers) and 10.6 ms (pooling in
+registers: two barriers a chunk instead of four). Top-K then runs per
 token, one warp per token: the scores are turned in place into their order-preserving uint32
 images, an 8-bit radix select
 (four histogram passes in shared memory, warp-aggregated atomics) finds the K-th best, and a
@@ -213,23 +214,30 @@ __device__ __forceinline__ void infllmv2_group_sum_step(float* s, int lane) {
   }
 }
 
+// s[2n + b] = the sum over token (16w + 8h + l/4) / G's rows of column 8n + 2(l & 3) + b; the
+// steps pair n's top bits with lane bits 2 + j. Leaves 16 >> BITS of them in s.
+template <int G>
+__device__ __forceinline__ void infllmv2_group_reduce(const float* acc, float* s, int lane, int h) {
+  constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int n = i >> 1, b = i & 1;
+    s[i] = G == 16 ? acc[4 * n + b] + acc[4 * n + 2 + b] : acc[4 * n + 2 * h + b];
+  }
+  infllmv2_group_sum_step<16, BITS - 1>(s, lane);
+}
+
+// gs[t * 64 + c] = token t's group sum of column c, for t < n_tok
 template <int G>
 __device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, int n_tok) {
   constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
-  constexpr int HALVES = G == 16 ? 1 : 2;
   constexpr int KEEP = 16 >> BITS;
   const int lane = threadIdx.x & 31;
   const int warp = (threadIdx.x >> 5) & 3;
 #pragma unroll
-  for (int h = 0; h < HALVES; ++h) {
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
     float s[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int n = i >> 1, b = i & 1;
-      s[i] = G == 16 ? acc[4 * n + b] + acc[4 * n + 2 + b] : acc[4 * n + 2 * h + b];
-    }
-    // s[2n + b] is column 8n + 2(l & 3) + b; the steps pair n's top bits with lane bits 2 + j
-    infllmv2_group_sum_step<16, BITS - 1>(s, lane);
+    infllmv2_group_reduce<G>(acc, s, lane, h);
     const int tok = (16 * warp + 8 * h + (lane >> 2)) / G;
     if (tok < n_tok) {
       const int n0 = (KEEP / 2) * ((lane >> 2) & ((1 << BITS) - 1));
@@ -239,12 +247,65 @@ __device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, 
     }
   }
 }
+
+// G = 16 or 8: after the reduction lane l holds columns 2l and 2l + 1 of its token, so the
+// pooling needs no shared memory either. Block blk0 + j takes columns 4j - 1 .. 4j + 3 (column
+// -1 is the previous chunk's last, carried per row half in carry[h]); visible blocks of tokens
+// t < n_tok go to sc[t * stride + block].
+template <int G>
+__device__ __forceinline__ void infllmv2_group_pool(const float* acc, float* sc, int stride, int n_tok, int blk0,
+                                                   int p0, float* carry) {
+  static_assert(G == 16 || G == 8, "the lanes hold whole columns for G = 16 and 8 only");
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
+    float s[16];
+    infllmv2_group_reduce<G>(acc, s, lane, h);
+    const float m = fmaxf(s[0], s[1]);
+    const float quad = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    const float left = __shfl_up_sync(0xffffffffu, s[1], 1);
+    const float prev = lane == 0 ? carry[h] : left;
+    carry[h] = __shfl_sync(0xffffffffu, s[1], 31);
+    const int tok = (16 * warp + 8 * h) / G;
+    const int blk = blk0 + (lane >> 1);
+    if ((lane & 1) == 0 && tok < n_tok && blk <= (p0 + tok) / 64 && blk < stride)
+      sc[tok * stride + blk] = fmaxf(quad, prev);
+  }
+}
+
+// the block after the last chunk sees only that chunk's last column
+template <int G>
+__device__ __forceinline__ void infllmv2_group_pool_tail(float* sc, int stride, int n_tok, int blk, int p0,
+                                                        const float* carry) {
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
+    const int tok = (16 * warp + 8 * h) / G;
+    if (lane == 0 && tok < n_tok && blk <= (p0 + tok) / 64 && blk < stride) sc[tok * stride + blk] = carry[h];
+  }
+}
 """
+
+
+assert BLOCK_M == 64 and BN == 64 and BLOCK == 64 and POOL == 4, "GROUP_SUM_CUDA assumes this tiling"
 
 
 def _group_sum_regs(g, acc_s, GS_s, n_tok):
     """GS_s[t, :] = the sum of token t's g rows of acc_s (for t < n_tok), see GROUP_SUM_CUDA."""
     return T.call_extern("handle", f"infllmv2_group_sum<{g}>", acc_s.data, T.address_of(GS_s[0, 0]), n_tok)
+
+
+def _group_pool_regs(g, acc_s, SC_s, score_stride, n_tok, blk0, p0, carry):
+    """The block scores of a chunk straight from acc_s, for g = 16 or 8 (see GROUP_SUM_CUDA)."""
+    return T.call_extern("handle", f"infllmv2_group_pool<{g}>", acc_s.data, T.address_of(SC_s[0]), score_stride,
+                         n_tok, blk0, p0, carry.data)
+
+
+def _group_pool_tail(g, SC_s, score_stride, n_tok, blk, p0, carry):
+    return T.call_extern("handle", f"infllmv2_group_pool_tail<{g}>", T.address_of(SC_s[0]), score_stride, n_tok,
+                         blk, p0, carry.data)
 
 
 def _scoring(kernel, dtype, D, arch):
@@ -269,6 +330,42 @@ def _scoring(kernel, dtype, D, arch):
         top_k = _make_top_k(out_cols)
 
     @T.macro
+    def group_sums(acc_s, P_s, GS_s, n_tok, groups, tx):
+        """GS_s[t, c] = the sum of token t's G rows of the probabilities in acc_s."""
+        gsum = T.alloc_var(accum)
+        if groups == 16:
+            _group_sum_regs(16, acc_s, GS_s, n_tok)
+        elif groups == 8:
+            _group_sum_regs(8, acc_s, GS_s, n_tok)
+        elif groups == 4:
+            _group_sum_regs(4, acc_s, GS_s, n_tok)
+        elif groups == 2:
+            _group_sum_regs(2, acc_s, GS_s, n_tok)
+        elif groups == 1:
+            _group_sum_regs(1, acc_s, GS_s, n_tok)
+        else:
+            # other group sizes: through shared memory, G a run-time int
+            if ALIAS_P:
+                T.sync_threads()  # every warp's GEMM is done reading K_s
+            for r, c in T.Parallel(BLOCK_M, BN):
+                P_s[r, c] = acc_s[r, c]
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
+                if e * THREADS + tx < n_tok * BN:
+                    gsum = 0
+                    # four independent loads per step
+                    for h4 in T.serial(groups // 4):
+                        gsum += (
+                            _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + h4 * 4, (e * THREADS + tx) % BN, 2)
+                            + _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + h4 * 4 + 2,
+                                        (e * THREADS + tx) % BN, 2)
+                        )
+                    for h in T.serial(groups % 4):
+                        gsum += _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + (groups // 4) * 4 + h,
+                                          (e * THREADS + tx) % BN, 1)
+                    GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN] = gsum
+
+    @T.macro
     def tile_scores(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, Out, groups,
                     tile_tokens, score_stride, init_blocks, local_blocks, norm_window, norm_stride, approx,
                     scale_log2, bx, b, hk):
@@ -291,6 +388,7 @@ def _scoring(kernel, dtype, D, arch):
         GS_s = T.alloc_shared([T_MAX, BN], accum)
         last_r = T.alloc_local([POOL_STEPS], accum)
         pool_r = T.alloc_local([POOL_STEPS], accum)
+        carry = T.alloc_local([2], accum)  # per row half: the last group-sum column of the previous chunk
         acc_s = T.alloc_fragment([BLOCK_M, BN], accum)
         m_run = T.alloc_fragment([BLOCK_M], accum)
         l_run = T.alloc_fragment([BLOCK_M], accum)
@@ -302,7 +400,6 @@ def _scoring(kernel, dtype, D, arch):
         r_sum = T.alloc_fragment([BLOCK_M], accum)
         lse2 = T.alloc_fragment([BLOCK_M], accum)
         rowpos = T.alloc_fragment([BLOCK_M], "int32")
-        gsum = T.alloc_var(accum)
         if select:
             SC_s = T.alloc_shared([SCORE_CAP], accum)
             hist_s = T.alloc_shared([WARPS, 256], "int32")
@@ -360,6 +457,8 @@ def _scoring(kernel, dtype, D, arch):
                         SC_s[e * THREADS + tx] = NEG_INF
             for e in T.unroll(POOL_STEPS):
                 last_r[e] = NEG_INF
+            carry[0] = NEG_INF
+            carry[1] = NEG_INF
             if select:
                 # blocks from the last token's local window on are forced for every token of the
                 # tile (or in a token's future), so their scores are never read: the chunks that
@@ -389,62 +488,41 @@ def _scoring(kernel, dtype, D, arch):
                                 T.exp2(acc_s[r, c] * scale_log2 - lse2[r]),
                                 NEG_INF,
                             )
-                    if groups == 16:
-                        _group_sum_regs(16, acc_s, GS_s, n_tok)
-                    elif groups == 8:
-                        _group_sum_regs(8, acc_s, GS_s, n_tok)
-                    elif groups == 4:
-                        _group_sum_regs(4, acc_s, GS_s, n_tok)
-                    elif groups == 2:
-                        _group_sum_regs(2, acc_s, GS_s, n_tok)
-                    elif groups == 1:
-                        _group_sum_regs(1, acc_s, GS_s, n_tok)
-                    else:
-                        # other group sizes: through shared memory, G a run-time int
-                        if ALIAS_P:
-                            T.sync_threads()  # every warp's GEMM is done reading K_s
-                        for r, c in T.Parallel(BLOCK_M, BN):
-                            P_s[r, c] = acc_s[r, c]
-                        T.sync_threads()
-                        for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
-                            if e * THREADS + tx < n_tok * BN:
-                                gsum = 0
-                                # four independent loads per step
-                                for h4 in T.serial(groups // 4):
-                                    gsum += (
-                                        _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + h4 * 4, (e * THREADS + tx) % BN, 2)
-                                        + _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + h4 * 4 + 2,
-                                                    (e * THREADS + tx) % BN, 2)
+                    if select:
+                        # G = 16 and 8 pool in registers too: no group-sum buffer, two barriers fewer
+                        if groups == 16:
+                            _group_pool_regs(16, acc_s, SC_s, score_stride, n_tok, ch * BPC, p0, carry)
+                        elif groups == 8:
+                            _group_pool_regs(8, acc_s, SC_s, score_stride, n_tok, ch * BPC, p0, carry)
+                        else:
+                            group_sums(acc_s, P_s, GS_s, n_tok, groups, tx)
+                            T.sync_threads()
+                            # all reads of GS_s, then all writes of SC_s: TileLang cannot tell the two
+                            # apart (SC_s rows have a run-time stride) and would put barriers between them
+                            for e in T.unroll(POOL_STEPS):
+                                if e * THREADS + tx < n_tok * BPC:
+                                    pool_r[e] = T.max(
+                                        T.max(T.max(T.if_then_else((e * THREADS + tx) % BPC == 0, last_r[e],
+                                                                   GS_s[(e * THREADS + tx) // BPC,
+                                                                        T.max(((e * THREADS + tx) % BPC) * POOL - 1, 0)]),
+                                                    GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL]),
+                                              T.max(GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 1],
+                                                    GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 2])),
+                                        GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 3],
                                     )
-                                for h in T.serial(groups % 4):
-                                    gsum += _rows_sum(P_s, ((e * THREADS + tx) // BN) * groups + (groups // 4) * 4 + h,
-                                                      (e * THREADS + tx) % BN, 1)
-                                GS_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN] = gsum
+                                    if (e * THREADS + tx) % BPC == 0:
+                                        last_r[e] = GS_s[(e * THREADS + tx) // BPC, BN - 1]
+                            for e in T.unroll(POOL_STEPS):
+                                if e * THREADS + tx < n_tok * BPC:
+                                    t = (e * THREADS + tx) // BPC
+                                    bb = (e * THREADS + tx) % BPC
+                                    # score_stride bounds the row even if the host's max_seqlen_k was too small
+                                    if ch * BPC + bb <= (p0 + t) // BLOCK and ch * BPC + bb < score_stride:
+                                        SC_s[t * score_stride + ch * BPC + bb] = pool_r[e]
+                    else:
+                        group_sums(acc_s, P_s, GS_s, n_tok, groups, tx)
                     T.sync_threads()
-                if select:
-                    # all reads of GS_s, then all writes of SC_s: TileLang cannot tell the two
-                    # apart (SC_s rows have a run-time stride) and would put barriers between them
-                    for e in T.unroll(POOL_STEPS):
-                        if e * THREADS + tx < n_tok * BPC:
-                            pool_r[e] = T.max(
-                                T.max(T.max(T.if_then_else((e * THREADS + tx) % BPC == 0, last_r[e],
-                                                           GS_s[(e * THREADS + tx) // BPC,
-                                                                T.max(((e * THREADS + tx) % BPC) * POOL - 1, 0)]),
-                                            GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL]),
-                                      T.max(GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 1],
-                                            GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 2])),
-                                GS_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL + 3],
-                            )
-                            if (e * THREADS + tx) % BPC == 0:
-                                last_r[e] = GS_s[(e * THREADS + tx) // BPC, BN - 1]
-                    for e in T.unroll(POOL_STEPS):
-                        if e * THREADS + tx < n_tok * BPC:
-                            t = (e * THREADS + tx) // BPC
-                            bb = (e * THREADS + tx) % BPC
-                            # score_stride bounds the row even if the host's max_seqlen_k was too small
-                            if ch * BPC + bb <= (p0 + t) // BLOCK and ch * BPC + bb < score_stride:
-                                SC_s[t * score_stride + ch * BPC + bb] = pool_r[e]
-                else:
+                if not select:
                     for e in T.serial(T.ceildiv(n_tok * BN, THREADS)):
                         if e * THREADS + tx < n_tok * BN and ch * BN + (e * THREADS + tx) % BN < out_cols:
                             Out[hk, q0 + t0 + (e * THREADS + tx) // BN, ch * BN + (e * THREADS + tx) % BN] = T.if_then_else(
@@ -456,11 +534,16 @@ def _scoring(kernel, dtype, D, arch):
 
             if select:
                 # the block after the last chunk sees only that chunk's last key
-                for e in T.unroll(POOL_STEPS):
-                    if e * THREADS + tx < n_tok * BPC and (e * THREADS + tx) % BPC == 0:
-                        if (n_chunks * BPC <= (p0 + (e * THREADS + tx) // BPC) // BLOCK
-                                and n_chunks * BPC < score_stride):
-                            SC_s[((e * THREADS + tx) // BPC) * score_stride + n_chunks * BPC] = last_r[e]
+                if groups == 16:
+                    _group_pool_tail(16, SC_s, score_stride, n_tok, n_chunks * BPC, p0, carry)
+                elif groups == 8:
+                    _group_pool_tail(8, SC_s, score_stride, n_tok, n_chunks * BPC, p0, carry)
+                else:
+                    for e in T.unroll(POOL_STEPS):
+                        if e * THREADS + tx < n_tok * BPC and (e * THREADS + tx) % BPC == 0:
+                            if (n_chunks * BPC <= (p0 + (e * THREADS + tx) // BPC) // BLOCK
+                                    and n_chunks * BPC < score_stride):
+                                SC_s[((e * THREADS + tx) // BPC) * score_stride + n_chunks * BPC] = last_r[e]
                 T.sync_threads()
                 top_k(Out, SC_s, hist_s, st_s, rs, ru, kk, bins, tx, hk, q0 + t0, n_tok, p0, score_stride,
                       init_blocks, local_blocks)

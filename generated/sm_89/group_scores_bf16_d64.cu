@@ -15,23 +15,30 @@ __device__ __forceinline__ void infllmv2_group_sum_step(float* s, int lane) {
   }
 }
 
+// s[2n + b] = the sum over token (16w + 8h + l/4) / G's rows of column 8n + 2(l & 3) + b; the
+// steps pair n's top bits with lane bits 2 + j. Leaves 16 >> BITS of them in s.
+template <int G>
+__device__ __forceinline__ void infllmv2_group_reduce(const float* acc, float* s, int lane, int h) {
+  constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int n = i >> 1, b = i & 1;
+    s[i] = G == 16 ? acc[4 * n + b] + acc[4 * n + 2 + b] : acc[4 * n + 2 * h + b];
+  }
+  infllmv2_group_sum_step<16, BITS - 1>(s, lane);
+}
+
+// gs[t * 64 + c] = token t's group sum of column c, for t < n_tok
 template <int G>
 __device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, int n_tok) {
   constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
-  constexpr int HALVES = G == 16 ? 1 : 2;
   constexpr int KEEP = 16 >> BITS;
   const int lane = threadIdx.x & 31;
   const int warp = (threadIdx.x >> 5) & 3;
 #pragma unroll
-  for (int h = 0; h < HALVES; ++h) {
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
     float s[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int n = i >> 1, b = i & 1;
-      s[i] = G == 16 ? acc[4 * n + b] + acc[4 * n + 2 + b] : acc[4 * n + 2 * h + b];
-    }
-    // s[2n + b] is column 8n + 2(l & 3) + b; the steps pair n's top bits with lane bits 2 + j
-    infllmv2_group_sum_step<16, BITS - 1>(s, lane);
+    infllmv2_group_reduce<G>(acc, s, lane, h);
     const int tok = (16 * warp + 8 * h + (lane >> 2)) / G;
     if (tok < n_tok) {
       const int n0 = (KEEP / 2) * ((lane >> 2) & ((1 << BITS) - 1));
@@ -39,6 +46,45 @@ __device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, 
       for (int m = 0; m < KEEP / 2; ++m)
         *reinterpret_cast<float2*>(gs + tok * 64 + 8 * (n0 + m) + 2 * (lane & 3)) = make_float2(s[2 * m], s[2 * m + 1]);
     }
+  }
+}
+
+// G = 16 or 8: after the reduction lane l holds columns 2l and 2l + 1 of its token, so the
+// pooling needs no shared memory either. Block blk0 + j takes columns 4j - 1 .. 4j + 3 (column
+// -1 is the previous chunk's last, carried per row half in carry[h]); visible blocks of tokens
+// t < n_tok go to sc[t * stride + block].
+template <int G>
+__device__ __forceinline__ void infllmv2_group_pool(const float* acc, float* sc, int stride, int n_tok, int blk0,
+                                                   int p0, float* carry) {
+  static_assert(G == 16 || G == 8, "the lanes hold whole columns for G = 16 and 8 only");
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
+    float s[16];
+    infllmv2_group_reduce<G>(acc, s, lane, h);
+    const float m = fmaxf(s[0], s[1]);
+    const float quad = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    const float left = __shfl_up_sync(0xffffffffu, s[1], 1);
+    const float prev = lane == 0 ? carry[h] : left;
+    carry[h] = __shfl_sync(0xffffffffu, s[1], 31);
+    const int tok = (16 * warp + 8 * h) / G;
+    const int blk = blk0 + (lane >> 1);
+    if ((lane & 1) == 0 && tok < n_tok && blk <= (p0 + tok) / 64 && blk < stride)
+      sc[tok * stride + blk] = fmaxf(quad, prev);
+  }
+}
+
+// the block after the last chunk sees only that chunk's last column
+template <int G>
+__device__ __forceinline__ void infllmv2_group_pool_tail(float* sc, int stride, int n_tok, int blk, int p0,
+                                                        const float* carry) {
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
+    const int tok = (16 * warp + 8 * h) / G;
+    if (lane == 0 && tok < n_tok && blk <= (p0 + tok) / 64 && blk < stride) sc[tok * stride + blk] = carry[h];
   }
 }
 #if defined(_MSC_VER) && !defined(__clang__) && _MSC_VER < 1940
@@ -81,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
   float l_fine[2];
   float m_fine_clear[2];
   float last_r[2];
+  float carry[2];
   float gsum = 0x0p+0f/*0.000000e+00*/;
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
@@ -520,6 +567,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_bf16_
     for (int e = 0; e < 2; ++e) {
       last_r[e] = -CUDART_INF_F;
     }
+    carry[0] = -CUDART_INF_F;
+    carry[1] = -CUDART_INF_F;
     for (int ch_2 = 0; ch_2 < ((width + 63) >> 6); ++ch_2) {
       __syncthreads();
       int condval_25;

@@ -15,23 +15,30 @@ __device__ __forceinline__ void infllmv2_group_sum_step(float* s, int lane) {
   }
 }
 
+// s[2n + b] = the sum over token (16w + 8h + l/4) / G's rows of column 8n + 2(l & 3) + b; the
+// steps pair n's top bits with lane bits 2 + j. Leaves 16 >> BITS of them in s.
+template <int G>
+__device__ __forceinline__ void infllmv2_group_reduce(const float* acc, float* s, int lane, int h) {
+  constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int n = i >> 1, b = i & 1;
+    s[i] = G == 16 ? acc[4 * n + b] + acc[4 * n + 2 + b] : acc[4 * n + 2 * h + b];
+  }
+  infllmv2_group_sum_step<16, BITS - 1>(s, lane);
+}
+
+// gs[t * 64 + c] = token t's group sum of column c, for t < n_tok
 template <int G>
 __device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, int n_tok) {
   constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
-  constexpr int HALVES = G == 16 ? 1 : 2;
   constexpr int KEEP = 16 >> BITS;
   const int lane = threadIdx.x & 31;
   const int warp = (threadIdx.x >> 5) & 3;
 #pragma unroll
-  for (int h = 0; h < HALVES; ++h) {
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
     float s[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int n = i >> 1, b = i & 1;
-      s[i] = G == 16 ? acc[4 * n + b] + acc[4 * n + 2 + b] : acc[4 * n + 2 * h + b];
-    }
-    // s[2n + b] is column 8n + 2(l & 3) + b; the steps pair n's top bits with lane bits 2 + j
-    infllmv2_group_sum_step<16, BITS - 1>(s, lane);
+    infllmv2_group_reduce<G>(acc, s, lane, h);
     const int tok = (16 * warp + 8 * h + (lane >> 2)) / G;
     if (tok < n_tok) {
       const int n0 = (KEEP / 2) * ((lane >> 2) & ((1 << BITS) - 1));
@@ -39,6 +46,45 @@ __device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, 
       for (int m = 0; m < KEEP / 2; ++m)
         *reinterpret_cast<float2*>(gs + tok * 64 + 8 * (n0 + m) + 2 * (lane & 3)) = make_float2(s[2 * m], s[2 * m + 1]);
     }
+  }
+}
+
+// G = 16 or 8: after the reduction lane l holds columns 2l and 2l + 1 of its token, so the
+// pooling needs no shared memory either. Block blk0 + j takes columns 4j - 1 .. 4j + 3 (column
+// -1 is the previous chunk's last, carried per row half in carry[h]); visible blocks of tokens
+// t < n_tok go to sc[t * stride + block].
+template <int G>
+__device__ __forceinline__ void infllmv2_group_pool(const float* acc, float* sc, int stride, int n_tok, int blk0,
+                                                   int p0, float* carry) {
+  static_assert(G == 16 || G == 8, "the lanes hold whole columns for G = 16 and 8 only");
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
+    float s[16];
+    infllmv2_group_reduce<G>(acc, s, lane, h);
+    const float m = fmaxf(s[0], s[1]);
+    const float quad = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    const float left = __shfl_up_sync(0xffffffffu, s[1], 1);
+    const float prev = lane == 0 ? carry[h] : left;
+    carry[h] = __shfl_sync(0xffffffffu, s[1], 31);
+    const int tok = (16 * warp + 8 * h) / G;
+    const int blk = blk0 + (lane >> 1);
+    if ((lane & 1) == 0 && tok < n_tok && blk <= (p0 + tok) / 64 && blk < stride)
+      sc[tok * stride + blk] = fmaxf(quad, prev);
+  }
+}
+
+// the block after the last chunk sees only that chunk's last column
+template <int G>
+__device__ __forceinline__ void infllmv2_group_pool_tail(float* sc, int stride, int n_tok, int blk, int p0,
+                                                        const float* carry) {
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int h = 0; h < (G == 16 ? 1 : 2); ++h) {
+    const int tok = (16 * warp + 8 * h) / G;
+    if (lane == 0 && tok < n_tok && blk <= (p0 + tok) / 64 && blk < stride) sc[tok * stride + blk] = carry[h];
   }
 }
 #if defined(_MSC_VER) && !defined(__clang__) && _MSC_VER < 1940
@@ -86,8 +132,9 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
   float l_fine[2];
   float m_fine_clear[2];
   float last_r[2];
-  float gsum = 0x0p+0f/*0.000000e+00*/;
+  float carry[2];
   float pool_r[2];
+  float gsum = 0x0p+0f/*0.000000e+00*/;
   int rs[8];
   uint ru[4];
   uint kk[4];
@@ -541,6 +588,11 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
     for (int e_1 = 0; e_1 < 2; ++e_1) {
       last_r[e_1] = -CUDART_INF_F;
     }
+    carry[0] = -CUDART_INF_F;
+    carry[1] = -CUDART_INF_F;
+  }
+  __syncthreads();
+  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     int condval_25;
     if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
       condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
@@ -548,7 +600,6 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
       condval_25 = 0;
     }
     for (int ch_2 = 0; ch_2 < ((min(condval_25, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6); ++ch_2) {
-      __syncthreads();
       #pragma unroll
       for (int i_23 = 0; i_23 < 8; ++i_23) {
         tl::cp_async_gs_conditional<16>((&(((half_t*)P_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_23 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_23) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + key0))) && (((((ch_2 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + key0))));
@@ -619,10 +670,10 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
         }
       }
       if (groups == 16) {
-        infllmv2_group_sum<16>(acc_s, (&(((float*)GS_s)[0])), min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))));
+        infllmv2_group_pool<16>(acc_s, (&(((float*)SC_s)[0])), score_stride, min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), (ch_2 * 16), ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), carry);
       } else {
         if (groups == 8) {
-          infllmv2_group_sum<8>(acc_s, (&(((float*)GS_s)[0])), min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))));
+          infllmv2_group_pool<8>(acc_s, (&(((float*)SC_s)[0])), score_stride, min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), (ch_2 * 16), ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), carry);
         } else {
           if (groups == 4) {
             infllmv2_group_sum<4>(acc_s, (&(((float*)GS_s)[0])), min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))));
@@ -661,64 +712,85 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
               }
             }
           }
+          __syncthreads();
+          #pragma unroll
+          for (int e_3 = 0; e_3 < 2; ++e_3) {
+            if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+              float condval_29;
+              if (((((int)threadIdx.x) % 16) == 0)) {
+                condval_29 = last_r[e_3];
+              } else {
+                condval_29 = ((float*)GS_s)[(((e_3 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + max((((((int)threadIdx.x) & 15) * 4) - 1), 0))];
+              }
+              pool_r[e_3] = max(max(max(condval_29, ((float*)GS_s)[((e_3 * 512) + (((int)threadIdx.x) * 4))]), max(((float*)GS_s)[(((e_3 * 512) + (((int)threadIdx.x) * 4)) + 1)], ((float*)GS_s)[(((e_3 * 512) + (((int)threadIdx.x) * 4)) + 2)])), ((float*)GS_s)[(((e_3 * 512) + (((int)threadIdx.x) * 4)) + 3)]);
+              if ((((int)threadIdx.x) % 16) == 0) {
+                last_r[e_3] = ((float*)GS_s)[(((e_3 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + 63)];
+              }
+            }
+          }
+          __syncthreads();
+          #pragma unroll
+          for (int e_4 = 0; e_4 < 2; ++e_4) {
+            if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
+              if ((((ch_2 * 16) + (((int)threadIdx.x) & 15)) <= ((((((e_4 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((ch_2 * 16) + (((int)threadIdx.x) & 15)) < score_stride)) {
+                ((float*)SC_s)[(((((int64_t)ch_2) * (int64_t)16) + (((((int64_t)e_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = pool_r[e_4];
+              }
+            }
+          }
         }
       }
       __syncthreads();
-      #pragma unroll
-      for (int e_3 = 0; e_3 < 2; ++e_3) {
-        if (((e_3 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
-          float condval_29;
-          if (((((int)threadIdx.x) % 16) == 0)) {
-            condval_29 = last_r[e_3];
-          } else {
-            condval_29 = ((float*)GS_s)[(((e_3 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + max((((((int)threadIdx.x) & 15) * 4) - 1), 0))];
-          }
-          pool_r[e_3] = max(max(max(condval_29, ((float*)GS_s)[((e_3 * 512) + (((int)threadIdx.x) * 4))]), max(((float*)GS_s)[(((e_3 * 512) + (((int)threadIdx.x) * 4)) + 1)], ((float*)GS_s)[(((e_3 * 512) + (((int)threadIdx.x) * 4)) + 2)])), ((float*)GS_s)[(((e_3 * 512) + (((int)threadIdx.x) * 4)) + 3)]);
-          if ((((int)threadIdx.x) % 16) == 0) {
-            last_r[e_3] = ((float*)GS_s)[(((e_3 * 512) + ((((int)threadIdx.x) >> 4) * 64)) + 63)];
-          }
-        }
-      }
-      __syncthreads();
-      #pragma unroll
-      for (int e_4 = 0; e_4 < 2; ++e_4) {
-        if (((e_4 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) {
-          if ((((ch_2 * 16) + (((int)threadIdx.x) & 15)) <= ((((((e_4 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((ch_2 * 16) + (((int)threadIdx.x) & 15)) < score_stride)) {
-            ((float*)SC_s)[(((((int64_t)ch_2) * (int64_t)16) + (((((int64_t)e_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = pool_r[e_4];
-          }
-        }
-      }
     }
-    __syncthreads();
-    #pragma unroll
-    for (int e_5 = 0; e_5 < 2; ++e_5) {
-      if ((((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) && ((((int)threadIdx.x) % 16) == 0)) {
-        int condval_30;
-        if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          condval_30 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
-        } else {
-          condval_30 = 0;
-        }
+    if (groups == 16) {
+      int condval_30;
+      if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        condval_30 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+      } else {
+        condval_30 = 0;
+      }
+      infllmv2_group_pool_tail<16>((&(((float*)SC_s)[0])), score_stride, min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), (((min(condval_30, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16), ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), carry);
+    } else {
+      if (groups == 8) {
         int condval_31;
         if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           condval_31 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
         } else {
           condval_31 = 0;
         }
-        if (((((min(condval_30, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) <= ((((((e_5 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((min(condval_31, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) < score_stride)) {
-          int64_t condval_32;
-          if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-            condval_32 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
-          } else {
-            condval_32 = (int64_t)0;
+        infllmv2_group_pool_tail<8>((&(((float*)SC_s)[0])), score_stride, min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), (((min(condval_31, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16), ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), carry);
+      } else {
+        __syncthreads();
+        #pragma unroll
+        for (int e_5 = 0; e_5 < 2; ++e_5) {
+          if ((((e_5 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 16)) && ((((int)threadIdx.x) % 16) == 0)) {
+            int condval_32;
+            if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+              condval_32 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+            } else {
+              condval_32 = 0;
+            }
+            int condval_33;
+            if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+              condval_33 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+            } else {
+              condval_33 = 0;
+            }
+            if (((((min(condval_32, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) <= ((((((e_5 * 8) + (((int)threadIdx.x) >> 4)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((min(condval_33, (max(((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 6) - local_blocks), 0) * 4)) + 63) >> 6) * 16) < score_stride)) {
+              int64_t condval_34;
+              if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
+                condval_34 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+              } else {
+                condval_34 = (int64_t)0;
+              }
+              int64_t condval_35;
+              if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
+                condval_35 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
+              } else {
+                condval_35 = (int64_t)0;
+              }
+              ((float*)SC_s)[((((min(condval_35, (max(((((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) - (int64_t)1) >> (int64_t)6) - ((int64_t)local_blocks)), (int64_t)0) * (int64_t)4)) + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_5];
+            }
           }
-          int64_t condval_33;
-          if (((int64_t)32 <= (((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)))) {
-            condval_33 = min(((int64_t)n_c), (((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)4) - (int64_t)1));
-          } else {
-            condval_33 = (int64_t)0;
-          }
-          ((float*)SC_s)[((((min(condval_33, (max(((((((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) - (int64_t)1) >> (int64_t)6) - ((int64_t)local_blocks)), (int64_t)0) * (int64_t)4)) + (int64_t)63) >> (int64_t)6) * (int64_t)16) + (((((int64_t)e_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)score_stride)))] = last_r[e_5];
         }
       }
     }
@@ -731,21 +803,21 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
       if ((((rnd * 4) + (((int)threadIdx.x) >> 5)) < tile_tokens) && (((rnd * 4) + (((int)threadIdx.x) >> 5)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
         for (int i_28 = 0; i_28 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 31) >> 5); ++i_28) {
           if ((((i_28 * 32) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && (((i_28 * 32) + (((int)threadIdx.x) & 31)) < score_stride)) {
-            float condval_34;
+            float condval_36;
             if (((((i_28 * 32) + (((int)threadIdx.x) & 31)) < init_blocks) || ((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) - local_blocks) <= ((i_28 * 32) + (((int)threadIdx.x) & 31))))) {
-              condval_34 = CUDART_INF_F;
+              condval_36 = CUDART_INF_F;
             } else {
-              condval_34 = ((float*)SC_s)[(((((int64_t)i_28) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
+              condval_36 = ((float*)SC_s)[(((((int64_t)i_28) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))];
             }
-            float _reinterpret_tmp = condval_34;
+            float _reinterpret_tmp = condval_36;
             ru[2] = (*(uint *)(&(_reinterpret_tmp)));
-            uint condval_35;
+            uint condval_37;
             if (((ru[2] >> (uint)31) != (uint)0)) {
-              condval_35 = (~ru[2]);
+              condval_37 = (~ru[2]);
             } else {
-              condval_35 = (ru[2] | (uint)2147483648);
+              condval_37 = (ru[2] | (uint)2147483648);
             }
-            ru[2] = condval_35;
+            ru[2] = condval_37;
             uint v__18 = ru[2];
             ((float*)SC_s)[(((((int64_t)i_28) * (int64_t)32) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)31))] = (*(float *)(&(v__18)));
             if ((uint)8388607 < ru[2]) {
@@ -775,13 +847,13 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
               for (int u = 0; u < 4; ++u) {
                 float v__19 = ((float*)SC_s)[(min((((((int64_t)i_29) * (int64_t)128) + (((int64_t)u) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
                 kk[u] = (*(uint *)(&(v__19)));
-                int condval_36;
+                int condval_38;
                 if ((((((((i_29 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_29 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
-                  condval_36 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
+                  condval_38 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
                 } else {
-                  condval_36 = 256;
+                  condval_38 = 256;
                 }
-                bins[u] = condval_36;
+                bins[u] = condval_38;
               }
               #pragma unroll
               for (int u_1 = 0; u_1 < 4; ++u_1) {
@@ -832,25 +904,25 @@ extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_fp16
         for (int i_30 = 0; i_30 < ((min((((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6) + 1), score_stride) + 127) >> 7); ++i_30) {
           #pragma unroll
           for (int u_2 = 0; u_2 < 4; ++u_2) {
-            uint condval_37;
+            uint condval_39;
             if ((((((i_30 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) <= ((((((rnd * 4) + (((int)threadIdx.x) >> 5)) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6)) && ((((i_30 * 128) + (u_2 * 32)) + (((int)threadIdx.x) & 31)) < score_stride))) {
               float v__20 = ((float*)SC_s)[(min((((((int64_t)i_30) * (int64_t)128) + (((int64_t)u_2) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) & (int64_t)31)), min(((((((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) + ((int64_t)len_k)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) - ((int64_t)len_q)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((((int64_t)rnd) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)) * ((int64_t)score_stride)))];
-              condval_37 = (*(uint *)(&(v__20)));
+              condval_39 = (*(uint *)(&(v__20)));
             } else {
-              condval_37 = (uint)0;
+              condval_39 = (uint)0;
             }
-            kk[u_2] = condval_37;
+            kk[u_2] = condval_39;
           }
           #pragma unroll
           for (int u_3 = 0; u_3 < 4; ++u_3) {
             rs[4] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, ((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])))));
-            int condval_38;
+            int condval_40;
             if (((ru[3] < kk[u_3]) || (((kk[u_3] == ru[3]) && ((uint)8388607 < kk[u_3])) && ((((uint)rs[3]) + __popc((((uint)rs[4]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)rs[1]))))) {
-              condval_38 = 1;
+              condval_40 = 1;
             } else {
-              condval_38 = 0;
+              condval_40 = 0;
             }
-            rs[5] = condval_38;
+            rs[5] = condval_40;
             rs[6] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, (rs[5] != 0))));
             if (rs[5] != 0) {
               if ((((uint)rs[2]) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))) < ((uint)topk)) {
