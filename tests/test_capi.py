@@ -95,6 +95,89 @@ def test_compressed_offsets_match_the_reference(ks, st):
         lib.infllmv2_last_error().decode()
 
 
+def _select_from_keys(q=1, k=1, cu_q=1, cu_k=1, punct=None, lam=0.5, out=1, ws=1, ws_size=1 << 30, batch=1,
+                      total_q=64, total_k=64, max_q=64, max_k=64, heads=32, heads_k=2, head_dim=128, topk=96, init=1,
+                      local=32, approx=1, norm_ks=128, norm_st=64, dtype=_lib.DTYPE_BF16, scale=0.0):
+    lib = _lib.lib()
+    status = lib.infllmv2_select_blocks_from_keys(q, k, cu_q, cu_k, punct, lam, out, ws, ws_size, batch, total_q, total_k,
+                                                  max_q, max_k, heads, heads_k, head_dim, topk, init, local, approx,
+                                                  norm_ks, norm_st, dtype, scale, None)
+    return status, lib.infllmv2_last_error().decode()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch=0), "batch must be in \\[1, 65535\\], got 0"),
+        (dict(total_k=-1), "total_k must be >= 0 and heads_k, head_dim >= 1, got -1, 2, 128"),
+        (dict(heads_k=0), "total_k must be >= 0 and heads_k, head_dim >= 1, got 64, 0, 128"),
+        (dict(approx=2), "approx_lse must be 0 or 1, got 2"),
+        (dict(norm_st=0), "norm_kernel_size and norm_kernel_stride must be >= 1, got 128 and 0"),
+        (dict(max_k=32), "max_seqlen_k must be >= max_seqlen_q \\(64\\) and >= 0, got 32"),
+        (dict(ws_size=100), "workspace_size is 100 bytes, infllmv2_select_blocks_from_keys_workspace_size\\(\\) asks for"),
+    ],
+)
+def test_select_blocks_from_keys_arguments_are_named(kwargs, message):
+    import re
+
+    status, text = _select_from_keys(**kwargs)
+    assert status == _lib.ERR_INVALID_ARGUMENT and text.startswith("infllmv2_select_blocks_from_keys: "), text
+    assert re.search(message, text), text
+
+
+def test_select_blocks_from_keys_workspace_size():
+    size = _lib.lib().infllmv2_select_blocks_from_keys_workspace_size
+    # offsets (two 256-byte slots), then the fine and coarse keys at their bounds total_k // s + batch
+    row = 2 * 128 * 2
+    exact = 2 * 256 + -(-(1000 // 16 + 3) * row // 256) * 256
+    assert size(3, 1000, 2, 128, 0, 64) == exact
+    assert size(3, 1000, 2, 128, 1, 64) == exact + -(-(1000 // 64 + 3) * row // 256) * 256
+    for bad in [(0, 1000, 2, 128, 1, 64), (3, -1, 2, 128, 1, 64), (3, 1000, 0, 128, 1, 64), (3, 1000, 2, 128, 2, 64),
+                (3, 1000, 2, 128, 1, 0)]:
+        assert size(*bad) == 0, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approx", [True, False], ids=["approx", "exact"])
+@pytest.mark.parametrize("phsa", [False, True], ids=["plain", "phsa"])
+def test_select_blocks_from_keys_matches_the_ops_it_runs(approx, phsa):
+    """Bitwise the selection of the three ops called one by one (each tested against the reference)."""
+    from infllmv2.ops import compress_keys, select_blocks_launch
+    from infllmv2.testing import cu_seqlens
+
+    torch.manual_seed(0)
+    lengths = [1, 63, 64, 65, 3000, 777]
+    cu = cu_seqlens(lengths, "cuda")
+    n = sum(lengths)
+    q = torch.randn(n, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(n, 2, 128, device="cuda", dtype=torch.bfloat16)
+    punct = (torch.rand(n, device="cuda") < 0.1) if phsa else None
+    ck, cu_c = compress_keys(k, cu, 32, 16, punct_mask=punct, phsa_lambda=0.3)
+    nk, cu_n = compress_keys(k, cu, 128, 64, punct_mask=punct, phsa_lambda=0.3) if approx else (None, None)
+    want = torch.empty(2, n, 40, dtype=torch.int32, device="cuda")
+    select_blocks_launch(q, ck, nk, cu, cu, cu_c, cu_n, want, 1, 8, 128, 64, 0.0, max(lengths), max(lengths))
+    lib = _lib.lib()
+    size = lib.infllmv2_select_blocks_from_keys_workspace_size(len(lengths), n, 2, 128, int(approx), 64)
+    ws = torch.empty(size, dtype=torch.uint8, device="cuda")
+    got = torch.full_like(want, -7)
+    status, text = _select_from_keys(
+        q.data_ptr(), k.data_ptr(), cu.data_ptr(), cu.data_ptr(), punct.to(torch.uint8).data_ptr() if phsa else None,
+        0.3, got.data_ptr(), ws.data_ptr(), size, len(lengths), n, n, max(lengths), max(lengths), 16, 2, 128, 40, 1, 8,
+        int(approx))
+    assert status == _lib.OK, text
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    # one byte short of the workspace is refused before anything runs
+    status, text = _select_from_keys(q.data_ptr(), k.data_ptr(), cu.data_ptr(), cu.data_ptr(), None, 0.3,
+                                     got.data_ptr(), ws.data_ptr(), size - 1, len(lengths), n, n, max(lengths),
+                                     max(lengths), 16, 2, 128, 40, 1, 8, int(approx))
+    assert status == _lib.ERR_INVALID_ARGUMENT and "workspace_size is" in text
+    status, text = _select_from_keys(q.data_ptr(), k.data_ptr(), cu.data_ptr(), cu.data_ptr(), None, 0.3,
+                                     got.data_ptr(), ws.cpu().data_ptr(), size, len(lengths), n, n, max(lengths),
+                                     max(lengths), 16, 2, 128, 40, 1, 8, int(approx))
+    assert status == _lib.ERR_INVALID_ARGUMENT and "workspace must be device memory" in text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_without_a_gpu_calls_fail_cleanly():
     status, text = _compress()

@@ -282,6 +282,34 @@ INFLLMV2_API infllmv2_status infllmv2_select_blocks(
     int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
 /*
+ * infllmv2_select_blocks_from_keys: stages 0 and 1 in one call, from the raw keys. Runs
+ * infllmv2_attention_compressed_offsets and infllmv2_compress_keys for the fine keys (32/16)
+ * and, with approx_lse, for the normaliser keys (norm_kernel_size / norm_kernel_stride), then
+ * infllmv2_select_blocks with those keys. The compressed keys and their offsets live in the
+ * workspace, sized by the bound total_k / stride + batch: no host synchronisation.
+ *
+ *   [in]  k              (total_k, heads_k, head_dim), dtype
+ *   [in]  punct_mask, phsa_lambda  PHSA for both compressions, as for infllmv2_compress_keys
+ *                        (NULL: the plain mean)
+ *   [out] topk_idx       int32 (heads_k, total_q, topk), as for infllmv2_select_blocks
+ *   [in]  workspace      device memory of infllmv2_select_blocks_from_keys_workspace_size() bytes
+ *   [in]  approx_lse     1: normalise over the coarse keys; 0: over the fine keys (exact)
+ *   Other arguments as for infllmv2_select_blocks.
+ */
+INFLLMV2_API size_t infllmv2_select_blocks_from_keys_workspace_size(int32_t batch, int64_t total_k,
+                                                                     int32_t heads_k, int32_t head_dim,
+                                                                     int32_t approx_lse,
+                                                                     int32_t norm_kernel_stride);
+
+INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
+    const void* q, const void* k, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+    const uint8_t* punct_mask, float phsa_lambda, int32_t* topk_idx, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+    int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
+    int32_t init_blocks, int32_t local_blocks, int32_t approx_lse, int32_t norm_kernel_size,
+    int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/*
  * infllmv2_group_scores: S itself, fp32 (heads_k, total_q, width), column j = the sequence's
  * fine compressed key j; 0 where j is invisible or past the sequence's compressed length.
  * Arguments as for infllmv2_select_blocks; width >= 1 columns are written per row.
@@ -311,10 +339,10 @@ INFLLMV2_API infllmv2_status infllmv2_max_pool_blocks(
 
 /*
  * The whole InfLLM-V2 attention in one call (forward): dense causal attention when the longest
- * key sequence is shorter than dense_len, otherwise compression (infllmv2_compress_keys, fine and,
- * with approx_lse, coarse), fused selection (infllmv2_select_blocks) and block-sparse attention
- * (infllmv2_sparse_attn_fwd). The fields mean what MiniCPM4.1's sparse_config keys mean; each
- * selected row holds K = topk + window_size / block_size blocks. No host synchronisation: the
+ * key sequence is shorter than dense_len, otherwise compression and fused selection
+ * (infllmv2_select_blocks_from_keys) and block-sparse attention (infllmv2_sparse_attn_fwd).
+ * The fields mean what MiniCPM4.1's sparse_config keys mean; each selected row holds
+ * K = topk + window_size / block_size blocks. No host synchronisation: the
  * compressed keys' offsets are computed on the device, their storage sized by a bound.
  */
 typedef struct {

@@ -1,4 +1,5 @@
 // infllmv2_attention_fwd: the dense-sparse switch over the library's own ops, for C callers.
+#include <algorithm>
 #include <string>
 
 #include "registry.h"
@@ -44,26 +45,39 @@ infllmv2_status check_config(const infllmv2_sparse_config* c) {
   return INFLLMV2_OK;
 }
 
-// Where the sparse path keeps its intermediates in the workspace; sizes are bounds that hold
-// for any lengths summing to total_k (n(L) <= L / s + 1 per sequence).
-struct Layout {
+// Where stages 0 and 1 keep the compressed keys and their offsets in the workspace; sizes are
+// bounds that hold for any lengths summing to total_k (n(L) <= L / s + 1 per sequence).
+struct SelectLayout {
   int64_t bound_c = 0, bound_n = 0;
-  size_t cu_c = 0, cu_n = 0, ck = 0, nk = 0, idx = 0, total = 0;
+  size_t cu_c = 0, cu_n = 0, ck = 0, nk = 0, total = 0;
 };
 
-Layout layout(int32_t batch, int64_t total_q, int64_t total_k, int32_t heads_k, int32_t head_dim,
-              const infllmv2_sparse_config& c) {
-  Layout l;
+SelectLayout select_layout(int32_t batch, int64_t total_k, int32_t heads_k, int32_t head_dim, bool approx_lse,
+                           int32_t norm_kernel_stride) {
+  SelectLayout l;
   const size_t row = (size_t)heads_k * head_dim * 2;  // one compressed key, bf16/fp16
-  l.bound_c = total_k / c.kernel_stride + batch;
-  l.bound_n = c.approx_lse ? total_k / c.norm_kernel_stride + batch : 0;
+  l.bound_c = total_k / kFineS + batch;
+  l.bound_n = approx_lse ? total_k / norm_kernel_stride + batch : 0;
   size_t at = 0;
   l.cu_c = at, at += align_up((size_t)(batch + 1) * 4);
   l.cu_n = at, at += align_up((size_t)(batch + 1) * 4);
   l.ck = at, at += align_up((size_t)l.bound_c * row);
   l.nk = at, at += align_up((size_t)l.bound_n * row);
-  l.idx = at, at += align_up((size_t)heads_k * total_q * selected(c) * 4);
   l.total = at;
+  return l;
+}
+
+// The sparse path of infllmv2_attention_fwd: stages 0-1's workspace, then the selection.
+struct Layout {
+  size_t select = 0, idx = 0, total = 0;
+};
+
+Layout layout(int32_t batch, int64_t total_q, int64_t total_k, int32_t heads_k, int32_t head_dim,
+              const infllmv2_sparse_config& c) {
+  Layout l;
+  l.select = select_layout(batch, total_k, heads_k, head_dim, c.approx_lse != 0, c.norm_kernel_stride).total;
+  l.idx = l.select;
+  l.total = l.idx + align_up((size_t)heads_k * total_q * selected(c) * 4);
   return l;
 }
 
@@ -97,6 +111,75 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_compressed_offsets(co
   int rc = unit->call(const_cast<int32_t*>(cu_seqlens_k), cu_seqlens_c, batch, kernel_size, kernel_stride, batch + 1,
                       stream);
   return launch_result(op, unit->name, rc, unit->last_error);
+}
+
+extern "C" INFLLMV2_API size_t infllmv2_select_blocks_from_keys_workspace_size(int32_t batch, int64_t total_k,
+                                                                                int32_t heads_k, int32_t head_dim,
+                                                                                int32_t approx_lse,
+                                                                                int32_t norm_kernel_stride) {
+  if (batch < 1 || total_k < 0 || heads_k < 1 || head_dim < 1 || (approx_lse != 0 && approx_lse != 1) ||
+      (approx_lse && norm_kernel_stride < 1))
+    return 0;
+  return select_layout(batch, total_k, heads_k, head_dim, approx_lse != 0, norm_kernel_stride).total;
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
+    const void* q, const void* k, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, const uint8_t* punct_mask,
+    float phsa_lambda, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q,
+    int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
+    int32_t topk, int32_t init_blocks, int32_t local_blocks, int32_t approx_lse, int32_t norm_kernel_size,
+    int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream) {
+  constexpr const char* op = "infllmv2_select_blocks_from_keys";
+  clear_error();
+  // what sizes the workspace is checked here; the rest by the three ops it runs, each before its launch
+  if (batch < 1 || batch > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, batch);
+  if (total_k < 0 || heads_k < 1 || head_dim < 1)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: total_k must be >= 0 and heads_k, head_dim >= 1, got %lld, %d, %d",
+                op, (long long)total_k, heads_k, head_dim);
+  if (approx_lse != 0 && approx_lse != 1)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: approx_lse must be 0 or 1, got %d", op, approx_lse);
+  if (approx_lse && (norm_kernel_size < 1 || norm_kernel_stride < 1))
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: norm_kernel_size and norm_kernel_stride must be >= 1, got %d and %d",
+                op, norm_kernel_size, norm_kernel_stride);
+  if (max_seqlen_k < 0 || max_seqlen_k < max_seqlen_q)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_k must be >= max_seqlen_q (%d) and >= 0, got %d", op,
+                max_seqlen_q, max_seqlen_k);
+  const SelectLayout l = select_layout(batch, total_k, heads_k, head_dim, approx_lse != 0, norm_kernel_stride);
+  if (workspace_size < l.total)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: workspace_size is %zu bytes, infllmv2_select_blocks_from_keys_workspace_size() asks for %zu", op,
+                workspace_size, l.total);
+  Device dev;
+  infllmv2_status st = current_device(op, &dev);
+  if (st != INFLLMV2_OK) return st;
+  if ((st = check_device_pointer(op, "workspace", workspace, dev)) != INFLLMV2_OK) return st;
+
+  int32_t* cu_c = at<int32_t>(workspace, l.cu_c);
+  int32_t* cu_n = approx_lse ? at<int32_t>(workspace, l.cu_n) : nullptr;
+  void* ck = at<void>(workspace, l.ck);
+  void* nk = approx_lse ? at<void>(workspace, l.nk) : nullptr;
+  struct Compression {
+    int32_t* cu;
+    void* keys;
+    int64_t bound;
+    int w, s;
+  };
+  const Compression levels[2] = {{cu_c, ck, l.bound_c, kFineW, kFineS},
+                                 {cu_n, nk, l.bound_n, norm_kernel_size, norm_kernel_stride}};
+  for (int i = 0; i < (approx_lse ? 2 : 1); ++i) {
+    const Compression& z = levels[i];
+    if ((st = infllmv2_attention_compressed_offsets(cu_seqlens_k, z.cu, batch, z.w, z.s, stream)) != INFLLMV2_OK)
+      return st;
+    // capped by the buffer: a max_seqlen_k above the true longest length is allowed (it only sizes grids)
+    const int32_t max_n = (int32_t)std::min<int64_t>(windows(max_seqlen_k, z.w, z.s), z.bound);
+    if ((st = infllmv2_compress_keys(k, cu_seqlens_k, z.cu, punct_mask, phsa_lambda, z.keys, batch, total_k, z.bound,
+                                     max_n, heads_k, head_dim, dtype, z.w, z.s, stream)) != INFLLMV2_OK)
+      return st;
+  }
+  return infllmv2_select_blocks(q, ck, nk, cu_seqlens_q, cu_seqlens_k, cu_c, cu_n, topk_idx, batch, total_q, l.bound_c,
+                                l.bound_n, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk, init_blocks,
+                                local_blocks, norm_kernel_size, norm_kernel_stride, dtype, softmax_scale, stream);
 }
 
 extern "C" INFLLMV2_API void infllmv2_sparse_config_default(infllmv2_sparse_config* c) {
@@ -138,38 +221,16 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
                 workspace_size, l.total);
   Device dev;
   if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
-  if ((st = check_device_pointers(kOp, dev, {{"workspace", workspace}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
-    return st;
+  if ((st = check_device_pointer(kOp, "workspace", workspace, dev)) != INFLLMV2_OK) return st;
   if (topk_idx != nullptr && (st = check_device_pointer(kOp, "topk_idx", topk_idx, dev)) != INFLLMV2_OK) return st;
 
-  int32_t* cu_c = at<int32_t>(workspace, l.cu_c);
-  int32_t* cu_n = c.approx_lse ? at<int32_t>(workspace, l.cu_n) : nullptr;
-  void* ck = at<void>(workspace, l.ck);
-  void* nk = c.approx_lse ? at<void>(workspace, l.nk) : nullptr;
   int32_t* idx = topk_idx != nullptr ? topk_idx : at<int32_t>(workspace, l.idx);
   const int K = selected(c);
-
-  struct Compression {
-    int32_t* cu;
-    void* keys;
-    int64_t bound;
-    int w, s;
-  };
-  const Compression levels[2] = {{cu_c, ck, l.bound_c, c.kernel_size, c.kernel_stride},
-                                 {cu_n, nk, l.bound_n, c.norm_kernel_size, c.norm_kernel_stride}};
-  for (int i = 0; i < (c.approx_lse ? 2 : 1); ++i) {
-    const Compression& z = levels[i];
-    if ((st = infllmv2_attention_compressed_offsets(cu_seqlens_k, z.cu, batch, z.w, z.s, stream)) != INFLLMV2_OK)
-      return st;
-    const int32_t max_n = (int32_t)windows(max_seqlen_k, z.w, z.s);
-    if ((st = infllmv2_compress_keys(k, cu_seqlens_k, z.cu, nullptr, 0.0f, z.keys, batch, total_k, z.bound, max_n,
-                                     heads_k, head_dim, dtype, z.w, z.s, stream)) != INFLLMV2_OK)
-      return st;
-  }
-  if ((st = infllmv2_select_blocks(q, ck, nk, cu_seqlens_q, cu_seqlens_k, cu_c, cu_n, idx, batch, total_q, l.bound_c,
-                                   l.bound_n, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, K, c.init_blocks,
-                                   c.window_size / c.block_size, c.norm_kernel_size, c.norm_kernel_stride, dtype,
-                                   softmax_scale, stream)) != INFLLMV2_OK)
+  if ((st = infllmv2_select_blocks_from_keys(q, k, cu_seqlens_q, cu_seqlens_k, nullptr, 0.0f, idx, workspace, l.select,
+                                             batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k,
+                                             head_dim, K, c.init_blocks, c.window_size / c.block_size, c.approx_lse,
+                                             c.norm_kernel_size, c.norm_kernel_stride, dtype, softmax_scale, stream)) !=
+      INFLLMV2_OK)
     return st;
   return infllmv2_sparse_attn_fwd(q, k, v, idx, cu_seqlens_q, cu_seqlens_k, out, lse, batch, total_q, total_k,
                                   max_seqlen_q, heads, heads_k, head_dim, K, dtype, softmax_scale, stream);

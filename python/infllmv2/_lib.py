@@ -105,6 +105,14 @@ _SIGNATURES = {
         [_c.c_void_p] * 8 + [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int64] + [_c.c_int32] * 10
         + [_c.c_int, _c.c_float, _c.c_void_p],
     ),
+    "infllmv2_select_blocks_from_keys_workspace_size": (
+        _c.c_size_t, [_c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int32],
+    ),
+    "infllmv2_select_blocks_from_keys": (
+        _c.c_int,
+        [_c.c_void_p] * 5 + [_c.c_float, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64]
+        + [_c.c_int32] * 11 + [_c.c_int, _c.c_float, _c.c_void_p],
+    ),
     "infllmv2_group_scores": (
         _c.c_int,
         [_c.c_void_p] * 8 + [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int64] + [_c.c_int32] * 7

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _lib, reference
-from .reference import _check_int, _check_punct_mask, _check_tensor3, _compressed_offsets, _num_windows, _offsets
+from .reference import _check_int, _check_punct_mask, _check_tensor3, _compressed_offsets, _offsets
 
 _KERNEL_DTYPES = {torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_FP16}
 _KERNEL_HEAD_DIMS = (64, 128)
@@ -555,32 +555,24 @@ def max_pool_blocks_launch(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, out, ini
 
 def _select_blocks_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks,
                        approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
-    """Stages 0 and 1 on the GPU with no host read: per compression, its offsets
-    (infllmv2_attention_compressed_offsets) and keys, sized by the bound total_k // s + B; then
-    the fused selection. Every buffer and argument is ready before the first launch, and the
-    five launches follow one another: Python work between them would leave the GPU idle (the
-    first ones are short), and the caller waits for it."""
+    """Stages 0 and 1 on the GPU with no host read: one C call (infllmv2_select_blocks_from_keys)
+    runs the offsets and compression of each level into a workspace sized by the bound
+    total_k // s + B, then the fused selection. One call, not five: the caller waits for the host
+    work before the first launch."""
     batch = cu_seqlens_q.numel() - 1
-    levels = [_KERNEL_FINE] + ([(norm_kernel_size, norm_kernel_stride)] if approx_lse else [])
-    offsets = torch.empty((len(levels), batch + 1), dtype=torch.int32, device=q.device)
-    keys = [k.new_empty((k.shape[0] // s + batch, k.shape[1], k.shape[2])) for _, s in levels]
-    out = torch.empty((k.shape[1], q.shape[0], topk), dtype=torch.int32, device=q.device)
     lib = _lib.lib()
+    size = lib.infllmv2_select_blocks_from_keys_workspace_size(batch, k.shape[0], k.shape[1], k.shape[2],
+                                                                int(approx_lse), norm_kernel_stride)
+    workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+    out = torch.empty((k.shape[1], q.shape[0], topk), dtype=torch.int32, device=q.device)
     with torch.cuda.device(q.device):
-        stream = _stream(q.device)
-        calls = []
-        for (w, s), cu_c, ck in zip(levels, offsets, keys):
-            calls.append((lib.infllmv2_attention_compressed_offsets, (_ptr(cu_seqlens_k), _ptr(cu_c), batch, w, s,
-                                                                       stream)))
-            calls.append((lib.infllmv2_compress_keys, _compress_keys_args(
-                k, cu_seqlens_k, cu_c, punct_mask, phsa_lambda, ck, min(_num_windows(max_seqlen_k, w, s), ck.shape[0]),
-                w, s, stream)))
-        calls.append((lib.infllmv2_select_blocks, _select_blocks_args(
-            q, keys[0], keys[1] if approx_lse else None, cu_seqlens_q, cu_seqlens_k, offsets[0],
-            offsets[1] if approx_lse else None, out, init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
-            softmax_scale, max_seqlen_q, max_seqlen_k, stream)))
-        for fn, args in calls:
-            _lib.check(fn(*args))
+        status = lib.infllmv2_select_blocks_from_keys(
+            _ptr(q), _ptr(k), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k),
+            _ptr(punct_mask.view(torch.uint8)) if punct_mask is not None else None, float(phsa_lambda), _ptr(out),
+            _ptr(workspace), size, batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1],
+            q.shape[2], topk, init_blocks, local_blocks, int(approx_lse), norm_kernel_size, norm_kernel_stride,
+            _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device))
+    _lib.check(status)
     return out
 
 
