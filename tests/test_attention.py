@@ -264,6 +264,16 @@ def test_c_attention_fwd_equals_the_torch_layer(dense_len, approx_lse):
         sel = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=cfg.num_selected, local_blocks=cfg.local_blocks,
                                      approx_lse=approx_lse)
         assert torch.equal(idx, sel)
+        # a max_seqlen_k above every length (it sizes grids only; at most total_k here) gives the
+        # same result
+        out2 = torch.full_like(q, float("nan"))
+        st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
+                                        out2.data_ptr(), lse.data_ptr(), None, ws.data_ptr(), size, len(lengths),
+                                        q.shape[0], k.shape[0], 1000, k.shape[0], 32, 2, 128, 0, 0.0, ctypes.byref(c),
+                                        _stream(q.device))
+        assert st == _lib.OK, lib.infllmv2_last_error().decode()
+        torch.cuda.synchronize()
+        assert torch.equal(out2, want)
     else:
         assert (idx == -7).all()
     st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),

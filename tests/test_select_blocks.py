@@ -202,7 +202,7 @@ def test_select_blocks_phsa_and_scale():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
-@pytest.mark.parametrize("G", [1, 4, 16])
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16])  # every register group-sum path (GROUP_SUM_CUDA)
 def test_forced_arch_through_ptx(arch_override, arch, G):
     if arch not in infllmv2.build_info()["archs"]:
         pytest.skip(f"{arch} is not in this build")
