@@ -43,20 +43,19 @@ def _check_kernel_tensor(t: torch.Tensor, name: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _compress_keys_args(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, out, max_nc, kernel_size,
-                        kernel_stride, stream):
-    return (_ptr(k), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
-            _ptr(punct_mask.view(torch.uint8)) if punct_mask is not None else None, float(phsa_lambda),
-            _ptr(out), cu_seqlens_k.numel() - 1, k.shape[0], out.shape[0], max_nc, k.shape[1], k.shape[2],
-            _KERNEL_DTYPES[k.dtype], kernel_size, kernel_stride, stream)
+def _mask_ptr(punct_mask: Optional[torch.Tensor]):
+    """The C ABI's uint8 punctuation mask (NULL for none) from a bool mask."""
+    return None if punct_mask is None else _ptr(punct_mask.view(torch.uint8))
 
 
 def compress_keys_launch(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, out, max_nc, kernel_size, kernel_stride):
     """Runs the CUDA kernel into ``out`` (already allocated, ``(total_c, Hk, D)``)."""
     with torch.cuda.device(k.device):
-        status = _lib.lib().infllmv2_compress_keys(*_compress_keys_args(
-            k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, out, max_nc, kernel_size, kernel_stride,
-            _stream(k.device)))
+        status = _lib.lib().infllmv2_compress_keys(
+            _ptr(k), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c), _mask_ptr(punct_mask), float(phsa_lambda), _ptr(out),
+            cu_seqlens_k.numel() - 1, k.shape[0], out.shape[0], max_nc, k.shape[1], k.shape[2],
+            _KERNEL_DTYPES[k.dtype], kernel_size, kernel_stride, _stream(k.device),
+        )
     _lib.check(status)
 
 
@@ -464,14 +463,20 @@ _KERNEL_MAX_SELECT_TOPK = 8192
 
 
 
-def _check_scoring_qk(q, keys, name, kernel_size, kernel_stride, softmax_scale):
-    """What the CUDA scoring kernels need of q and of the keys (``k`` or ``ck``) they score against."""
-    for n, t in (("q", q), (name, keys)):
-        _check_tensor3(t, n)
-        _check_kernel_tensor(t, n)
+def _check_keys_like_q(q, keys, name):
+    """A (tokens, heads, D) tensor the CUDA kernels take, in q's dtype and on q's device."""
+    _check_tensor3(keys, name)
+    _check_kernel_tensor(keys, name)
     if keys.dtype != q.dtype or keys.device != q.device:
         raise ValueError(f"{name} must match q in dtype and device ({q.dtype}, {q.device}), got {keys.dtype}, "
                          f"{keys.device}")
+
+
+def _check_scoring_qk(q, keys, name, kernel_size, kernel_stride, softmax_scale):
+    """What the CUDA scoring kernels need of q and of the keys (``k`` or ``ck``) they score against."""
+    _check_tensor3(q, "q")
+    _check_kernel_tensor(q, "q")
+    _check_keys_like_q(q, keys, name)
     if keys.shape[2] != q.shape[2]:
         raise ValueError(f"{name} head_dim {keys.shape[2]} differs from q head_dim {q.shape[2]}")
     if keys.shape[1] == 0 or q.shape[1] % keys.shape[1] != 0:
@@ -492,11 +497,7 @@ def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_ke
     """Checks for the CUDA scoring kernels (the reference does its own, more general, checks)."""
     _check_scoring_qk(q, ck, "ck", kernel_size, kernel_stride, softmax_scale)
     if norm_keys is not None:
-        _check_tensor3(norm_keys, "norm_keys")
-        _check_kernel_tensor(norm_keys, "norm_keys")
-        if norm_keys.dtype != q.dtype or norm_keys.device != q.device:
-            raise ValueError(f"norm_keys must match q in dtype and device ({q.dtype}, {q.device}), got "
-                             f"{norm_keys.dtype}, {norm_keys.device}")
+        _check_keys_like_q(q, norm_keys, "norm_keys")
         if norm_keys.shape[1:] != ck.shape[1:]:
             raise ValueError(f"norm_keys shape {tuple(norm_keys.shape)} must be (tokens, heads_k, head_dim) like ck "
                              f"{tuple(ck.shape)}")
@@ -508,23 +509,17 @@ def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_ke
     _check_offsets(cus, q.device)
 
 
-def _select_blocks_args(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks,
-                        local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k,
-                        stream):
-    return (_ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
-            _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
-            0 if norm_keys is None else norm_keys.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], ck.shape[1],
-            q.shape[2], out.shape[2], init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
-            _KERNEL_DTYPES[q.dtype], softmax_scale, stream)
-
-
 def select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks,
                          local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
     """Runs the fused selection kernel into ``out`` (int32 ``(Hk, total_q, K)``, already allocated)."""
     with torch.cuda.device(q.device):
-        status = _lib.lib().infllmv2_select_blocks(*_select_blocks_args(
-            q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks, local_blocks,
-            norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k, _stream(q.device)))
+        status = _lib.lib().infllmv2_select_blocks(
+            _ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
+            _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
+            0 if norm_keys is None else norm_keys.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], ck.shape[1],
+            q.shape[2], out.shape[2], init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
+            _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
+        )
     _lib.check(status)
 
 
@@ -568,7 +563,7 @@ def _select_blocks_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambd
     with torch.cuda.device(q.device):
         status = lib.infllmv2_select_blocks_from_keys(
             _ptr(q), _ptr(k), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k),
-            _ptr(punct_mask.view(torch.uint8)) if punct_mask is not None else None, float(phsa_lambda), _ptr(out),
+            _mask_ptr(punct_mask), float(phsa_lambda), _ptr(out),
             _ptr(workspace), size, batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1],
             q.shape[2], topk, init_blocks, local_blocks, int(approx_lse), norm_kernel_size, norm_kernel_stride,
             _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device))
