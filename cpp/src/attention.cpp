@@ -67,17 +67,17 @@ SelectLayout select_layout(int32_t batch, int64_t total_k, int32_t heads_k, int3
   return l;
 }
 
-// The sparse path of infllmv2_attention_fwd: stages 0-1's workspace, then the selection.
+// The sparse path of infllmv2_attention_fwd: stages 0-1's workspace (select bytes), then the
+// selection at that offset.
 struct Layout {
-  size_t select = 0, idx = 0, total = 0;
+  size_t select = 0, total = 0;
 };
 
 Layout layout(int32_t batch, int64_t total_q, int64_t total_k, int32_t heads_k, int32_t head_dim,
               const infllmv2_sparse_config& c) {
   Layout l;
   l.select = select_layout(batch, total_k, heads_k, head_dim, c.approx_lse != 0, c.norm_kernel_stride).total;
-  l.idx = l.select;
-  l.total = l.idx + align_up((size_t)heads_k * total_q * selected(c) * 4);
+  l.total = l.select + align_up((size_t)heads_k * total_q * selected(c) * 4);
   return l;
 }
 
@@ -224,7 +224,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
   if ((st = check_device_pointer(kOp, "workspace", workspace, dev)) != INFLLMV2_OK) return st;
   if (topk_idx != nullptr && (st = check_device_pointer(kOp, "topk_idx", topk_idx, dev)) != INFLLMV2_OK) return st;
 
-  int32_t* idx = topk_idx != nullptr ? topk_idx : at<int32_t>(workspace, l.idx);
+  int32_t* idx = topk_idx != nullptr ? topk_idx : at<int32_t>(workspace, l.select);
   const int K = selected(c);
   if ((st = infllmv2_select_blocks_from_keys(q, k, cu_seqlens_q, cu_seqlens_k, nullptr, 0.0f, idx, workspace, l.select,
                                              batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k,
