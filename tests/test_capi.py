@@ -160,21 +160,18 @@ def test_select_blocks_from_keys_matches_the_ops_it_runs(approx, phsa):
     size = lib.infllmv2_select_blocks_from_keys_workspace_size(len(lengths), n, 2, 128, int(approx), 64)
     ws = torch.empty(size, dtype=torch.uint8, device="cuda")
     got = torch.full_like(want, -7)
-    status, text = _select_from_keys(
-        q.data_ptr(), k.data_ptr(), cu.data_ptr(), cu.data_ptr(), punct.to(torch.uint8).data_ptr() if phsa else None,
-        0.3, got.data_ptr(), ws.data_ptr(), size, len(lengths), n, n, max(lengths), max(lengths), 16, 2, 128, 40, 1, 8,
-        int(approx))
+    call = dict(q=q.data_ptr(), k=k.data_ptr(), cu_q=cu.data_ptr(), cu_k=cu.data_ptr(),
+                punct=punct.to(torch.uint8).data_ptr() if phsa else None, lam=0.3, out=got.data_ptr(),
+                ws=ws.data_ptr(), ws_size=size, batch=len(lengths), total_q=n, total_k=n, max_q=max(lengths),
+                max_k=max(lengths), heads=16, heads_k=2, head_dim=128, topk=40, init=1, local=8, approx=int(approx))
+    status, text = _select_from_keys(**call)
     assert status == _lib.OK, text
     torch.cuda.synchronize()
     assert torch.equal(got, want)
     # one byte short of the workspace is refused before anything runs
-    status, text = _select_from_keys(q.data_ptr(), k.data_ptr(), cu.data_ptr(), cu.data_ptr(), None, 0.3,
-                                     got.data_ptr(), ws.data_ptr(), size - 1, len(lengths), n, n, max(lengths),
-                                     max(lengths), 16, 2, 128, 40, 1, 8, int(approx))
+    status, text = _select_from_keys(**{**call, "ws_size": size - 1})
     assert status == _lib.ERR_INVALID_ARGUMENT and "workspace_size is" in text
-    status, text = _select_from_keys(q.data_ptr(), k.data_ptr(), cu.data_ptr(), cu.data_ptr(), None, 0.3,
-                                     got.data_ptr(), ws.cpu().data_ptr(), size, len(lengths), n, n, max(lengths),
-                                     max(lengths), 16, 2, 128, 40, 1, 8, int(approx))
+    status, text = _select_from_keys(**{**call, "ws": ws.cpu().data_ptr()})
     assert status == _lib.ERR_INVALID_ARGUMENT and "workspace must be device memory" in text
 
 
