@@ -15,11 +15,15 @@ __device__ __forceinline__ void infllmv2_group_sum_step(float* s, int lane) {
   }
 }
 
+// lane bits (of l / 4) that tell a token's rows apart; G = 16 also folds the two row halves
+template <int G>
+__device__ __forceinline__ constexpr int infllmv2_group_bits() { return G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0; }
+
 // s[2n + b] = the sum over token (16w + 8h + l/4) / G's rows of column 8n + 2(l & 3) + b; the
 // steps pair n's top bits with lane bits 2 + j. Leaves 16 >> BITS of them in s.
 template <int G>
 __device__ __forceinline__ void infllmv2_group_reduce(const float* acc, float* s, int lane, int h) {
-  constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
+  constexpr int BITS = infllmv2_group_bits<G>();
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int n = i >> 1, b = i & 1;
@@ -31,7 +35,7 @@ __device__ __forceinline__ void infllmv2_group_reduce(const float* acc, float* s
 // gs[t * 64 + c] = token t's group sum of column c, for t < n_tok
 template <int G>
 __device__ __forceinline__ void infllmv2_group_sum(const float* acc, float* gs, int n_tok) {
-  constexpr int BITS = G >= 8 ? 3 : G == 4 ? 2 : G == 2 ? 1 : 0;
+  constexpr int BITS = infllmv2_group_bits<G>();
   constexpr int KEEP = 16 >> BITS;
   const int lane = threadIdx.x & 31;
   const int warp = (threadIdx.x >> 5) & 3;
