@@ -238,6 +238,10 @@ def test_c_abi_errors():
     assert st == _lib.ERR_INVALID_ARGUMENT and "heads (7) must be a multiple of heads_k (2)" in lib.infllmv2_last_error().decode()
     st = lib.infllmv2_sparse_attn_fwd(*p, 1, 128, 128, 128, 8, 2, 128, 4, 0, float("nan"), None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "softmax_scale" in lib.infllmv2_last_error().decode()
+    # rows move by 16-byte vector loads: a 2-byte offset is refused, not a misaligned-address fault
+    for i, name in ((0, "q"), (1, "k"), (2, "v"), (6, "out")):
+        st = lib.infllmv2_sparse_attn_fwd(*p[:i], p[i] + 2, *p[i + 1 :], 1, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
+        assert st == _lib.ERR_INVALID_ARGUMENT and f"{name} must be 16-byte aligned" in lib.infllmv2_last_error().decode()
     host = torch.zeros(10)
     p_host = [host.data_ptr()] + p[1:]
     st = lib.infllmv2_sparse_attn_fwd(*p_host, 1, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
@@ -253,6 +257,12 @@ def test_c_abi_errors():
     assert lib.infllmv2_sparse_attn_bwd_workspace_size(0, 8, 2, 128) == 0
     st = lib.infllmv2_sparse_attn_bwd(*pb, 4096, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "asks for 4112" in lib.infllmv2_last_error().decode()
+    ws = torch.empty(4112 // 4, device="cuda")
+    pw = pb[:12] + [ws.data_ptr()]
+    for i, name in ((4, "dout"), (10, "dk")):
+        st = lib.infllmv2_sparse_attn_bwd(*pw[:i], pw[i] + 2, *pw[i + 1 :], 4112, 1, 128, 128, 128, 128, 8, 2, 128, 4,
+                                          0, 0.0, None)
+        assert st == _lib.ERR_INVALID_ARGUMENT and f"{name} must be 16-byte aligned" in lib.infllmv2_last_error().decode()
 
 
 # ---------------------------------------------------------------------------------- CPU tier

@@ -161,6 +161,7 @@ INFLLMV2_API infllmv2_status infllmv2_attention_compressed_offsets(
  *   [in]  max_seqlen_q the longest query sequence (sizes the grid)
  *   [in]  topk         1 .. 128; head_dim 64 or 128; heads % heads_k == 0, G <= 64
  *   [in]  softmax_scale  0 for 1/sqrt(head_dim)
+ *   q, k, v and out must be 16-byte aligned (INFLLMV2_ERR_INVALID_ARGUMENT otherwise).
  *   No workspace. No host synchronisation: usable inside CUDA graphs.
  */
 INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
@@ -185,7 +186,8 @@ INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int
  *   [in]  dout         (total_q, heads, head_dim), dtype
  *   [in]  workspace    device memory of at least infllmv2_sparse_attn_bwd_workspace_size()
  *   [in]  max_seqlen_k the longest key sequence (sizes the key-block grid)
- *   Other arguments as for the forward. Deterministic: every gradient element is computed by
+ *   Other arguments as for the forward; q, k, v, out, dout, dq, dk and dv 16-byte aligned.
+ *   Deterministic: every gradient element is computed by
  *   one thread block in a fixed order (no atomics), so repeated calls are bitwise identical.
  */
 INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(

@@ -80,6 +80,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
       (st = check_device_pointers(op, dev, {{"q", q}, {"topk_idx", topk_idx}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
     return st;
   if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
+  // rows move by 16-byte vector loads and stores
+  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}})) != INFLLMV2_OK) return st;
 
   const infllmv2_sparse_attn_fwd_unit* unit = nullptr;
   st = pick_unit(op, infllmv2_sparse_attn_fwd_units, dev, matcher<infllmv2_sparse_attn_fwd_unit>(s), desc(s), &unit);
@@ -135,6 +137,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                          INFLLMV2_OK)
     return st;
   if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}, {"dk", dk}, {"dv", dv}})) != INFLLMV2_OK)
+    return st;
+  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk},
+                               {"dv", dv}})) != INFLLMV2_OK)
     return st;
 
   const infllmv2_sparse_attn_bwd_preprocess_unit* pre = nullptr;
