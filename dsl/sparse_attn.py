@@ -21,6 +21,7 @@ compacts the kept entries.
 
 Kernels (one PrimFunc each):
   fwd             O, LSE                                  grid (tiles, batch, Hk)
+                  (sm_90a, G >= 16: pairs of 4-token tiles as 2-block clusters, _fwd_pair)
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
   bwd_dq          dQ, tiles and union as fwd (sm_90a also  grid (tiles, batch, Hk)
                   has a unit of 4-token tiles for G >= 16)
@@ -32,9 +33,12 @@ Kernels (one PrimFunc each):
                   selection rows, `threads` x T_MAX at a time, the members compacted by prefix
                   sum and taken BM // G at a time (BM = 64 rows), so
                   rows of tokens that did not pick the block cost no work; the next group's
-                  rows load by cp.async while the current one is computed (sm_90a)
-Every gradient is written by exactly one thread block in a fixed order: the backward is
-deterministic, with no atomics.
+                  rows load by cp.async while the current one is computed (sm_90a); the
+                  first SPLIT_BLOCKS blocks of long sequences in pieces of PIECE queries
+  bwd_dkdv_reduce dK, dV of those blocks, their pieces'   grid (SPLIT_BLOCKS, Hk, batch)
+                  fp32 partials summed in piece order
+Every gradient is summed in a fixed order, by one thread block or from fixed pieces: the
+backward is deterministic, with no atomics.
 
 Selection rows must be sorted ascending over their valid entries with -1 padding last (the
 format select_blocks writes; the torch layer sorts other inputs). Entries < 0 or beyond the
@@ -57,38 +61,51 @@ T_MAX_BY_ARCH = {"sm_90a": 16}  # tokens per query tile at most (G < 64 // T_MAX
 T_MAX_DEFAULT = 8  # 8 elsewhere, so the union buffers fit 99 KB of shared memory with the tiles
 K_MAX = 128  # selected blocks per token at most
 MAP_CHUNK = 64  # packed query rows per entry of bwd_block_map's map
+# bwd_dkdv: the first SPLIT_BLOCKS key blocks of a sequence of more than PIECE queries (the init
+# blocks every query picks) are shared among one thread block per PIECE packed query rows
+# (see _bwd_dkdv); bwd_dkdv_reduce sums their fp32 partial dK/dV.
+SPLIT_BLOCKS = 4
+PIECE = 8192
 LOG_K_MAX = 8  # binary-search steps over a row of K_MAX entries (ceil(log2(K_MAX + 1)))
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
-# bwd_dq comes with a cap on its tile's tokens; sm_90a also builds a 4-token unit, for G >= 16
-# (see _bwd_dq). The host takes, of an arch's units, the one with the largest min_groups that
-# the call's G reaches (unit_constants).
-DQ_SMALL_TOKENS = 4
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_reduce")
+# fwd and bwd_dq come with a cap on their tiles' tokens; sm_90a also builds a 4-token unit of
+# each, for G >= 16: the forward's runs two tiles as a thread-block cluster (see _fwd_pair), dQ's
+# fits three tiles an SM (see _bwd_dq). The host takes, of an arch's units, the one with the
+# largest min_groups that the call's G reaches (unit_constants).
+SMALL_TOKENS = 4
+TILED = ("fwd", "bwd_dq")
 VARIANTS = [
     {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
     for kernel in KERNELS
-    if kernel != "bwd_dq"
+    if kernel not in TILED
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
 ] + [
-    {"kernel": "bwd_dq", "dtype": dtype, "head_dim": head_dim, "tokens": tokens}
-    for tokens in sorted({DQ_SMALL_TOKENS, T_MAX_DEFAULT, *T_MAX_BY_ARCH.values()})
+    {"kernel": kernel, "dtype": dtype, "head_dim": head_dim, "tokens": tokens}
+    for kernel in TILED
+    for tokens in sorted({SMALL_TOKENS, T_MAX_DEFAULT, *T_MAX_BY_ARCH.values()})
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
 ] + [{"kernel": "bwd_block_map"}]  # reads only selections: one unit per arch
 
 
-def _dq_tokens(arch):
-    """The token caps of the bwd_dq units built for arch."""
-    return (DQ_SMALL_TOKENS, tile_tokens_max(arch)) if arch == "sm_90a" else (tile_tokens_max(arch),)
+def _tile_tokens(arch):
+    """The token caps of the fwd and bwd_dq units built for arch."""
+    return (SMALL_TOKENS, tile_tokens_max(arch)) if arch == "sm_90a" else (tile_tokens_max(arch),)
+
+
+def _is_pair(kernel, arch, tokens):
+    """Whether the unit runs two query tiles as a thread-block cluster (sm_90a's small forward)."""
+    return kernel == "fwd" and arch == "sm_90a" and tokens == SMALL_TOKENS
 
 
 def builds(kernel, arch, dtype=None, head_dim=None, tokens=None):
     """Whether the build step lowers this variant for arch."""
-    return kernel != "bwd_dq" or tokens in _dq_tokens(arch)
+    return kernel not in TILED or tokens in _tile_tokens(arch)
 
 
 def pass_configs(kernel, arch, dtype=None, head_dim=None, tokens=None):
@@ -108,11 +125,12 @@ def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None):
     """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile
     (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped); for bwd_dq also the
     smallest group size the unit is meant for (the small unit would leave rows idle below it)."""
-    if kernel == "bwd_dq":
+    if kernel in TILED:
         small = tokens < tile_tokens_max(arch)
-        return {"block_m": BLOCK_M, "t_max": tokens, "min_groups": BLOCK_M // tokens if small else 1}
+        return {"block_m": BLOCK_M, "t_max": tokens, "min_groups": BLOCK_M // tokens if small else 1,
+                "cluster": 2 if _is_pair(kernel, arch, tokens) else 1}
     if kernel == "bwd_dkdv":
-        return {"block_m": BLOCK_M, "t_max": BLOCK_M}
+        return {"block_m": BLOCK_M, "t_max": BLOCK_M, "split_blocks": SPLIT_BLOCKS, "piece": PIECE}
     if kernel == "bwd_block_map":
         return {"map_chunk": MAP_CHUNK}
     return {"block_m": BLOCK_M, "t_max": tile_tokens_max(arch)}
@@ -122,7 +140,8 @@ def variant_name(kernel, dtype=None, head_dim=None, tokens=None):
     if dtype is None:
         return f"{OP}_{kernel}"
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
-    return f"{OP}_{kernel}_{short}_d{head_dim}" + (f"_t{tokens}" if tokens else "")
+    pair = "x2" if kernel == "fwd" and tokens == SMALL_TOKENS else ""  # two tiles a cluster (_fwd_pair)
+    return f"{OP}_{kernel}_{short}_d{head_dim}" + (f"_t{tokens}{pair}" if tokens else "")
 
 
 def _stages(arch):
@@ -149,10 +168,12 @@ def program(kernel, arch, dtype=None, head_dim=None, tokens=None):
         return _bwd_block_map()
     if kernel == "bwd_dq":
         return _bwd_dq(dtype, head_dim, arch, tokens)
+    if kernel == "fwd":
+        return _fwd_pair(dtype, head_dim) if _is_pair(kernel, arch, tokens) else _fwd(dtype, head_dim, arch, tokens)
     return {
-        "fwd": _fwd,
         "bwd_preprocess": _bwd_preprocess,
         "bwd_dkdv": _bwd_dkdv,
+        "bwd_dkdv_reduce": _bwd_dkdv_reduce,
     }[kernel](dtype, head_dim, arch)
 
 
@@ -255,54 +276,113 @@ def _dyn():
     )
 
 
-def _fwd(dtype, D, arch):
+@T.macro
+def mask_scores(acc_s, um, n_tok, blk, p0, rtok):
+    """acc_s = 0 where row r's token (rtok[r], bit of um) picked block blk and sees key c, else
+    -inf; a block every token picked and sees whole needs no mask."""
+    if _whole_block(um, n_tok, blk, p0):
+        T.clear(acc_s)
+    else:
+        for r, c in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+            # rows past the tile's tokens have rtok 31, a token bit no mask sets (T <= 16)
+            acc_s[r, c] = T.if_then_else(((um >> rtok[r]) & 1) == 1 and blk * BLOCK_N + c <= p0 + rtok[r], 0, NEG_INF)
+
+
+@T.macro
+def softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2):
+    """The online softmax between the two GEMMs of a block: acc_s (masked scores) becomes the
+    block's probabilities in acc_s_cast, and acc_o and the row statistics are rescaled."""
+    T.copy(m_cur, m_prev)
+    T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+    for r in T.Parallel(acc_s.shape[0]):
+        # rows with nothing visible yet stay at -inf; offset by 0 to avoid inf - inf
+        m_safe[r] = T.if_then_else(m_cur[r] == NEG_INF, 0, m_cur[r])
+        r_scale[r] = T.exp2((m_prev[r] - m_safe[r]) * scale_log2)
+    for r, c in T.Parallel(acc_s.shape[0], acc_s.shape[1]):
+        acc_s[r, c] = T.exp2((acc_s[r, c] - m_safe[r]) * scale_log2)
+    T.reduce_sum(acc_s, r_sum, dim=1)
+    for r in T.Parallel(acc_s.shape[0]):
+        l_sum[r] = l_sum[r] * r_scale[r] + r_sum[r]
+    T.copy(acc_s, acc_s_cast)
+    for r, d in T.Parallel(acc_o.shape[0], acc_o.shape[1]):
+        acc_o[r, d] *= r_scale[r]
+
+
+@T.macro
+def store_out(acc_o, l_sum, m_cur, O, LSE, row0, hk, n_tok, groups, scale_log2):
+    """O and LSE of the tile's n_tok tokens; a row that saw no key gets O = 0, LSE = -inf."""
+    for r, d in T.Parallel(acc_o.shape[0], acc_o.shape[1]):
+        acc_o[r, d] = T.if_then_else(l_sum[r] > 0, acc_o[r, d] / l_sum[r], 0)
+    store_rows(acc_o, O, row0, hk, n_tok, groups, 1.0)
+    for r in T.Parallel(acc_o.shape[0]):
+        if r < n_tok * groups:
+            LSE[hk * groups + r % groups, row0 + r // groups] = T.if_then_else(
+                l_sum[r] > 0, (m_cur[r] * scale_log2 + T.log2(l_sum[r])) * LN2, NEG_INF
+            )
+
+
+def _fwd_state(dtype, D):
+    """The forward's per-tile fragments: scores, probabilities, output and row statistics."""
+    accum = "float32"
+    return (
+        T.alloc_fragment([BLOCK_M, BLOCK_N], accum),  # acc_s
+        T.alloc_fragment([BLOCK_M, BLOCK_N], dtype),  # acc_s_cast
+        T.alloc_fragment([BLOCK_M, D], accum),  # acc_o
+        *(T.alloc_fragment([BLOCK_M], accum) for _ in range(6)),  # m_prev m_cur m_safe r_scale r_sum l_sum
+    )
+
+
+def _union_buffers(T_MAX, threads):
+    """The shared and local buffers of _make_tile_union's macro for tiles of T_MAX tokens."""
+    TK = T_MAX * K_MAX
+    return (
+        *(T.alloc_shared([TK], "int32") for _ in range(4)),  # idx_s keep_s ublk_s umask_s
+        T.alloc_shared([1], "int32"),  # n_union
+        *(T.alloc_local([TK // threads], "int32") for _ in range(2)),  # my_keep my_mask
+        T.alloc_shared([UW], "int32"),  # bm_s
+    )
+
+
+def _fwd_signature(dtype, D):
     accum = "float32"
     dyn = _dyn()
     total_q, total_k, heads, heads_k, topk, batch_plus_one = (
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
-    T_MAX = tile_tokens_max(arch)
-    TK = T_MAX * K_MAX
+    return topk, dict(
+        Q=T.Tensor([total_q, heads, D], dtype),
+        K=T.Tensor([total_k, heads_k, D], dtype),
+        V=T.Tensor([total_k, heads_k, D], dtype),
+        topk_idx=T.Tensor([heads_k, total_q, topk], "int32"),
+        cu_seqlens_q=T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k=T.Tensor([batch_plus_one], "int32"),
+        O=T.Tensor([total_q, heads, D], dtype),
+        LSE=T.Tensor([heads, total_q], accum),
+    )
+
+
+def _fwd(dtype, D, arch, tokens):
+    T_MAX = tokens
     threads = 128
+    topk, sig = _fwd_signature(dtype, D)
     tile_union = _make_tile_union(topk, threads, T_MAX)
 
     @T.prim_func
     def sparse_attn_fwd(
-        Q: T.Tensor([total_q, heads, D], dtype),
-        K: T.Tensor([total_k, heads_k, D], dtype),
-        V: T.Tensor([total_k, heads_k, D], dtype),
-        topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
-        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
-        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
-        O: T.Tensor([total_q, heads, D], dtype),
-        LSE: T.Tensor([heads, total_q], accum),
+        Q: sig["Q"], K: sig["K"], V: sig["V"], topk_idx: sig["topk_idx"], cu_seqlens_q: sig["cu_seqlens_q"],
+        cu_seqlens_k: sig["cu_seqlens_k"], O: sig["O"], LSE: sig["LSE"],
         batch: T.int32,
         max_tiles: T.int32,
         groups: T.int32,
         tile_tokens: T.int32,
         scale_log2: T.float32,
     ):
-        with T.Kernel(max_tiles, batch, heads_k, threads=threads) as (bx, b, hk):
+        with T.Kernel(max_tiles, batch, sig["K"].shape[1], threads=threads) as (bx, b, hk):
             Q_s = T.alloc_shared([BLOCK_M, D], dtype)
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            idx_s = T.alloc_shared([TK], "int32")
-            keep_s = T.alloc_shared([TK], "int32")
-            ublk_s = T.alloc_shared([TK], "int32")
-            umask_s = T.alloc_shared([TK], "int32")
-            n_union = T.alloc_shared([1], "int32")
-            my_keep = T.alloc_local([TK // threads], "int32")
-            my_mask = T.alloc_local([TK // threads], "int32")
-            bm_s = T.alloc_shared([UW], "int32")
+            idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, bm_s = _union_buffers(T_MAX, threads)
             n_it = T.alloc_var("int32")
-            acc_s = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
-            acc_s_cast = T.alloc_fragment([BLOCK_M, BLOCK_N], dtype)
-            acc_o = T.alloc_fragment([BLOCK_M, D], accum)
-            m_prev = T.alloc_fragment([BLOCK_M], accum)
-            m_cur = T.alloc_fragment([BLOCK_M], accum)
-            m_safe = T.alloc_fragment([BLOCK_M], accum)
-            r_scale = T.alloc_fragment([BLOCK_M], accum)
-            r_sum = T.alloc_fragment([BLOCK_M], accum)
-            l_sum = T.alloc_fragment([BLOCK_M], accum)
+            acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum = _fwd_state(dtype, D)
             # each row's token, computed once: in the mask it would be a run-time division by G
             # per element and block
             rtok = T.alloc_fragment([BLOCK_M], "int32")
@@ -314,16 +394,15 @@ def _fwd(dtype, D, arch):
             len_k = cu_seqlens_k[b + 1] - k0
             t0 = bx * tile_tokens
             n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
-            n_rows = n_tok * groups
             p0 = len_k - len_q + t0  # position of the tile's first token
 
             if n_tok > 0:
                 load_rows(Q, Q_s, q0 + t0, hk, n_tok, groups)
-                tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
-                           my_keep, my_mask, bm_s)
+                tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s,
+                           n_union, my_keep, my_mask, bm_s)
                 n_it = n_union[0]
                 for r in T.Parallel(BLOCK_M):
-                    rtok[r] = T.if_then_else(r < n_rows, r // groups, 31)
+                    rtok[r] = T.if_then_else(r < n_tok * groups, r // groups, 31)
                 T.fill(acc_o, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, NEG_INF)
@@ -331,39 +410,169 @@ def _fwd(dtype, D, arch):
                     blk = ublk_s[it]
                     T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
                     T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
-                    if _whole_block(umask_s[it], n_tok, blk, p0):
-                        T.clear(acc_s)
-                    else:
-                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                            # rows past the tile's tokens have rtok 31, a token bit no mask sets (T <= 16)
-                            acc_s[r, c] = T.if_then_else(
-                                ((umask_s[it] >> rtok[r]) & 1) == 1 and blk * BLOCK_N + c <= p0 + rtok[r], 0, NEG_INF
-                            )
+                    mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
                     T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.copy(m_cur, m_prev)
-                    T.reduce_max(acc_s, m_cur, dim=1, clear=False)
-                    for r in T.Parallel(BLOCK_M):
-                        # rows with nothing visible yet stay at -inf; offset by 0 to avoid inf - inf
-                        m_safe[r] = T.if_then_else(m_cur[r] == NEG_INF, 0, m_cur[r])
-                        r_scale[r] = T.exp2((m_prev[r] - m_safe[r]) * scale_log2)
-                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                        acc_s[r, c] = T.exp2((acc_s[r, c] - m_safe[r]) * scale_log2)
-                    T.reduce_sum(acc_s, r_sum, dim=1)
-                    for r in T.Parallel(BLOCK_M):
-                        l_sum[r] = l_sum[r] * r_scale[r] + r_sum[r]
-                    T.copy(acc_s, acc_s_cast)
-                    for r, d in T.Parallel(BLOCK_M, D):
-                        acc_o[r, d] *= r_scale[r]
+                    softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe,
+                                 r_scale, r_sum, l_sum, scale_log2)
                     T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                store_out(acc_o, l_sum, m_cur, O, LSE, q0 + t0, hk, n_tok, groups, scale_log2)
 
-                for r, d in T.Parallel(BLOCK_M, D):
-                    acc_o[r, d] = T.if_then_else(l_sum[r] > 0, acc_o[r, d] / l_sum[r], 0)
-                store_rows(acc_o, O, q0 + t0, hk, n_tok, groups, 1.0)
+    return sparse_attn_fwd
+
+
+def _fwd_pair(dtype, D):
+    """The forward on sm_90a for G >= 16: two adjacent 4-token tiles run as a cluster of two
+    thread blocks and walk the union of both tiles' selections together.
+
+    The forward is bound by reading K/V blocks from L2 (Nsight Compute on an H100: L2 throughput
+    at 73% of peak, 98% hits): the 16 tiles of a 64-token query block read nearly the same
+    blocks. Here the lower-ranked block of the pair loads each K and V block once by TMA and
+    multicasts it into both blocks' shared memory, halving those reads. Four barriers keep the
+    pair in step: `full` (each block's own: its K or V has landed; every thread arrives, the TMA
+    bytes complete the phase) and `empty` (the rank-0 copy of a cluster barrier: every warp of
+    both blocks is done with the current K or V, so the next may overwrite it). The next
+    block's K loads during this block's softmax and its V during the next S GEMM. 128-row tiles
+    (two warpgroups) would halve the reads too, but lost more in latency hiding (H100, 32K x 8:
+    51.6 ms against 44.7); the pair keeps 4-token tiles, 74 KB a tile, three tiles an SM.
+
+    Both blocks compute the same union (8 tokens' rows); a block's own tokens are bits
+    rank * tile_tokens .. of its masks. A block whose tokens are past the sequence still runs
+    the loop (its partner multicasts into it) and stores nothing. The copies are issued with a
+    clamped index on every step, the last one re-loading the last block, whose phase is waited
+    for after the loop: under a condition, TileLang 0.1.15 places a __syncthreads() inside the
+    elected thread's branch of the copy, which deadlocks.
+
+    Walking the pair's union pays only where the two tiles picked nearly the same blocks (as
+    neighbouring tokens of a model do): with unrelated picks the union is nearly twice a tile's
+    own blocks (H100, 32K x 8, independent selections: 98.1 ms against 77.7 for single tiles).
+    So each pair counts its tiles' own blocks, and if the union exceeds 9/8 of the larger count
+    both blocks walk their own tile's union instead, loading K/V themselves, as _fwd does. Both
+    reach the same decision from the same data."""
+    T_MAX = SMALL_TOKENS
+    PAIR = 2 * T_MAX
+    threads = 128
+    warps = threads // 32
+    topk, sig = _fwd_signature(dtype, D)
+    pair_union = _make_tile_union(topk, threads, PAIR)
+    tile_union = _make_tile_union(topk, threads, T_MAX)
+
+    @T.prim_func
+    def sparse_attn_fwd(
+        Q: sig["Q"], K: sig["K"], V: sig["V"], topk_idx: sig["topk_idx"], cu_seqlens_q: sig["cu_seqlens_q"],
+        cu_seqlens_k: sig["cu_seqlens_k"], O: sig["O"], LSE: sig["LSE"],
+        batch: T.int32,
+        max_tiles: T.int32,
+        groups: T.int32,
+        tile_tokens: T.int32,
+        scale_log2: T.float32,
+    ):
+        # max_tiles is even (the host rounds it up): tiles 2c and 2c + 1 are cluster c
+        with T.Kernel(max_tiles, batch, sig["K"].shape[1], threads=threads, cluster_dims=(2, 1, 1)) as (bx, b, hk):
+            # three tiles an SM (74 KB each): ptxas would take 174 registers, which fits two
+            T.annotate_min_blocks_per_sm(3)
+            Q_s = T.alloc_shared([BLOCK_M, D], dtype)
+            K_s = T.alloc_shared([BLOCK_N, D], dtype)
+            V_s = T.alloc_shared([BLOCK_N, D], dtype)
+            idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, bm_s = _union_buffers(PAIR, threads)
+            own_s = T.alloc_shared([2], "int32")  # blocks of the union the first / second tile picked
+            full = T.alloc_barrier([threads, threads])  # K, V landed in this block
+            empty = T.alloc_cluster_barrier([2 * warps, 2 * warps])  # K, V free in both (rank 0's copy)
+            n_it = T.alloc_var("int32")
+            shared_walk = T.alloc_var("int32")
+            acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum = _fwd_state(dtype, D)
+            rtok = T.alloc_fragment([BLOCK_M], "int32")
+
+            tx = T.get_thread_binding()
+            rank = bx % 2
+            q0 = cu_seqlens_q[b]
+            k0 = cu_seqlens_k[b]
+            len_q = cu_seqlens_q[b + 1] - q0
+            len_k = cu_seqlens_k[b + 1] - k0
+            tp0 = (bx - rank) * tile_tokens  # the pair's first token
+            n_pair = T.max(T.min(2 * tile_tokens, len_q - tp0), 0)
+            t0 = bx * tile_tokens
+            n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
+            p0 = len_k - len_q + t0
+            own = (1 << tile_tokens) - 1
+
+            # both blocks of a cluster take this branch or neither
+            if n_pair > 0:
+                load_rows(Q, Q_s, q0 + t0, hk, T.max(n_tok, 1), groups)
+                if tx < 2:
+                    own_s[tx] = 0
+                pair_union(topk_idx, hk, q0 + tp0, n_pair, len_k - len_q + tp0, tx, idx_s, keep_s, ublk_s, umask_s,
+                           n_union, my_keep, my_mask, bm_s)
+                n_it = n_union[0]
+                for e in T.serial(T.ceildiv(PAIR * K_MAX, threads)):
+                    if e * threads + tx < n_it:
+                        if (umask_s[e * threads + tx] & own) != 0:
+                            T.atomic_add(own_s[0], 1)
+                        if ((umask_s[e * threads + tx] >> tile_tokens) & own) != 0:
+                            T.atomic_add(own_s[1], 1)
+                T.sync_threads()
+                shared_walk = T.if_then_else(8 * n_it <= 9 * T.max(own_s[0], own_s[1]), 1, 0)
                 for r in T.Parallel(BLOCK_M):
-                    if r < n_rows:
-                        LSE[hk * groups + r % groups, q0 + t0 + r // groups] = T.if_then_else(
-                            l_sum[r] > 0, (m_cur[r] * scale_log2 + T.log2(l_sum[r])) * LN2, NEG_INF
-                        )
+                    rtok[r] = T.if_then_else(r < n_tok * groups, r // groups, 31)
+                T.fill(acc_o, 0)
+                T.fill(l_sum, 0)
+                T.fill(m_cur, NEG_INF)
+                if shared_walk == 1:
+                    # an empty union still loads (and waits for) one block: the sequence's first
+                    first = T.if_then_else(n_it > 0, ublk_s[0], 0)
+                    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0],
+                               cluster_mask=0b11)
+                    T.mbarrier_arrive(full[0])
+                    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1],
+                               cluster_mask=0b11)
+                    T.mbarrier_arrive(full[1])
+                    for it in T.serial(n_it):
+                        blk = ublk_s[it]
+                        nxt = ublk_s[T.min(it + 1, n_it - 1)]
+                        mask_scores(acc_s, (umask_s[it] >> (rank * tile_tokens)) & own, n_tok, blk, p0, rtok)
+                        T.mbarrier_wait_parity(full[0], it % 2)
+                        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        if tx % 32 == 0:
+                            T.mbarrier_arrive(empty[0], 0)
+                        if rank == 0:
+                            T.mbarrier_wait_parity(empty[0], it % 2)
+                        T.tma_copy(K[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], K_s, barrier=full[0],
+                                   cluster_mask=0b11)
+                        T.mbarrier_arrive(full[0])
+                        softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum,
+                                     scale_log2)
+                        T.mbarrier_wait_parity(full[1], it % 2)
+                        T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        if tx % 32 == 0:
+                            T.mbarrier_arrive(empty[1], 0)
+                        if rank == 0:
+                            T.mbarrier_wait_parity(empty[1], it % 2)
+                        T.tma_copy(V[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], V_s, barrier=full[1],
+                                   cluster_mask=0b11)
+                        T.mbarrier_arrive(full[1])
+                    T.mbarrier_wait_parity(full[0], n_it % 2)
+                    T.mbarrier_wait_parity(full[1], n_it % 2)
+                    if n_tok > 0:
+                        store_out(acc_o, l_sum, m_cur, O, LSE, q0 + t0, hk, n_tok, groups, scale_log2)
+                    # neither block leaves while the other may still multicast into it or arrive on
+                    # it (walking alone, a block leaves when done: its partner's work differs)
+                    T.cluster_sync()
+                else:
+                    T.sync_threads()  # every thread has read the pair's union before it is overwritten
+                    tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
+                               my_keep, my_mask, bm_s)
+                    n_it = n_union[0]
+                    # pipelined like _fwd's loop: the next block's K/V load by cp.async during this one
+                    for it in T.Pipelined(n_it, num_stages=_stages("sm_90a")):
+                        blk = ublk_s[it]
+                        T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
+                        T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
+                        mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
+                        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum,
+                                     scale_log2)
+                        T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    if n_tok > 0:
+                        store_out(acc_o, l_sum, m_cur, O, LSE, q0 + t0, hk, n_tok, groups, scale_log2)
 
     return sparse_attn_fwd
 
@@ -410,7 +619,7 @@ def _bwd_dq(dtype, D, arch, tokens):
     # an H100 SM if ptxas keeps to 168 registers (it spills 8 bytes): H100, this kernel alone at
     # G = 16, 67.6 -> 57.9 ms at 32K x 8 and 73 -> 59.6 ms at 128K x 2, dQ bitwise equal.
     # (The 16-token unit needs 80 KB: two tiles an SM.)
-    tiles_per_sm = 3 if tokens == DQ_SMALL_TOKENS and arch == "sm_90a" else None
+    tiles_per_sm = 3 if tokens == SMALL_TOKENS and arch == "sm_90a" else None
     TK = T_MAX * K_MAX
     threads = 128
     tile_union = _make_tile_union(topk, threads, T_MAX)
@@ -595,6 +804,7 @@ def _bwd_dkdv(dtype, D, arch):
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
     n_chunks = T.dynamic("n_chunks")
     words = T.dynamic("words")
+    n_pieces = T.dynamic("n_pieces")
     # sm_90a: one warpgroup on 64-row groups, P^T and dS^T in its registers as the A operands
     # of the dV and dK wgmma (H100, 32K x 8, this kernel alone: 123 -> 108 ms at G = 16, 134 ->
     # 106 ms at G = 4). Two warpgroups on 128-row groups had split each GEMM's N between them,
@@ -677,8 +887,10 @@ def _bwd_dkdv(dtype, D, arch):
         cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
         dK: T.Tensor([total_k, heads_k, D], dtype),
         dV: T.Tensor([total_k, heads_k, D], dtype),
+        partial: T.Tensor([SPLIT_BLOCKS, heads_k, n_pieces, 2, 2, BLOCK_N, D], accum),
         batch: T.int32,
         max_kblocks: T.int32,
+        pieces: T.int32,
         groups: T.int32,
         tile_tokens: T.int32,
         scale_log2: T.float32,
@@ -686,8 +898,17 @@ def _bwd_dkdv(dtype, D, arch):
         # key blocks innermost: the blocks of one sequence and KV head run side by side and scan
         # the same selection rows, which then come from L2 (H100, 32K x 8, this kernel alone:
         # 143.3 -> 134.4 ms at G = 16, 254.3 -> 164.6 ms at G = 4, whose 8 KV heads' rows are
-        # 537 MB). Block 0 (every query's init block, the most members) leads each sequence.
-        with T.Kernel(max_kblocks, heads_k, batch, threads=threads) as (kb, hk, b):
+        # 537 MB).
+        # The first SPLIT_BLOCKS blocks lead each sequence, each as `pieces` thread blocks: every
+        # query picks its init block, so one thread block would take all of a long sequence's
+        # queries in turn (H100, 128K x 2, this kernel alone: 168.8 ms, 108.8 without an init
+        # block). In a sequence of more than PIECE queries, piece j of such a block takes the
+        # member queries among the packed rows of the j-th PIECE-row piece that the sequence
+        # overlaps and writes fp32 partial dK/dV to slot (block, hk, piece, side): side 1 for the
+        # piece the sequence starts in, 0 for the later ones (a piece meets at most two such
+        # sequences: the one that starts in it and one that started before).
+        # bwd_dkdv_reduce sums them in piece order, so gradients stay deterministic.
+        with T.Kernel(max_kblocks + SPLIT_BLOCKS * (pieces - 1), heads_k, batch, threads=threads) as (bx, hk, b):
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
             Q_s0 = T.alloc_shared([BM, D], dtype)
@@ -736,15 +957,37 @@ def _bwd_dkdv(dtype, D, arch):
             len_q = cu_seqlens_q[b + 1] - q0
             len_k = cu_seqlens_k[b + 1] - k0
             shift = len_k - len_q
-            # queries at positions before this block's first key cannot see it; the map chunks
-            # c_first .. c_first + n_cand - 1 hold the rest of the sequence's rows
+            # computed once into registers: as expressions, the divisions by `pieces` were inlined
+            # into every use (H100, 32K x 8, no init block: 97.0 -> 104.8 ms, 12 bytes spilled)
+            kb = T.alloc_var("int32")
+            j = T.alloc_var("int32")
+            split = T.alloc_var("int32")
+            t_a = T.alloc_var("int32")
+            t_b = T.alloc_var("int32")
+            kb = bx
+            j = 0
+            if bx < SPLIT_BLOCKS * pieces:
+                kb = bx // pieces
+                j = bx % pieces
+            else:
+                kb = bx - SPLIT_BLOCKS * (pieces - 1)
+            split = T.if_then_else(bx < SPLIT_BLOCKS * pieces and len_q > PIECE, 1, 0)
+            piece = q0 // PIECE + j
+            # queries at positions before this block's first key cannot see it; of the rest, the
+            # rows t_a .. t_b - 1 (a piece's, if split) lie in the map chunks c_first ..
+            # c_first + n_cand - 1
             tok_lo = T.max(kb * BLOCK_N - shift, 0)
-            c_first = (q0 + tok_lo) // MAP_CHUNK
-            n_cand = T.if_then_else(tok_lo < len_q, (q0 + len_q - 1) // MAP_CHUNK + 1 - c_first, 0)
+            t_a = tok_lo
+            t_b = len_q
+            if split == 1:
+                t_a = T.max(tok_lo, piece * PIECE - q0)
+                t_b = T.min(len_q, (piece + 1) * PIECE - q0)
+            c_first = (q0 + t_a) // MAP_CHUNK
+            n_cand = T.if_then_else(t_a < t_b, (q0 + t_b - 1) // MAP_CHUNK + 1 - c_first, 0)
             # tile_tokens: member tokens a group, BM // G (the host passes it)
             full_rows = tile_tokens * groups
 
-            if kb * BLOCK_N < len_k:
+            if kb * BLOCK_N < len_k and (j == 0 or (split == 1 and piece * PIECE < q0 + len_q)):
                 for r in T.Parallel(BM):
                     rtok_s[r] = r // groups
                     rhead_s[r] = hk * groups + r % groups
@@ -772,9 +1015,9 @@ def _bwd_dkdv(dtype, D, arch):
                         my_cnt = 0
                         t_start = 0
                         if e < n_hit * QPC:
-                            # the thread's SCAN_T rows of the chunk, clipped to tok_lo .. len_q
-                            t_start = T.max(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, tok_lo)
-                            t_end = T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, len_q)
+                            # the thread's SCAN_T rows of the chunk, clipped to t_a .. t_b
+                            t_start = T.max(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, t_a)
+                            t_end = T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, t_b)
                             if t_end > t_start:
                                 scan_tile(topk_idx, hk, q0 + t_start, t_end - t_start, kb, pos, my_mask)
                                 for t in T.unroll(SCAN_T):
@@ -838,9 +1081,55 @@ def _bwd_dkdv(dtype, D, arch):
                             # the next step's prefetch overwrites this step's buffers
                             T.sync_threads()
                         T.sync_threads()
-                for c, d in T.Parallel(BLOCK_N, D):
-                    if kb * BLOCK_N + c < len_k:
-                        dK[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dk[c, d] * (scale_log2 / LOG2E), dtype)
-                        dV[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dv[c, d], dtype)
+                if split == 1:
+                    for c, d in T.Parallel(BLOCK_N, D):
+                        partial[kb, hk, piece, T.if_then_else(j == 0, 1, 0), 0, c, d] = acc_dk[c, d] * (
+                            scale_log2 / LOG2E)
+                        partial[kb, hk, piece, T.if_then_else(j == 0, 1, 0), 1, c, d] = acc_dv[c, d]
+                else:
+                    for c, d in T.Parallel(BLOCK_N, D):
+                        if kb * BLOCK_N + c < len_k:
+                            dK[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dk[c, d] * (scale_log2 / LOG2E), dtype)
+                            dV[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dv[c, d], dtype)
 
     return sparse_attn_bwd_dkdv
+
+
+def _bwd_dkdv_reduce(dtype, D, arch):
+    """dK, dV of the first SPLIT_BLOCKS key blocks of the sequences of more than PIECE queries:
+    the sums, in piece order, of the fp32 partials bwd_dkdv's pieces wrote (see its slots)."""
+    accum = "float32"
+    total_k = T.dynamic("total_k")
+    heads_k = T.dynamic("heads_k")
+    n_pieces = T.dynamic("n_pieces")
+    batch_plus_one = T.dynamic("batch_plus_one")
+
+    @T.prim_func
+    def sparse_attn_bwd_dkdv_reduce(
+        partial: T.Tensor([SPLIT_BLOCKS, heads_k, n_pieces, 2, 2, BLOCK_N, D], accum),
+        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        dK: T.Tensor([total_k, heads_k, D], dtype),
+        dV: T.Tensor([total_k, heads_k, D], dtype),
+        batch: T.int32,
+    ):
+        with T.Kernel(SPLIT_BLOCKS, heads_k, batch, threads=128) as (kb, hk, b):
+            acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
+            acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
+            q0 = cu_seqlens_q[b]
+            k0 = cu_seqlens_k[b]
+            len_q = cu_seqlens_q[b + 1] - q0
+            len_k = cu_seqlens_k[b + 1] - k0
+            if len_q > PIECE and kb * BLOCK_N < len_k:
+                T.clear(acc_dk)
+                T.clear(acc_dv)
+                for j in T.serial((q0 + len_q - 1) // PIECE - q0 // PIECE + 1):
+                    for c, d in T.Parallel(BLOCK_N, D):
+                        acc_dk[c, d] += partial[kb, hk, q0 // PIECE + j, T.if_then_else(j == 0, 1, 0), 0, c, d]
+                        acc_dv[c, d] += partial[kb, hk, q0 // PIECE + j, T.if_then_else(j == 0, 1, 0), 1, c, d]
+                for c, d in T.Parallel(BLOCK_N, D):
+                    if kb * BLOCK_N + c < len_k:
+                        dK[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dk[c, d], dtype)
+                        dV[k0 + kb * BLOCK_N + c, hk, d] = T.cast(acc_dv[c, d], dtype)
+
+    return sparse_attn_bwd_dkdv_reduce

@@ -1000,112 +1000,224 @@ static const infllmv2_sparse_attn_bwd_block_map_unit infllmv2_sparse_attn_bwd_bl
   {nullptr, nullptr, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, topk_idx, block_map, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, max_kblocks, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, n_chunks, words, batch_plus_one, stream)
-typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, topk_idx, block_map, cu_seqlens_q, cu_seqlens_k, dK, dV, partial, batch, max_kblocks, pieces, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, n_chunks, words, batch_plus_one, n_pieces, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
   int head_dim;
   int block_m;
+  int piece;
+  int split_blocks;
   int t_max;
   int (*init)(); infllmv2_sparse_attn_bwd_dkdv_call_fn call; const char* (*last_error)();
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 94480, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 94480, 256, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 94480, 256, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 94480, 256, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 109840, 128, 0, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 109840, 128, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 61712, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 61712, 256, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 61712, 256, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 61712, 256, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 60688, 128, 0, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 60688, 128, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 94480, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 94480, 256, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 94480, 256, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 94480, 256, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 109840, 128, 1, 128, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 109840, 128, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 61712, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 61712, 256, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 61712, 256, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 61712, 256, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 60688, 128, 1, 64, 64, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 60688, 128, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_attn_bwd_dkdv_reduce: call(partial, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, heads_k, n_pieces, batch_plus_one, total_k, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dkdv_reduce_call_fn)(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+struct infllmv2_sparse_attn_bwd_dkdv_reduce_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int t_max;
+  int (*init)(); infllmv2_sparse_attn_bwd_dkdv_reduce_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_bwd_dkdv_reduce_unit infllmv2_sparse_attn_bwd_dkdv_reduce_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_80", 80, 0, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_89", 89, 0, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_90a", 90, 0, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce_bf16_d64", "sm_80", 80, 0, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce_bf16_d64", "sm_89", 89, 0, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce_bf16_d64", "sm_90a", 90, 0, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce_fp16_d128", "sm_80", 80, 0, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce_fp16_d128", "sm_89", 89, 0, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce_fp16_d128", "sm_90a", 90, 0, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce_fp16_d64", "sm_80", 80, 0, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce_fp16_d64", "sm_89", 89, 0, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce_fp16_d64", "sm_90a", 90, 0, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1118,6 +1230,7 @@ struct infllmv2_sparse_attn_bwd_dq_unit {
   int head_dim;
   int tokens;
   int block_m;
+  int cluster;
   int min_groups;
   int t_max;
   int (*init)(); infllmv2_sparse_attn_bwd_dq_call_fn call; const char* (*last_error)();
@@ -1204,54 +1317,54 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_last_error()
 #endif
 static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[] = {
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 90, 81920, 128, 0, 128, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 90, 81920, 128, 0, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 90, 73728, 128, 0, 128, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 90, 73728, 128, 0, 128, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_80", 80, 81920, 128, 0, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_80", 80, 81920, 128, 0, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_89", 89, 81920, 128, 0, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_89", 89, 81920, 128, 0, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 90, 49152, 128, 0, 64, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 90, 49152, 128, 0, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 90, 40960, 128, 0, 64, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 90, 40960, 128, 0, 64, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_80", 80, 40960, 128, 0, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_80", 80, 40960, 128, 0, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_89", 89, 40960, 128, 0, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_89", 89, 40960, 128, 0, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 90, 81920, 128, 1, 128, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 90, 81920, 128, 1, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 90, 73728, 128, 1, 128, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 90, 73728, 128, 1, 128, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_80", 80, 81920, 128, 1, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_80", 80, 81920, 128, 1, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_89", 89, 81920, 128, 1, 128, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_89", 89, 81920, 128, 1, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 90, 49152, 128, 1, 64, 16, 64, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 90, 49152, 128, 1, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 90, 40960, 128, 1, 64, 4, 64, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 90, 40960, 128, 1, 64, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_80", 80, 40960, 128, 1, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_80", 80, 40960, 128, 1, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_89", 89, 40960, 128, 1, 64, 8, 64, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_89", 89, 40960, 128, 1, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 // ---- sparse_attn_bwd_preprocess: call(O, dO, Delta, total_q, heads, stream)
@@ -1370,108 +1483,143 @@ struct infllmv2_sparse_attn_fwd_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
   int head_dim;
+  int tokens;
   int block_m;
+  int cluster;
+  int min_groups;
   int t_max;
   int (*init)(); infllmv2_sparse_attn_fwd_call_fn call; const char* (*last_error)();
 };
-#if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_sm80_last_error();
-#endif
-#if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_sm89_last_error();
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_sm80_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t8_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_t8_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_sm89_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t8_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d128_t8_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t16_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_t16_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_sm80_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t8_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_t8_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_sm89_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t8_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_bf16_d64_t8_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t16_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_t16_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t4x2_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t4x2_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_t4x2_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_sm80_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t8_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_t8_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_sm89_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d128_t8_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d128_t8_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_sm90a_last_error();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t16_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_t16_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t4x2_sm90a_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t4x2_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_t4x2_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t8_sm80_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t8_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_t8_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t8_sm89_init();
+extern "C" int infllmv2_sparse_attn_fwd_fp16_d64_t8_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O, void* LSE, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_fwd_fp16_d64_t8_sm89_last_error();
 #endif
 static const infllmv2_sparse_attn_fwd_unit infllmv2_sparse_attn_fwd_units[] = {
-#if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd_bf16_d128", "sm_80", 80, 65536, 128, 0, 128, 64, 8, infllmv2_sparse_attn_fwd_bf16_d128_sm80_init, infllmv2_sparse_attn_fwd_bf16_d128_sm80_call, infllmv2_sparse_attn_fwd_bf16_d128_sm80_last_error},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd_bf16_d128", "sm_89", 89, 65536, 128, 0, 128, 64, 8, infllmv2_sparse_attn_fwd_bf16_d128_sm89_init, infllmv2_sparse_attn_fwd_bf16_d128_sm89_call, infllmv2_sparse_attn_fwd_bf16_d128_sm89_last_error},
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_bf16_d128_t16", "sm_90a", 90, 65536, 128, 0, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_bf16_d128", "sm_90a", 90, 65536, 128, 0, 128, 64, 16, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d128_sm90a_last_error},
+  {"sparse_attn_fwd_bf16_d128_t4x2", "sm_90a", 90, 73760, 128, 0, 128, 4, 64, 2, 16, 4, infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd_bf16_d64", "sm_80", 80, 32768, 128, 0, 64, 64, 8, infllmv2_sparse_attn_fwd_bf16_d64_sm80_init, infllmv2_sparse_attn_fwd_bf16_d64_sm80_call, infllmv2_sparse_attn_fwd_bf16_d64_sm80_last_error},
+  {"sparse_attn_fwd_bf16_d128_t8", "sm_80", 80, 65536, 128, 0, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_bf16_d128_t8_sm80_init, infllmv2_sparse_attn_fwd_bf16_d128_t8_sm80_call, infllmv2_sparse_attn_fwd_bf16_d128_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd_bf16_d64", "sm_89", 89, 32768, 128, 0, 64, 64, 8, infllmv2_sparse_attn_fwd_bf16_d64_sm89_init, infllmv2_sparse_attn_fwd_bf16_d64_sm89_call, infllmv2_sparse_attn_fwd_bf16_d64_sm89_last_error},
+  {"sparse_attn_fwd_bf16_d128_t8", "sm_89", 89, 65536, 128, 0, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_bf16_d128_t8_sm89_init, infllmv2_sparse_attn_fwd_bf16_d128_t8_sm89_call, infllmv2_sparse_attn_fwd_bf16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_bf16_d64", "sm_90a", 90, 40960, 128, 0, 64, 64, 16, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d64_sm90a_last_error},
+  {"sparse_attn_fwd_bf16_d64_t16", "sm_90a", 90, 40960, 128, 0, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_fwd_bf16_d64_t16_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d64_t16_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d64_t16_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_bf16_d64_t4x2", "sm_90a", 90, 49184, 128, 0, 64, 4, 64, 2, 16, 4, infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_init, infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_call, infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd_fp16_d128", "sm_80", 80, 65536, 128, 1, 128, 64, 8, infllmv2_sparse_attn_fwd_fp16_d128_sm80_init, infllmv2_sparse_attn_fwd_fp16_d128_sm80_call, infllmv2_sparse_attn_fwd_fp16_d128_sm80_last_error},
+  {"sparse_attn_fwd_bf16_d64_t8", "sm_80", 80, 32768, 128, 0, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_bf16_d64_t8_sm80_init, infllmv2_sparse_attn_fwd_bf16_d64_t8_sm80_call, infllmv2_sparse_attn_fwd_bf16_d64_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd_fp16_d128", "sm_89", 89, 65536, 128, 1, 128, 64, 8, infllmv2_sparse_attn_fwd_fp16_d128_sm89_init, infllmv2_sparse_attn_fwd_fp16_d128_sm89_call, infllmv2_sparse_attn_fwd_fp16_d128_sm89_last_error},
+  {"sparse_attn_fwd_bf16_d64_t8", "sm_89", 89, 32768, 128, 0, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_bf16_d64_t8_sm89_init, infllmv2_sparse_attn_fwd_bf16_d64_t8_sm89_call, infllmv2_sparse_attn_fwd_bf16_d64_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_fp16_d128", "sm_90a", 90, 65536, 128, 1, 128, 64, 16, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d128_sm90a_last_error},
+  {"sparse_attn_fwd_fp16_d128_t16", "sm_90a", 90, 65536, 128, 1, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_fwd_fp16_d128_t16_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d128_t16_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d128_t16_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_fp16_d128_t4x2", "sm_90a", 90, 73760, 128, 1, 128, 4, 64, 2, 16, 4, infllmv2_sparse_attn_fwd_fp16_d128_t4x2_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d128_t4x2_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d128_t4x2_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd_fp16_d64", "sm_80", 80, 32768, 128, 1, 64, 64, 8, infllmv2_sparse_attn_fwd_fp16_d64_sm80_init, infllmv2_sparse_attn_fwd_fp16_d64_sm80_call, infllmv2_sparse_attn_fwd_fp16_d64_sm80_last_error},
+  {"sparse_attn_fwd_fp16_d128_t8", "sm_80", 80, 65536, 128, 1, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_fp16_d128_t8_sm80_init, infllmv2_sparse_attn_fwd_fp16_d128_t8_sm80_call, infllmv2_sparse_attn_fwd_fp16_d128_t8_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd_fp16_d64", "sm_89", 89, 32768, 128, 1, 64, 64, 8, infllmv2_sparse_attn_fwd_fp16_d64_sm89_init, infllmv2_sparse_attn_fwd_fp16_d64_sm89_call, infllmv2_sparse_attn_fwd_fp16_d64_sm89_last_error},
+  {"sparse_attn_fwd_fp16_d128_t8", "sm_89", 89, 65536, 128, 1, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_fp16_d128_t8_sm89_init, infllmv2_sparse_attn_fwd_fp16_d128_t8_sm89_call, infllmv2_sparse_attn_fwd_fp16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd_fp16_d64", "sm_90a", 90, 40960, 128, 1, 64, 64, 16, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d64_sm90a_last_error},
+  {"sparse_attn_fwd_fp16_d64_t16", "sm_90a", 90, 40960, 128, 1, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_fwd_fp16_d64_t16_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d64_t16_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d64_t16_sm90a_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd_fp16_d64_t4x2", "sm_90a", 90, 49184, 128, 1, 64, 4, 64, 2, 16, 4, infllmv2_sparse_attn_fwd_fp16_d64_t4x2_sm90a_init, infllmv2_sparse_attn_fwd_fp16_d64_t4x2_sm90a_call, infllmv2_sparse_attn_fwd_fp16_d64_t4x2_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd_fp16_d64_t8", "sm_80", 80, 32768, 128, 1, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_fp16_d64_t8_sm80_init, infllmv2_sparse_attn_fwd_fp16_d64_t8_sm80_call, infllmv2_sparse_attn_fwd_fp16_d64_t8_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd_fp16_d64_t8", "sm_89", 89, 32768, 128, 1, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_fwd_fp16_d64_t8_sm89_init, infllmv2_sparse_attn_fwd_fp16_d64_t8_sm89_call, infllmv2_sparse_attn_fwd_fp16_d64_t8_sm89_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 struct infllmv2_unit_info { const char* kernel; const char* name; const char* arch; int dynamic_smem; int threads; };
@@ -1827,6 +1975,42 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 60688, 128},
 #endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d64", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d64", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_fp16_d128", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_fp16_d128", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_fp16_d128", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_fp16_d64", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_fp16_d64", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_fp16_d64", "sm_90a", 0, 128},
+#endif
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 81920, 128},
 #endif
@@ -1911,41 +2095,53 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_90a", 0, 128},
 #endif
-#if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_80", 65536, 128},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_89", 65536, 128},
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128_t16", "sm_90a", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128", "sm_90a", 65536, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128_t4x2", "sm_90a", 73760, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_80", 32768, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128_t8", "sm_80", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_89", 32768, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128_t8", "sm_89", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64", "sm_90a", 40960, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64_t16", "sm_90a", 40960, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64_t4x2", "sm_90a", 49184, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_80", 65536, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64_t8", "sm_80", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_89", 65536, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d64_t8", "sm_89", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128", "sm_90a", 65536, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128_t16", "sm_90a", 65536, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128_t4x2", "sm_90a", 73760, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_80", 32768, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128_t8", "sm_80", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_89", 32768, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d128_t8", "sm_89", 65536, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64", "sm_90a", 40960, 128},
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64_t16", "sm_90a", 40960, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64_t4x2", "sm_90a", 49184, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64_t8", "sm_80", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64_t8", "sm_89", 32768, 128},
 #endif
   {nullptr, nullptr, nullptr, 0, 0},
 };

@@ -137,6 +137,19 @@ def test_select_blocks_from_keys_workspace_size():
         assert size(*bad) == 0, bad
 
 
+def test_sparse_attn_bwd_workspace_size():
+    size = _lib.lib().infllmv2_sparse_attn_bwd_workspace_size
+    # Delta (fp32 heads x total_q) to 256 bytes, the block map (heads_k x ceil(total_q / 64) x
+    # ceil(max_seqlen_k / 2048) words) and, past 8192 queries, at a 256-byte boundary the partial
+    # dK/dV of the first 4 key blocks: 4 x heads_k x ceil(total_q / 8192) pieces x 2 sides x
+    # (dK, dV) x 64 x 128 fp32
+    assert size(8192, 8, 2, 8192) == 8192 * 8 * 4 + 2 * 128 * 4 * 4
+    delta = -(-9000 * 8 * 4 // 256) * 256
+    mapped = -(-(delta + 2 * 141 * 5 * 4) // 256) * 256
+    assert size(9000, 8, 2, 9000) == mapped + 4 * 2 * 2 * 2 * 2 * 64 * 128 * 4
+    assert size(0, 8, 2, 9000) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("approx", [True, False], ids=["approx", "exact"])
 @pytest.mark.parametrize("phsa", [False, True], ids=["plain", "phsa"])

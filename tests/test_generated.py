@@ -27,14 +27,16 @@ def test_regenerating_reproduces_generated(tmp_path):
         assert filecmp.cmp(os.path.join(ROOT, "generated", rel), tmp_path / rel, shallow=False), f"{rel} differs"
 
 
-def test_sparse_dq_units_serve_every_group_size():
-    """A dQ unit with small tiles (min_groups > 1) serves large groups only: for each arch,
-    dtype and head dim there must also be a unit for every group size (min_groups 1)."""
+@pytest.mark.parametrize("kernel", ["sparse_attn_fwd", "sparse_attn_bwd_dq"])
+def test_sparse_tiled_units_serve_every_group_size(kernel):
+    """A forward or dQ unit with small tiles (min_groups > 1) serves large groups only: for each
+    arch, dtype and head dim there must also be a unit for every group size (min_groups 1), and
+    units of several tiles a cluster only where clusters exist (sm_90)."""
     import json
 
     for arch in sorted(d for d in os.listdir(os.path.join(ROOT, "generated")) if d.startswith("sm_")):
         with open(os.path.join(ROOT, "generated", arch, "manifest.json")) as f:
-            units = [u for u in json.load(f) if u["kernel"] == "sparse_attn_bwd_dq"]
+            units = [u for u in json.load(f) if u["kernel"] == kernel]
         assert units, arch
         by_config = {}
         for u in units:
@@ -44,3 +46,4 @@ def test_sparse_dq_units_serve_every_group_size():
             for c in constants:
                 # a unit's tiles hold min_groups x t_max rows at least where it is used
                 assert c["min_groups"] == 1 or c["min_groups"] * c["t_max"] == c["block_m"], (arch, config, c)
+                assert c["cluster"] == 1 or (arch.startswith("sm_90") and c["min_groups"] > 1), (arch, config, c)

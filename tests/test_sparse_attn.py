@@ -146,6 +146,41 @@ def test_empty_selection_rows_and_unselected_blocks():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G", [16, 32, 64])
+def test_cluster_pairs_with_empty_halves(G):
+    # On sm_90a, G >= 16 runs the forward as clusters of two tiles of 64 // G tokens that walk the
+    # union of both tiles' selections, the lower rank multicasting each K/V block into both: a
+    # pair whose first or second tile selects nothing, a pair that selects nothing at all, and a
+    # second tile past the end of its sequence (301 and 77 tokens: odd tile counts at G = 16 and
+    # 64).
+    lq = lk = [301, 77]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, G, 128, torch.bfloat16, topk=6, local_blocks=1, seed=G)
+    t = 64 // G
+    idx[:, 6 * t : 7 * t] = -1  # the first tile of pair 3
+    idx[:, 11 * t : 12 * t] = -1  # the second tile of pair 5
+    idx[:, 14 * t : 16 * t] = -1  # all of pair 7
+    _check_against_reference(q, k, v, cu_q, cu_k, idx, what=f"pairs G{G}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G", [4, 16])
+def test_first_key_blocks_of_long_sequences_in_pieces(G):
+    # dK/dV of the first 4 key blocks of a sequence of more than 8192 queries come from one thread
+    # block per 8192-row piece of the packed queries that the sequence overlaps, summed by a
+    # second kernel: two long sequences meeting inside a piece (one of them chunked, Lq < Lk), a
+    # short one, and a long one starting mid-piece; block 0 is every query's init block.
+    lq, lk = [9000, 9000, 100, 8300], [9000, 9100, 100, 8300]
+    q, k, v, cu_q, cu_k, idx = _case(lq, lk, G, 128, torch.bfloat16, topk=6, local_blocks=1, heads_k=1, seed=G)
+    _check_against_reference(q, k, v, cu_q, cu_k, idx, what=f"pieces G{G}")
+    dout = torch.randn_like(q)
+    out, lse = _fwd_poisoned(q, k, v, cu_q, cu_k, idx)
+    first = _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx)
+    again = _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
 def test_backward_is_bitwise_deterministic():
     lq = lk = [3000, 1000]
     q, k, v, cu_q, cu_k, idx = _case(lq, lk, 16, 128, torch.bfloat16, topk=16, local_blocks=4)
@@ -238,7 +273,8 @@ def test_c_abi_errors():
     assert st == _lib.ERR_INVALID_ARGUMENT and "heads (7) must be a multiple of heads_k (2)" in lib.infllmv2_last_error().decode()
     st = lib.infllmv2_sparse_attn_fwd(*p, 1, 128, 128, 128, 8, 2, 128, 4, 0, float("nan"), None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "softmax_scale" in lib.infllmv2_last_error().decode()
-    # rows move by 16-byte vector loads: a 2-byte offset is refused, not a misaligned-address fault
+    # rows move by 16-byte vector loads (and K/V blocks by TMA on sm_90a): a 2-byte offset is
+    # refused, not a misaligned-address fault
     for i, name in ((0, "q"), (1, "k"), (2, "v"), (6, "out")):
         st = lib.infllmv2_sparse_attn_fwd(*p[:i], p[i] + 2, *p[i + 1 :], 1, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
         assert st == _lib.ERR_INVALID_ARGUMENT and f"{name} must be 16-byte aligned" in lib.infllmv2_last_error().decode()

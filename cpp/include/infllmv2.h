@@ -170,9 +170,12 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
     int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
-/* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out) and a bit
+/* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out), a bit
  * map of which 64-row chunks of topk_idx list each key block (heads_k x ceil(total_q / 64) x
- * ceil(max_seqlen_k / 2048) 32-bit words). 0 for a non-positive size. (ABI 2 added heads_k and
+ * ceil(max_seqlen_k / 2048) 32-bit words) and, when total_q > 8192, fp32 partial dK/dV of the
+ * first 4 key blocks of sequences of more than 8192 queries (4 x heads_k x ceil(total_q / 8192)
+ * x 2 x 2 x 64 x 128 floats; these blocks, which every query's init block lands in, are shared
+ * among several thread blocks). 0 for a non-positive size. (ABI 2 added heads_k and
  * max_seqlen_k.) */
 INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads, int32_t heads_k,
                                                             int32_t max_seqlen_k);
@@ -187,8 +190,9 @@ INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int
  *   [in]  workspace    device memory of at least infllmv2_sparse_attn_bwd_workspace_size()
  *   [in]  max_seqlen_k the longest key sequence (sizes the key-block grid)
  *   Other arguments as for the forward; q, k, v, out, dout, dq, dk and dv 16-byte aligned.
- *   Deterministic: every gradient element is computed by
- *   one thread block in a fixed order (no atomics), so repeated calls are bitwise identical.
+ *   Deterministic: no atomics, every gradient element is summed in a fixed order (by one thread
+ *   block, or for the first key blocks of long sequences from fixed pieces in piece order), so
+ *   repeated calls are bitwise identical.
  */
 INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
     const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,

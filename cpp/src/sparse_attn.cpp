@@ -12,6 +12,11 @@ namespace {
 constexpr int kBlock = 64;   // keys per selected block
 constexpr int kMaxTopk = 128;  // entries per selection row the kernels hold in shared memory
 constexpr int kMapChunk = 64;  // selection rows per entry of the block map (dsl MAP_CHUNK)
+// bwd_dkdv shares the first kSplitBlocks key blocks of sequences of more than kPiece queries
+// among thread blocks of kPiece packed query rows each (dsl SPLIT_BLOCKS, PIECE)
+constexpr int kSplitBlocks = 4;
+constexpr int kPiece = 8192;
+constexpr int kMaxHeadDim = 128;
 
 struct Shape {
   int32_t batch;
@@ -45,19 +50,27 @@ auto matcher(const Shape& s) {
   return [&s](const Unit& u) { return u.dtype == s.dtype && u.head_dim == s.head_dim; };
 }
 
-// An arch may have, besides the dQ unit for every group size, one with smaller tiles for large
-// groups (min_groups > 1, fewer resident bytes): of an arch's units that serve the group size,
-// the one with the largest min_groups.
-auto dq_matcher(const Shape& s) {
-  auto serves = [&s](const infllmv2_sparse_attn_bwd_dq_unit& u) {
+// An arch may have, besides the forward and dQ units for every group size, one with smaller
+// tiles for large groups (min_groups > 1: the forward's runs two tiles a cluster, dQ's fits more
+// tiles an SM): of an arch's units in `table` that serve the group size, the one with the
+// largest min_groups.
+template <class Unit>
+auto group_matcher(const Shape& s, const Unit* table) {
+  auto serves = [&s](const Unit& u) {
     return u.dtype == s.dtype && u.head_dim == s.head_dim && s.heads / s.heads_k >= u.min_groups;
   };
-  return [serves](const infllmv2_sparse_attn_bwd_dq_unit& u) {
+  return [serves, table](const Unit& u) {
     if (!serves(u)) return false;
-    for (const infllmv2_sparse_attn_bwd_dq_unit* o = infllmv2_sparse_attn_bwd_dq_units; o->name != nullptr; ++o)
+    for (const Unit* o = table; o->name != nullptr; ++o)
       if (std::strcmp(o->arch, u.arch) == 0 && o->min_groups > u.min_groups && serves(*o)) return false;
     return true;
   };
+}
+
+// Query tiles of T tokens covering the longest sequence, rounded up to whole clusters.
+int query_tiles(int32_t max_seqlen_q, int T, int cluster) {
+  const int tiles = (max_seqlen_q + T - 1) / T;
+  return (tiles + cluster - 1) / cluster * cluster;
 }
 
 }  // namespace
@@ -80,27 +93,39 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
       (st = check_device_pointers(op, dev, {{"q", q}, {"topk_idx", topk_idx}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
     return st;
   if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
-  // rows move by 16-byte vector loads and stores
+  // rows move by 16-byte vector loads and stores, K/V blocks by TMA on sm_90a
   if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}})) != INFLLMV2_OK) return st;
 
   const infllmv2_sparse_attn_fwd_unit* unit = nullptr;
-  st = pick_unit(op, infllmv2_sparse_attn_fwd_units, dev, matcher<infllmv2_sparse_attn_fwd_unit>(s), desc(s), &unit);
+  st = pick_unit(op, infllmv2_sparse_attn_fwd_units, dev, group_matcher(s, infllmv2_sparse_attn_fwd_units), desc(s),
+                 &unit);
   if (st != INFLLMV2_OK || total_q == 0 || max_seqlen_q == 0) return st;
   const int groups = heads / heads_k, T = tile_tokens(unit->block_m, unit->t_max, groups);
   int rc = unit->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<int32_t*>(topk_idx),
                       const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), out, lse, batch,
-                      (max_seqlen_q + T - 1) / T, groups, T, scale_log2(s), (int)total_q, heads, (int)total_k, heads_k,
-                      topk, batch + 1, stream);
+                      query_tiles(max_seqlen_q, T, unit->cluster), groups, T, scale_log2(s), (int)total_q, heads,
+                      (int)total_k, heads_k, topk, batch + 1, stream);
   return launch_result(op, unit->name, rc, unit->last_error);
 }
 
 namespace {
 
 // Workspace: Delta (attn_delta_bytes), then at a 256-byte boundary the block map of
-// bwd_block_map, int32 (heads_k, chunks, words).
-size_t map_offset(int64_t total_q, int32_t heads) { return (attn_delta_bytes(total_q, heads) + 255) / 256 * 256; }
+// bwd_block_map, int32 (heads_k, chunks, words), then at a 256-byte boundary, where a sequence
+// may have more than kPiece queries, bwd_dkdv's partial dK/dV: fp32 (kSplitBlocks, heads_k,
+// pieces of the packed queries, 2 sides, dK/dV, kBlock, head_dim), sized for head_dim 128.
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+size_t map_offset(int64_t total_q, int32_t heads) { return align256(attn_delta_bytes(total_q, heads)); }
 int64_t map_chunks(int64_t total_q, int map_chunk) { return (total_q + map_chunk - 1) / map_chunk; }
 int64_t map_words(int32_t max_seqlen_k) { return ((int64_t)max_seqlen_k + kBlock * 32 - 1) / (kBlock * 32); }
+size_t map_bytes(int64_t total_q, int32_t heads_k, int32_t max_seqlen_k) {
+  return (size_t)heads_k * (size_t)map_chunks(total_q, kMapChunk) * (size_t)map_words(max_seqlen_k) * sizeof(int32_t);
+}
+int64_t packed_pieces(int64_t total_q) { return (total_q + kPiece - 1) / kPiece; }
+size_t partial_bytes(int64_t total_q, int32_t heads_k) {
+  if (total_q <= kPiece) return 0;  // no sequence is long enough to be split
+  return (size_t)kSplitBlocks * heads_k * packed_pieces(total_q) * 2 * 2 * kBlock * kMaxHeadDim * sizeof(float);
+}
 
 }  // namespace
 
@@ -108,8 +133,9 @@ extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t t
                                                                        int32_t max_seqlen_k) {
   if (total_q <= 0 || heads <= 0) return 0;
   if (heads_k <= 0 || max_seqlen_k <= 0) return attn_delta_bytes(total_q, heads);  // no key block: no map
-  return map_offset(total_q, heads) +
-         (size_t)heads_k * (size_t)map_chunks(total_q, kMapChunk) * (size_t)map_words(max_seqlen_k) * sizeof(int32_t);
+  const size_t partial = partial_bytes(total_q, heads_k);
+  const size_t map_end = map_offset(total_q, heads) + map_bytes(total_q, heads_k, max_seqlen_k);
+  return partial ? align256(map_end) + partial : map_end;
 }
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
@@ -146,18 +172,25 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   const infllmv2_sparse_attn_bwd_dq_unit* udq = nullptr;
   const infllmv2_sparse_attn_bwd_dkdv_unit* udkdv = nullptr;
   const infllmv2_sparse_attn_bwd_block_map_unit* umap = nullptr;
+  const infllmv2_sparse_attn_bwd_dkdv_reduce_unit* ured = nullptr;
   if ((st = pick_unit(op, infllmv2_sparse_attn_bwd_block_map_units, dev,
                       [](const infllmv2_sparse_attn_bwd_block_map_unit&) { return true; }, "block map", &umap)) !=
           INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_preprocess_units, dev,
                       matcher<infllmv2_sparse_attn_bwd_preprocess_unit>(s), desc(s), &pre)) != INFLLMV2_OK ||
-      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dq_units, dev, dq_matcher(s), desc(s), &udq)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dq_units, dev, group_matcher(s, infllmv2_sparse_attn_bwd_dq_units),
+                      desc(s), &udq)) != INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_units, dev, matcher<infllmv2_sparse_attn_bwd_dkdv_unit>(s),
-                      desc(s), &udkdv)) != INFLLMV2_OK)
+                      desc(s), &udkdv)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_reduce_units, dev,
+                      matcher<infllmv2_sparse_attn_bwd_dkdv_reduce_unit>(s), desc(s), &ured)) != INFLLMV2_OK)
     return st;
   if (umap->map_chunk != kMapChunk)
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s maps %d rows a chunk, this library expects %d", op, umap->name,
                 umap->map_chunk, kMapChunk);
+  if (udkdv->split_blocks != kSplitBlocks || udkdv->piece != kPiece)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s splits %d key blocks in pieces of %d queries, this library expects %d, %d",
+                op, udkdv->name, udkdv->split_blocks, udkdv->piece, kSplitBlocks, kPiece);
   if (total_k > 0 && max_seqlen_k > 0 && (total_q == 0 || max_seqlen_q == 0)) {
     // No query saw any key: the key gradients are zero, and no kernel would write them.
     const size_t bytes = (size_t)total_k * heads_k * head_dim * 2;
@@ -175,7 +208,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   int T = tile_tokens(udq->block_m, udq->t_max, groups);
   rc = udq->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
                  const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), const_cast<int32_t*>(cu_seqlens_q),
-                 const_cast<int32_t*>(cu_seqlens_k), dq, batch, (max_seqlen_q + T - 1) / T, groups, T, sl2,
+                 const_cast<int32_t*>(cu_seqlens_k), dq, batch, query_tiles(max_seqlen_q, T, udq->cluster), groups, T, sl2,
                  (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
   if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
   if (total_k == 0 || max_seqlen_k == 0) return INFLLMV2_OK;
@@ -184,10 +217,21 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   rc = umap->call(const_cast<int32_t*>(topk_idx), map, heads_k, (int)total_q, topk, chunks, words, stream);
   if ((st = launch_result(op, umap->name, rc, umap->last_error)) != INFLLMV2_OK) return st;
   T = tile_tokens(udkdv->block_m, udkdv->t_max, groups);
+  // a sequence of L > kPiece queries overlaps at most ceil(L / kPiece) + 1 pieces
+  const bool split = max_seqlen_q > kPiece && total_q > kPiece;
+  const int pieces = split ? (max_seqlen_q + kPiece - 1) / kPiece + 1 : 1;
+  float* partial = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) +
+                                                    align256(map_offset(total_q, heads) +
+                                                             map_bytes(total_q, heads_k, max_seqlen_k)))
+                         : delta;  // never indexed: no piece is split
+  const int n_pieces = split ? (int)packed_pieces(total_q) : 1;
   rc = udkdv->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
                    const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), map,
-                   const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), dk, dv, batch,
-                   (max_seqlen_k + kBlock - 1) / kBlock, groups, T, sl2, (int)total_q, heads, (int)total_k, heads_k,
-                   topk, chunks, words, batch + 1, stream);
-  return launch_result(op, udkdv->name, rc, udkdv->last_error);
+                   const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), dk, dv, partial, batch,
+                   (max_seqlen_k + kBlock - 1) / kBlock, pieces, groups, T, sl2, (int)total_q, heads, (int)total_k,
+                   heads_k, topk, chunks, words, batch + 1, n_pieces, stream);
+  if ((st = launch_result(op, udkdv->name, rc, udkdv->last_error)) != INFLLMV2_OK || !split) return st;
+  rc = ured->call(partial, const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), dk, dv, batch,
+                  heads_k, n_pieces, batch + 1, (int)total_k, stream);
+  return launch_result(op, ured->name, rc, ured->last_error);
 }

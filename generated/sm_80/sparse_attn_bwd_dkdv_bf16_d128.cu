@@ -18,8 +18,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, float* __restrict__ partial, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, int n_pieces, int pieces, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words);
+extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dV, float* __restrict__ partial, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, int n_pieces, int pieces, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
@@ -36,6 +36,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 93952));
   void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 94208));
   void* n_mem = ((void*)((char*)buf_dyn_shmem + 94464));
+  int kb = 0;
+  int j = 0;
+  int split = 0;
+  int t_a = 0;
+  int t_b = 0;
   float acc_dk[32];
   float acc_dv[32];
   int c_hit = 0;
@@ -78,75 +83,109 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
     condval_3 = 0;
   }
   int len_k = (condval_3 - k0);
-  if ((((int)blockIdx.x) * 64) < len_k) {
+  kb = ((int)blockIdx.x);
+  j = 0;
+  if (((int)blockIdx.x) < (pieces * 4)) {
+    int rmod = (((int)blockIdx.x) % pieces);
+    int rdiv = (((int)blockIdx.x) / pieces);
+    kb = ((((0 <= pieces) && (0 <= rmod)) || ((pieces < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
+    int rmod_1 = (((int)blockIdx.x) % pieces);
+    j = ((((0 <= pieces) && (0 <= rmod_1)) || ((pieces < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + pieces));
+  } else {
+    kb = ((((int)blockIdx.x) + 4) - (pieces * 4));
+  }
+  int condval_4;
+  if (((((int)blockIdx.x) < (pieces * 4)) && (8192 < len_q))) {
+    condval_4 = 1;
+  } else {
+    condval_4 = 0;
+  }
+  split = condval_4;
+  int piece = ((q0 >> 13) + j);
+  int tok_lo = max((((kb * 64) + len_q) - len_k), 0);
+  t_a = tok_lo;
+  t_b = len_q;
+  if (split == 1) {
+    t_a = max(tok_lo, ((piece * 8192) - q0));
+  }
+  if (split == 1) {
+    t_b = min(len_q, (((piece * 8192) + 8192) - q0));
+  }
+  int c_first = ((q0 + t_a) >> 6);
+  int condval_5;
+  if ((t_a < t_b)) {
+    condval_5 = (((((q0 + t_b) - 1) >> 6) + 1) - c_first);
+  } else {
+    condval_5 = 0;
+  }
+  int n_cand = condval_5;
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (((int)threadIdx.x) < 64) {
-      int rmod = (((int)threadIdx.x) % groups);
-      int rdiv = (((int)threadIdx.x) / groups);
-      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
-      int rmod_1 = (((int)threadIdx.x) % groups);
-      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.y) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
+      int rmod_2 = (((int)threadIdx.x) % groups);
+      int rdiv_1 = (((int)threadIdx.x) / groups);
+      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
+      int rmod_3 = (((int)threadIdx.x) % groups);
+      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.y) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups)));
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_4;
-      if (((((((((int)blockIdx.x) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      uint4 condval_6;
+      if (((((((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0))) && (0 <= ((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k))) {
+        condval_6 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_1 = 0; i_1 < 4; ++i_1) {
       bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
-      if (((((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      uint4 condval_7;
+      if (((((((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0))) && (0 <= ((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 4)) + k0) < total_k))) {
+        condval_7 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+        condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 1024)) + ((((int)threadIdx.x) >> 4) * 64)) + (((((((int)threadIdx.x) & 127) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_2 = 0; i_2 < 8; ++i_2) {
       float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dk + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_3 = 0; i_3 < 8; ++i_3) {
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
-    int condval_6;
-    if ((((((((int)blockIdx.x) * 64) + len_q) - len_k) < len_q) && (0 < len_q))) {
-      condval_6 = (((((q0 + len_q) - 1) >> 6) + 1) - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6));
-    } else {
-      condval_6 = 0;
-    }
-    for (int outer = 0; outer < ((condval_6 + 255) >> 8); ++outer) {
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    for (int outer = 0; outer < ((n_cand + 255) >> 8); ++outer) {
       c_hit = 0;
-      int condval_7;
-      if ((((((((int)blockIdx.x) * 64) + len_q) - len_k) < len_q) && (0 < len_q))) {
-        condval_7 = (((((q0 + len_q) - 1) >> 6) + 1) - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6));
-      } else {
-        condval_7 = 0;
-      }
-      if (((outer * 256) + ((int)threadIdx.x)) < condval_7) {
+      if (((outer * 256) + ((int)threadIdx.x)) < n_cand) {
         int condval_8;
-        if (((((((int)blockIdx.x) >> 5) < words) && (0 <= (((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)))) && ((((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)) < n_chunks))) {
-          condval_8 = block_map[(((((int64_t)((int)blockIdx.x)) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)256) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) + ((int64_t)q0)) >> (int64_t)6)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
+        if (((((0 <= kb) && ((kb >> 5) < words)) && (0 <= (((outer * 256) + c_first) + ((int)threadIdx.x)))) && ((((outer * 256) + c_first) + ((int)threadIdx.x)) < n_chunks))) {
+          condval_8 = block_map[(((((int64_t)kb) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)256) + ((int64_t)c_first)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
         } else {
           condval_8 = 0;
         }
-        c_hit = ((condval_8 >> (((int)blockIdx.x) & 31)) & 1);
+        c_hit = ((condval_8 >> (kb & 31)) & 1);
       }
       ((int*)cflag_s)[((int)threadIdx.x)] = c_hit;
       __syncthreads();
       tl::CumSum1D<256, false>::run((&(((int*)cflag_s)[0])), (&(((int*)cflag_s)[0])), 256);
       __syncthreads();
       if (c_hit == 1) {
-        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 256) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x));
+        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 256) + c_first) + ((int)threadIdx.x));
       }
       __syncthreads();
       n_hit = ((int*)cflag_s)[255];
@@ -156,10 +195,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         my_cnt = 0;
         t_start = 0;
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) - q0), max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0));
+          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) - q0), t_a);
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), len_q);
+          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), t_b);
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
           if (t_start < t_end) {
@@ -188,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                   } else {
                     condval_10 = 0;
                   }
-                  if ((0 <= condval_9) && (condval_10 < ((int)blockIdx.x))) {
+                  if ((0 <= condval_9) && (condval_10 < kb)) {
                     pos[t_1] = (pos[t_1] + (128 >> s));
                   }
                 }
@@ -212,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_11 = 0;
                 }
-                if (condval_11 == ((int)blockIdx.x)) {
+                if (condval_11 == kb) {
                   my_mask[0] = (my_mask[0] | (1 << t_2));
                 }
               }
@@ -248,9 +287,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         }
         __syncthreads();
         n_toks = ((int*)n_mem)[0];
-        int rmod_2 = (((n_toks + tile_tokens) - 1) % tile_tokens);
-        int rdiv_1 = (((n_toks + tile_tokens) - 1) / tile_tokens);
-        n_m = ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
+        int rmod_4 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+        int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+        n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
         if (0 < n_m) {
           for (int i_4 = 0; i_4 < 4; ++i_4) {
             __syncthreads();
@@ -411,6 +450,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           tl::cp_async_wait<0>();
           __syncthreads();
           int n_rows = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+          int kb_1 = kb;
           #pragma unroll
           for (int i_6 = 0; i_6 < 4; ++i_6) {
             float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
@@ -425,13 +465,13 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               for (int i_7 = 0; i_7 < 2; ++i_7) {
                 tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s0)[(((((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_7 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
               }
-              for (int j = 0; j < 2; ++j) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j * 8) + 4)));
+              for (int j_1 = 0; j_1 < 2; ++j_1) {
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_1 * 8)));
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j_1 * 8) + 4)));
               }
             }
           }
-          if ((n_rows == (tile_tokens * groups)) && (((((int)blockIdx.x) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+          if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
             for (int i_8 = 0; i_8 < 8; ++i_8) {
               float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
@@ -457,7 +497,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             #pragma unroll
             for (int i_9 = 0; i_9 < 16; ++i_9) {
               float condval_30;
-              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
                 condval_30 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               } else {
                 condval_30 = 0x0p+0f/*0.000000e+00*/;
@@ -479,9 +519,9 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               for (int i_11 = 0; i_11 < 2; ++i_11) {
                 tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s0)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_11 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_11 * 8)])));
               }
-              for (int j_1 = 0; j_1 < 2; ++j_1) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_1 * 8) + 4)));
+              for (int j_2 = 0; j_2 < 2; ++j_2) {
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_2 * 8)));
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_2 * 8) + 4)));
               }
             }
           }
@@ -524,9 +564,9 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               for (int i_14 = 0; i_14 < 4; ++i_14) {
                 tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
               }
-              for (int j_2 = 0; j_2 < 4; ++j_2) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_2 * 8) + 4)));
+              for (int j_3 = 0; j_3 < 4; ++j_3) {
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_3 * 8)));
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_3 * 8) + 4)));
               }
             }
           }
@@ -539,9 +579,9 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               for (int i_15 = 0; i_15 < 4; ++i_15) {
                 tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_15 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_15 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
               }
-              for (int j_3 = 0; j_3 < 4; ++j_3) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_3 * 8) + 4)));
+              for (int j_4 = 0; j_4 < 4; ++j_4) {
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_4 * 8)));
+                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_4 * 8) + 4)));
               }
             }
           }
@@ -550,23 +590,116 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         __syncthreads();
       }
     }
-    #pragma unroll
-    for (int i_16 = 0; i_16 < 16; ++i_16) {
-      if (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.x) * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __9;
-            float2 __10;
-              float2 v__8 = *(float2*)(acc_dk + (i_16 * 2));
-              float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __10.x = (v__8.x*v__9.x);
-              __10.y = (v__8.y*v__9.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__9))[0] = __float22bfloat162_rn(((float2*)(&__10))[0]);
-            *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
-            uint1 __11;
-            float2 v__10 = *(float2*)(acc_dv + (i_16 * 2));
-            (reinterpret_cast<__nv_bfloat162*>(&__11))[0] = __float22bfloat162_rn(((float2*)(&v__10))[0]);
-            *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __11;
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    if (split == 1) {
+      #pragma unroll
+      for (int i_16 = 0; i_16 < 16; ++i_16) {
+        int condval_31;
+        if ((j == 0)) {
+          condval_31 = 1;
+        } else {
+          condval_31 = 0;
+        }
+        if (0 <= condval_31) {
+          int condval_32;
+          if ((j == 0)) {
+            condval_32 = 1;
+          } else {
+            condval_32 = 0;
+          }
+          if (condval_32 < 2) {
+            if (0 <= piece) {
+              if (piece < n_pieces) {
+                if (0 <= kb) {
+                  if (kb < 4) {
+                    float2 __9;
+                      float2 v__8 = *(float2*)(acc_dk + (i_16 * 2));
+                      float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                      __9.x = (v__8.x*v__9.x);
+                      __9.y = (v__8.y*v__9.y);
+                    int64_t condval_33;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_33 = (int64_t)1;
+                    } else {
+                      condval_33 = (int64_t)0;
+                    }
+                    int64_t condval_34;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_34 = (int64_t)1;
+                    } else {
+                      condval_34 = (int64_t)0;
+                    }
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_34 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+                  }
+                }
+              }
+            }
+          }
+        }
+        int condval_35;
+        if ((j == 0)) {
+          condval_35 = 1;
+        } else {
+          condval_35 = 0;
+        }
+        if (0 <= condval_35) {
+          int condval_36;
+          if ((j == 0)) {
+            condval_36 = 1;
+          } else {
+            condval_36 = 0;
+          }
+          if (condval_36 < 2) {
+            if (0 <= piece) {
+              if (piece < n_pieces) {
+                if (0 <= kb) {
+                  if (kb < 4) {
+                    int64_t condval_37;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_37 = (int64_t)1;
+                    } else {
+                      condval_37 = (int64_t)0;
+                    }
+                    int64_t condval_38;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_38 = (int64_t)1;
+                    } else {
+                      condval_38 = (int64_t)0;
+                    }
+                    *(float2*)(partial + (((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_38 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_16 * 2));
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    } else {
+      #pragma unroll
+      for (int i_17 = 0; i_17 < 16; ++i_17) {
+        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+              uint1 __10;
+              float2 __11;
+                float2 v__10 = *(float2*)(acc_dk + (i_17 * 2));
+                float2 v__11 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __11.x = (v__10.x*v__11.x);
+                __11.y = (v__10.y*v__11.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
+              *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
+            }
+          }
+        }
+        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+              uint1 __12;
+              float2 v__12 = *(float2*)(acc_dv + (i_17 * 2));
+              (reinterpret_cast<__nv_bfloat162*>(&__12))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
+              *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
+            }
           }
         }
       }
@@ -601,7 +734,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init() {
     return 0;
 }
 
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ block_map, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ block_map, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -611,10 +744,10 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(bfloat16_t* __r
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_kblocks, heads_k, batch);
+		config.gridDim = dim3(pieces * 4 + max_kblocks - 4, heads_k, batch);
 		config.blockDim = dim3(256, 1, 1);
 		config.dynamicSmemBytes = 94480;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_kernel, Delta, K, LSE, Q, V, block_map, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_chunks, scale_log2, tile_tokens, topk, total_k, total_q, words);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_kernel, Delta, K, LSE, Q, V, block_map, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, partial, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_chunks, n_pieces, pieces, scale_log2, tile_tokens, topk, total_k, total_q, words);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_kernel");
 

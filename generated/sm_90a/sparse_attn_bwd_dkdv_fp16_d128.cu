@@ -20,8 +20,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, float* __restrict__ partial, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, int n_pieces, int pieces, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, float* __restrict__ partial, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, int n_pieces, int pieces, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
@@ -40,6 +40,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 109312));
   void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 109568));
   void* n_mem = ((void*)((char*)buf_dyn_shmem + 109824));
+  int kb = 0;
+  int j = 0;
+  int split = 0;
+  int t_a = 0;
+  int t_b = 0;
   float acc_dk[64];
   float acc_dv[64];
   int c_hit = 0;
@@ -84,75 +89,109 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     condval_3 = 0;
   }
   int len_k = (condval_3 - k0);
-  if ((((int)blockIdx.x) * 64) < len_k) {
+  kb = ((int)blockIdx.x);
+  j = 0;
+  if (((int)blockIdx.x) < (pieces * 4)) {
+    int rmod = (((int)blockIdx.x) % pieces);
+    int rdiv = (((int)blockIdx.x) / pieces);
+    kb = ((((0 <= pieces) && (0 <= rmod)) || ((pieces < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
+    int rmod_1 = (((int)blockIdx.x) % pieces);
+    j = ((((0 <= pieces) && (0 <= rmod_1)) || ((pieces < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + pieces));
+  } else {
+    kb = ((((int)blockIdx.x) + 4) - (pieces * 4));
+  }
+  int condval_4;
+  if (((((int)blockIdx.x) < (pieces * 4)) && (8192 < len_q))) {
+    condval_4 = 1;
+  } else {
+    condval_4 = 0;
+  }
+  split = condval_4;
+  int piece = ((q0 >> 13) + j);
+  int tok_lo = max((((kb * 64) + len_q) - len_k), 0);
+  t_a = tok_lo;
+  t_b = len_q;
+  if (split == 1) {
+    t_a = max(tok_lo, ((piece * 8192) - q0));
+  }
+  if (split == 1) {
+    t_b = min(len_q, (((piece * 8192) + 8192) - q0));
+  }
+  int c_first = ((q0 + t_a) >> 6);
+  int condval_5;
+  if ((t_a < t_b)) {
+    condval_5 = (((((q0 + t_b) - 1) >> 6) + 1) - c_first);
+  } else {
+    condval_5 = 0;
+  }
+  int n_cand = condval_5;
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (((int)threadIdx.x) < 64) {
-      int rmod = (((int)threadIdx.x) % groups);
-      int rdiv = (((int)threadIdx.x) / groups);
-      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1));
-      int rmod_1 = (((int)threadIdx.x) % groups);
-      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.y) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups)));
+      int rmod_2 = (((int)threadIdx.x) % groups);
+      int rdiv_1 = (((int)threadIdx.x) / groups);
+      ((int*)rtok_s)[((int)threadIdx.x)] = ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
+      int rmod_3 = (((int)threadIdx.x) % groups);
+      ((int*)rhead_s)[((int)threadIdx.x)] = ((((int)blockIdx.y) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups)));
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i = 0; i < 8; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_4;
-      if (((((((((int)blockIdx.x) * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      uint4 condval_6;
+      if (((((((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (0 <= ((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k))) {
+        condval_6 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+        condval_6 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((half_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((half_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_1 = 0; i_1 < 8; ++i_1) {
       half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
-      if (((((((((int)blockIdx.x) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.x) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+      uint4 condval_7;
+      if (((((((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (0 <= ((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k))) {
+        condval_7 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
+        condval_7 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((half_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((half_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_2 = 0; i_2 < 16; ++i_2) {
       float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dk + (i_2 * 4)) = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
     }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_3 = 0; i_3 < 16; ++i_3) {
       float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dv + (i_3 * 4)) = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
     }
-    int condval_6;
-    if ((((((((int)blockIdx.x) * 64) + len_q) - len_k) < len_q) && (0 < len_q))) {
-      condval_6 = (((((q0 + len_q) - 1) >> 6) + 1) - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6));
-    } else {
-      condval_6 = 0;
-    }
-    for (int outer = 0; outer < ((condval_6 + 127) >> 7); ++outer) {
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    for (int outer = 0; outer < ((n_cand + 127) >> 7); ++outer) {
       c_hit = 0;
-      int condval_7;
-      if ((((((((int)blockIdx.x) * 64) + len_q) - len_k) < len_q) && (0 < len_q))) {
-        condval_7 = (((((q0 + len_q) - 1) >> 6) + 1) - ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6));
-      } else {
-        condval_7 = 0;
-      }
-      if (((outer * 128) + ((int)threadIdx.x)) < condval_7) {
+      if (((outer * 128) + ((int)threadIdx.x)) < n_cand) {
         int condval_8;
-        if (((((((int)blockIdx.x) >> 5) < words) && (0 <= (((outer * 128) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)))) && ((((outer * 128) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x)) < n_chunks))) {
-          condval_8 = block_map[(((((int64_t)((int)blockIdx.x)) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)128) + ((max((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) + ((int64_t)q0)) >> (int64_t)6)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
+        if (((((0 <= kb) && ((kb >> 5) < words)) && (0 <= (((outer * 128) + c_first) + ((int)threadIdx.x)))) && ((((outer * 128) + c_first) + ((int)threadIdx.x)) < n_chunks))) {
+          condval_8 = block_map[(((((int64_t)kb) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)128) + ((int64_t)c_first)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
         } else {
           condval_8 = 0;
         }
-        c_hit = ((condval_8 >> (((int)blockIdx.x) & 31)) & 1);
+        c_hit = ((condval_8 >> (kb & 31)) & 1);
       }
       ((int*)cflag_s)[((int)threadIdx.x)] = c_hit;
       __syncthreads();
       tl::CumSum1D<128, false>::run((&(((int*)cflag_s)[0])), (&(((int*)cflag_s)[0])), 128);
       __syncthreads();
       if (c_hit == 1) {
-        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 128) + ((max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0) + q0) >> 6)) + ((int)threadIdx.x));
+        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 128) + c_first) + ((int)threadIdx.x));
       }
       __syncthreads();
       n_hit = ((int*)cflag_s)[127];
@@ -162,10 +201,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         my_cnt = 0;
         t_start = 0;
         if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) - q0), max((((((int)blockIdx.x) * 64) + len_q) - len_k), 0));
+          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) - q0), t_a);
         }
         if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) + 16) - q0), len_q);
+          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) + 16) - q0), t_b);
         }
         if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
@@ -194,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                   } else {
                     condval_10 = 0;
                   }
-                  if ((0 <= condval_9) && (condval_10 < ((int)blockIdx.x))) {
+                  if ((0 <= condval_9) && (condval_10 < kb)) {
                     pos[t_1] = (pos[t_1] + (128 >> s));
                   }
                 }
@@ -218,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_11 = 0;
                 }
-                if (condval_11 == ((int)blockIdx.x)) {
+                if (condval_11 == kb) {
                   my_mask[0] = (my_mask[0] | (1 << t_2));
                 }
               }
@@ -254,9 +293,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         }
         __syncthreads();
         n_toks = ((int*)n_mem)[0];
-        int rmod_2 = (((n_toks + tile_tokens) - 1) % tile_tokens);
-        int rdiv_1 = (((n_toks + tile_tokens) - 1) / tile_tokens);
-        n_m = ((((0 <= tile_tokens) && (0 <= rmod_2)) || ((tile_tokens < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1));
+        int rmod_4 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+        int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+        n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
         if (0 < n_m) {
           for (int i_4 = 0; i_4 < 8; ++i_4) {
             __syncthreads();
@@ -493,6 +532,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
           tl::fence_proxy_async();
           if ((m % 2) == 0) {
+            int kb_1 = kb;
             #pragma unroll
             for (int i_7 = 0; i_7 < 8; ++i_7) {
               float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
@@ -513,7 +553,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
             }
-            if ((n_rows_2 == (tile_tokens * groups)) && (((((int)blockIdx.x) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
               for (int i_8 = 0; i_8 < 16; ++i_8) {
                 float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
@@ -539,7 +579,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               #pragma unroll
               for (int i_9 = 0; i_9 < 32; ++i_9) {
                 float condval_39;
-                if ((((((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_9) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+                if ((((((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_9) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
                   condval_39 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_39 = 0x0p+0f/*0.000000e+00*/;
@@ -623,6 +663,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
           } else {
+            int kb_2 = kb;
             #pragma unroll
             for (int i_13 = 0; i_13 < 8; ++i_13) {
               float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
@@ -643,7 +684,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
             }
-            if ((n_rows_2 == (tile_tokens * groups)) && (((((int)blockIdx.x) * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
               for (int i_14 = 0; i_14 < 16; ++i_14) {
                 float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
@@ -669,7 +710,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               #pragma unroll
               for (int i_15 = 0; i_15 < 32; ++i_15) {
                 float condval_40;
-                if ((((((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] != -CUDART_INF_F)) && (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_15) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_15) & (int64_t)1))]))]) - len_q)))) {
+                if ((((((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_15 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_15) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_15) & (int64_t)1))]))]) - len_q)))) {
                   condval_40 = exp2f(((acc_sT[i_15] * scale_log2) - (((float*)lse_s1)[((((i_15 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_15 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_40 = 0x0p+0f/*0.000000e+00*/;
@@ -758,23 +799,116 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
         __syncthreads();
       }
     }
-    #pragma unroll
-    for (int i_19 = 0; i_19 < 32; ++i_19) {
-      if (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-        if (0 <= (((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-          if ((((((((int)blockIdx.x) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-            uint1 __17;
-            float2 __18;
-              float2 v__16 = *(float2*)(acc_dk + (i_19 * 2));
-              float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __18.x = (v__16.x*v__17.x);
-              __18.y = (v__16.y*v__17.y);
-            ((half2*)(&__17))[0] = __float22half2_rn(((float2*)(&__18))[0]);
-            *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
-            uint1 __19;
-            float2 v__18 = *(float2*)(acc_dv + (i_19 * 2));
-            ((half2*)(&__19))[0] = __float22half2_rn(((float2*)(&v__18))[0]);
-            *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)((int)blockIdx.x)) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __19;
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    if (split == 1) {
+      #pragma unroll
+      for (int i_19 = 0; i_19 < 32; ++i_19) {
+        int condval_41;
+        if ((j == 0)) {
+          condval_41 = 1;
+        } else {
+          condval_41 = 0;
+        }
+        if (0 <= condval_41) {
+          int condval_42;
+          if ((j == 0)) {
+            condval_42 = 1;
+          } else {
+            condval_42 = 0;
+          }
+          if (condval_42 < 2) {
+            if (0 <= piece) {
+              if (piece < n_pieces) {
+                if (0 <= kb) {
+                  if (kb < 4) {
+                    float2 __17;
+                      float2 v__16 = *(float2*)(acc_dk + (i_19 * 2));
+                      float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                      __17.x = (v__16.x*v__17.x);
+                      __17.y = (v__16.y*v__17.y);
+                    int64_t condval_43;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_43 = (int64_t)1;
+                    } else {
+                      condval_43 = (int64_t)0;
+                    }
+                    int64_t condval_44;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_44 = (int64_t)1;
+                    } else {
+                      condval_44 = (int64_t)0;
+                    }
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_44 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+                  }
+                }
+              }
+            }
+          }
+        }
+        int condval_45;
+        if ((j == 0)) {
+          condval_45 = 1;
+        } else {
+          condval_45 = 0;
+        }
+        if (0 <= condval_45) {
+          int condval_46;
+          if ((j == 0)) {
+            condval_46 = 1;
+          } else {
+            condval_46 = 0;
+          }
+          if (condval_46 < 2) {
+            if (0 <= piece) {
+              if (piece < n_pieces) {
+                if (0 <= kb) {
+                  if (kb < 4) {
+                    int64_t condval_47;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_47 = (int64_t)1;
+                    } else {
+                      condval_47 = (int64_t)0;
+                    }
+                    int64_t condval_48;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_48 = (int64_t)1;
+                    } else {
+                      condval_48 = (int64_t)0;
+                    }
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_48 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_19 * 2));
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    } else {
+      #pragma unroll
+      for (int i_20 = 0; i_20 < 32; ++i_20) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+              uint1 __18;
+              float2 __19;
+                float2 v__18 = *(float2*)(acc_dk + (i_20 * 2));
+                float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __19.x = (v__18.x*v__19.x);
+                __19.y = (v__18.y*v__19.y);
+              ((half2*)(&__18))[0] = __float22half2_rn(((float2*)(&__19))[0]);
+              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_20) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
+            }
+          }
+        }
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_20 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+              uint1 __20;
+              float2 v__20 = *(float2*)(acc_dv + (i_20 * 2));
+              ((half2*)(&__20))[0] = __float22half2_rn(((float2*)(&v__20))[0]);
+              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_20) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
+            }
           }
         }
       }
@@ -809,7 +943,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init() {
     return 0;
 }
 
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ block_map, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dK, half_t* __restrict__ dV, int batch, int max_kblocks, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, cudaStream_t stream) {
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ block_map, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dK, half_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -819,10 +953,10 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(half_t* __rest
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(max_kblocks, heads_k, batch);
+		config.gridDim = dim3(pieces * 4 + max_kblocks - 4, heads_k, batch);
 		config.blockDim = dim3(128, 1, 1);
 		config.dynamicSmemBytes = 109840;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_kernel, Delta, K, LSE, Q, V, block_map, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_chunks, scale_log2, tile_tokens, topk, total_k, total_q, words);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_kernel, Delta, K, LSE, Q, V, block_map, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, partial, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_chunks, n_pieces, pieces, scale_log2, tile_tokens, topk, total_k, total_q, words);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_kernel");
 
