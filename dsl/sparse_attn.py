@@ -123,8 +123,10 @@ def tile_tokens_max(arch):
 
 def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None):
     """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile
-    (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped); for bwd_dq also the
-    smallest group size the unit is meant for (the small unit would leave rows idle below it)."""
+    (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped, and how its first key
+    blocks are split); for fwd and bwd_dq also the smallest group size the unit is meant for (a
+    small unit would leave rows idle below it) and how many tiles run as one cluster (the grid is
+    rounded up to whole clusters)."""
     if kernel in TILED:
         small = tokens < tile_tokens_max(arch)
         return {"block_m": BLOCK_M, "t_max": tokens, "min_groups": BLOCK_M // tokens if small else 1,
