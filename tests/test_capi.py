@@ -235,3 +235,47 @@ def test_inconsistent_cu_seqlens_cannot_fault():
                              total_k=100, total_c=6, max_nc=6)
     assert status == _lib.OK, text
     torch.cuda.synchronize()  # an illegal address would surface here
+
+
+
+def _misaligned(t):
+    """A contiguous copy of t whose data pointer is one element (2 bytes) past 16-byte alignment."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+_SPARSE = infllmv2.SparseConfig(topk=8, dense_len=0)
+# op.argument -> a call on tensors t (q, k, v, cu, ck, cu_c) with that argument misaligned
+MISALIGNED = {
+    "compress_keys.k": lambda t: infllmv2.compress_keys(_misaligned(t.k), t.cu),
+    "select_blocks.q": lambda t: infllmv2.select_blocks(_misaligned(t.q), t.k, t.cu, t.cu, topk=8),
+    "select_blocks.k": lambda t: infllmv2.select_blocks(t.q, _misaligned(t.k), t.cu, t.cu, topk=8),
+    "group_scores.q": lambda t: infllmv2.group_scores(_misaligned(t.q), t.ck, t.cu, t.cu, t.cu_c),
+    "group_scores.ck": lambda t: infllmv2.group_scores(t.q, _misaligned(t.ck), t.cu, t.cu, t.cu_c),
+    "attention.sparse.q": lambda t: infllmv2.attention(_misaligned(t.q), t.k, t.v, t.cu, t.cu, config=_SPARSE),
+    "attention.sparse.k": lambda t: infllmv2.attention(t.q, _misaligned(t.k), t.v, t.cu, t.cu, config=_SPARSE),
+    "attention.dense.k": lambda t: infllmv2.attention(t.q, _misaligned(t.k), t.v, t.cu, t.cu),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(MISALIGNED))
+def test_misaligned_tensors_are_refused(case):
+    # TileLang moves rows by 16-byte vector loads (and tiles by TMA on sm_90a): a tensor one
+    # element past alignment had faulted with a misaligned address in the first five of these
+    from types import SimpleNamespace
+
+    from infllmv2.testing import cu_seqlens, random_tokens
+
+    lengths = [300, 1000]
+    t = SimpleNamespace(q=random_tokens(lengths, 16, 128, torch.bfloat16, "cuda", seed=1),
+                        k=random_tokens(lengths, 2, 128, torch.bfloat16, "cuda", seed=2),
+                        v=random_tokens(lengths, 2, 128, torch.bfloat16, "cuda", seed=3),
+                        cu=cu_seqlens(lengths, "cuda"))
+    t.ck, t.cu_c = infllmv2.compress_keys(t.k, t.cu)
+    name = case.rsplit(".", 1)[1]
+    with pytest.raises(infllmv2.Infllmv2ArgumentError, match=f"{name} must be 16-byte aligned"):
+        MISALIGNED[case](t)
+    torch.cuda.synchronize()  # a fault would surface here

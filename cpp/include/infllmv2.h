@@ -113,6 +113,7 @@ INFLLMV2_API const char* infllmv2_selected_arch(void);
  *   [in]  heads_k       >= 1 (<= 65535); head_dim 64 or 128
  *   [in]  kernel_size, kernel_stride  w >= 1, s >= 1 (32/16 fine, 128/64 coarse)
  *   [in]  stream        the stream to run on
+ *   k and ck 16-byte aligned (rows move by 16-byte vector loads and stores).
  *   No workspace. Rows are bounds-checked against total_k / total_c on the device, so
  *   inconsistent cu_seqlens give wrong values, never an out-of-bounds access.
  */
@@ -208,8 +209,8 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
  *   t <= p (p = Lk - Lq + i) when causal != 0, over all Lk keys when causal == 0. A query with
  *   no visible key (causal with Lq > Lk, or Lk = 0) gets out = 0 and lse = -inf.
  *
- *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse  as for infllmv2_sparse_attn_fwd; q, k
- *                      and v 16-byte aligned (the kernels load tiles of them by TMA on sm_90a)
+ *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse  as for infllmv2_sparse_attn_fwd; q, k,
+ *                      v and out 16-byte aligned (the kernels load tiles of them by TMA on sm_90a)
  *   [in]  max_seqlen_q, max_seqlen_k  the longest query and key sequences (size the grid)
  *   [in]  causal       0 or 1
  *   heads at most 65535 (a grid axis). No workspace. No host synchronisation: usable inside
@@ -228,8 +229,8 @@ INFLLMV2_API size_t infllmv2_dense_attn_bwd_workspace_size(int64_t total_q, int3
 /*
  * infllmv2_dense_attn_bwd: dq, dk, dv of infllmv2_dense_attn_fwd (dk, dv summed over each
  * group's G query heads). Arguments as for the forward plus out, lse (what it returned),
- * dout, and a workspace of infllmv2_dense_attn_bwd_workspace_size() bytes; dout and workspace
- * 16-byte aligned too. max_seqlen_k at most 65535 key blocks (128 keys on sm_90a, 64
+ * dout, and a workspace of infllmv2_dense_attn_bwd_workspace_size() bytes; dout, dq, dk, dv
+ * and workspace 16-byte aligned too. max_seqlen_k at most 65535 key blocks (128 keys on sm_90a, 64
  * elsewhere). Deterministic (no atomics): repeated calls are bitwise identical.
  */
 INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(
@@ -277,7 +278,8 @@ INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(
  *   [in]  norm_kernel_size, norm_kernel_stride  window and stride of norm_keys (ignored if NULL)
  *   [in]  softmax_scale  > 0, or 0 for 1/sqrt(head_dim)
  *   Sequences up to 8192 blocks (524288 keys) with the sm_90a kernels, 6144 blocks (393216 keys)
- *   with the sm_80/sm_89 ones (99 KB of shared memory). No workspace, no host synchronisation.
+ *   with the sm_80/sm_89 ones (99 KB of shared memory). q, ck and norm_keys 16-byte aligned.
+ *   No workspace, no host synchronisation.
  */
 INFLLMV2_API infllmv2_status infllmv2_select_blocks(
     const void* q, const void* ck, const void* norm_keys, const int32_t* cu_seqlens_q,
@@ -300,7 +302,7 @@ INFLLMV2_API infllmv2_status infllmv2_select_blocks(
  *   [out] topk_idx       int32 (heads_k, total_q, topk), as for infllmv2_select_blocks
  *   [in]  workspace      device memory of infllmv2_select_blocks_from_keys_workspace_size() bytes
  *   [in]  approx_lse     1: normalise over the coarse keys; 0: over the fine keys (exact)
- *   Other arguments as for infllmv2_select_blocks.
+ *   Other arguments as for infllmv2_select_blocks; q, k and workspace 16-byte aligned.
  */
 INFLLMV2_API size_t infllmv2_select_blocks_from_keys_workspace_size(int32_t batch, int64_t total_k,
                                                                      int32_t heads_k, int32_t head_dim,
@@ -383,6 +385,7 @@ INFLLMV2_API size_t infllmv2_attention_fwd_workspace_size(int32_t batch, int64_t
  *   [in]  workspace    device memory of infllmv2_attention_fwd_workspace_size() bytes
  *   [in]  max_seqlen_q, max_seqlen_k  the longest sequences (the switch and the grids)
  *   [in]  config       see infllmv2_sparse_config; softmax_scale 0 for 1/sqrt(head_dim)
+ * q, k, v, out and workspace 16-byte aligned.
  * Support: what its ops support (bf16/fp16, head_dim 64/128, G <= 64, K <= 128).
  */
 INFLLMV2_API infllmv2_status infllmv2_attention_fwd(

@@ -154,6 +154,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
   infllmv2_status st = current_device(op, &dev);
   if (st != INFLLMV2_OK) return st;
   if ((st = check_device_pointer(op, "workspace", workspace, dev)) != INFLLMV2_OK) return st;
+  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"workspace", workspace}})) != INFLLMV2_OK) return st;
 
   int32_t* cu_c = at<int32_t>(workspace, l.cu_c);
   int32_t* cu_n = approx_lse ? at<int32_t>(workspace, l.cu_n) : nullptr;
@@ -207,6 +208,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
   if (st != INFLLMV2_OK) return st;
   if ((st = check_group_layout(kOp, dtype, head_dim, batch, heads, heads_k)) != INFLLMV2_OK) return st;
   if ((st = check_attn_sizes(kOp, total_q, total_k, max_seqlen_q, max_seqlen_k, softmax_scale)) != INFLLMV2_OK)
+    return st;
+  // named here, not by the op it dispatches to
+  if ((st = check_aligned(kOp, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"workspace", workspace}})) != INFLLMV2_OK)
     return st;
   const infllmv2_sparse_config& c = *config;
   if (max_seqlen_k < c.dense_len)

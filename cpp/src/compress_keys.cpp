@@ -56,6 +56,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys(
   if (punct_mask != nullptr && total_k > 0 &&
       (st = check_device_pointer(kOp, "punct_mask", punct_mask, dev)) != INFLLMV2_OK)
     return st;
+  if ((st = check_aligned(kOp, {{"k", k}, {"ck", ck}})) != INFLLMV2_OK) return st;
 
   const int phsa = punct_mask != nullptr;
   const std::string desc = std::string("dtype=") + dtype_name(dtype) + " head_dim=" + std::to_string(head_dim);

@@ -53,7 +53,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_fwd(
   if (total_q > 0 && (st = check_device_pointers(op, dev, {{"q", q}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
     return st;
   if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
-  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
+  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}})) != INFLLMV2_OK) return st;
 
   const infllmv2_dense_attn_fwd_unit* unit = nullptr;
   st = pick_unit(op, infllmv2_dense_attn_fwd_units, dev, matcher<infllmv2_dense_attn_fwd_unit>(s), desc(s), &unit);
@@ -105,7 +105,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_attn_bwd(
     return st;
   if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}, {"dk", dk}, {"dv", dv}})) != INFLLMV2_OK)
     return st;
-  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"dout", dout}, {"workspace", workspace}})) != INFLLMV2_OK)
+  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk},
+                             {"dv", dv}, {"workspace", workspace}})) != INFLLMV2_OK)
     return st;
 
   const infllmv2_dense_attn_bwd_preprocess_unit* pre = nullptr;

@@ -71,7 +71,7 @@ infllmv2_status check_scoring_pointers(const char* op, const Device& dev, const 
   if (s.total_c > 0 && (st = check_device_pointers(op, dev, {{"ck", ck}})) != INFLLMV2_OK) return st;
   if (s.has_norm && s.total_norm > 0 && (st = check_device_pointers(op, dev, {{"norm_keys", norm_keys}})) != INFLLMV2_OK)
     return st;
-  return INFLLMV2_OK;
+  return check_aligned(op, {{"q", q}, {"ck", ck}, {"norm_keys", s.has_norm ? norm_keys : nullptr}});
 }
 
 // The normaliser the kernels iterate: norm_keys, or the fine keys themselves (exact).
