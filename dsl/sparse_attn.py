@@ -956,7 +956,9 @@ def _bwd_dkdv(dtype, D, arch):
             tx = T.get_thread_binding()
             q0 = cu_seqlens_q[b]
             k0 = cu_seqlens_k[b]
-            len_q = cu_seqlens_q[b + 1] - q0
+            # clamped to the packed rows, as bwd_dkdv_reduce does: cu_seqlens_q past total_q (a
+            # caller's bug) must not take a piece past the partial slots
+            len_q = T.min(cu_seqlens_q[b + 1], total_q) - q0
             len_k = cu_seqlens_k[b + 1] - k0
             shift = len_k - len_q
             # computed once into registers: as expressions, the divisions by `pieces` were inlined
@@ -973,7 +975,8 @@ def _bwd_dkdv(dtype, D, arch):
                 j = bx % pieces
             else:
                 kb = bx - SPLIT_BLOCKS * (pieces - 1)
-            split = T.if_then_else(bx < SPLIT_BLOCKS * pieces and len_q > PIECE, 1, 0)
+            # pieces == 1: the host found no sequence longer than PIECE and allotted no partial slots
+            split = T.if_then_else(bx < SPLIT_BLOCKS * pieces and len_q > PIECE and pieces > 1, 1, 0)
             piece = q0 // PIECE + j
             # queries at positions before this block's first key cannot see it; of the rest, the
             # rows t_a .. t_b - 1 (a piece's, if split) lie in the map chunks c_first ..
@@ -1114,13 +1117,14 @@ def _bwd_dkdv_reduce(dtype, D, arch):
         dK: T.Tensor([total_k, heads_k, D], dtype),
         dV: T.Tensor([total_k, heads_k, D], dtype),
         batch: T.int32,
+        total_q: T.int32,
     ):
         with T.Kernel(SPLIT_BLOCKS, heads_k, batch, threads=128) as (kb, hk, b):
             acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
             acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
             q0 = cu_seqlens_q[b]
             k0 = cu_seqlens_k[b]
-            len_q = cu_seqlens_q[b + 1] - q0
+            len_q = T.min(cu_seqlens_q[b + 1], total_q) - q0  # as bwd_dkdv clamps it
             len_k = cu_seqlens_k[b + 1] - k0
             if len_q > PIECE and kb * BLOCK_N < len_k:
                 T.clear(acc_dk)

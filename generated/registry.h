@@ -1112,8 +1112,8 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- sparse_attn_bwd_dkdv_reduce: call(partial, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, heads_k, n_pieces, batch_plus_one, total_k, stream)
-typedef int (*infllmv2_sparse_attn_bwd_dkdv_reduce_call_fn)(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+// ---- sparse_attn_bwd_dkdv_reduce: call(partial, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, total_q, heads_k, n_pieces, batch_plus_one, total_k, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dkdv_reduce_call_fn)(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_reduce_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
@@ -1124,62 +1124,62 @@ struct infllmv2_sparse_attn_bwd_dkdv_reduce_unit {
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_call(void* partial, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_dkdv_reduce_unit infllmv2_sparse_attn_bwd_dkdv_reduce_units[] = {

@@ -194,6 +194,28 @@ def test_backward_is_bitwise_deterministic():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[300, 1000], [9000, 300]])
+def test_backward_with_cu_seqlens_past_total_q_stays_in_its_workspace(lengths):
+    # cu_seqlens_q ending past total_q (a C caller's bug) gives wrong gradients but writes
+    # nothing past the workspace. bwd_dkdv had taken the last sequence for one of more than
+    # 8192 queries and written partial dK/dV where the host, having split no sequence, had
+    # allotted no slots: the first case wrote past the workspace. The second has slots; its
+    # pieces past the packed rows' last must stay out of them too.
+    q, k, v, cu_q, cu_k, idx = _case(lengths, lengths, 8, 128, torch.bfloat16)
+    out, lse = _fwd_poisoned(q, k, v, cu_q, cu_k, idx)
+    bad_q = cu_q.clone()
+    bad_q[-1] = 1_000_000
+    mq = mk = max(lengths)
+    n = sparse_attn_bwd_workspace_floats(q, k, mk)
+    ws = torch.full((n + (1 << 20),), 7.0, device="cuda")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    sparse_attn_bwd_launch(torch.randn_like(q), q, k, v, out, lse, sort_topk_idx(idx), bad_q, cu_k, mq, mk, 0.0, dq,
+                           dk, dv, ws[:n])
+    torch.cuda.synchronize()
+    assert bool((ws[n:] == 7.0).all()), "the backward wrote past its workspace"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
 @pytest.mark.parametrize("G", [1, 4, 16])
 def test_portable_arch_variants_through_ptx(arch, G, arch_override):

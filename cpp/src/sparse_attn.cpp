@@ -232,6 +232,6 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                    heads_k, topk, chunks, words, batch + 1, n_pieces, stream);
   if ((st = launch_result(op, udkdv->name, rc, udkdv->last_error)) != INFLLMV2_OK || !split) return st;
   rc = ured->call(partial, const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), dk, dv, batch,
-                  heads_k, n_pieces, batch + 1, (int)total_k, stream);
+                  (int)total_q, heads_k, n_pieces, batch + 1, (int)total_k, stream);
   return launch_result(op, ured->name, rc, ured->last_error);
 }

@@ -75,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
+  int len_q = (min(condval_2, total_q) - q0);
   int condval_3;
   if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
     condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
@@ -95,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
     kb = ((((int)blockIdx.x) + 4) - (pieces * 4));
   }
   int condval_4;
-  if (((((int)blockIdx.x) < (pieces * 4)) && (8192 < len_q))) {
+  if ((((((int)blockIdx.x) < (pieces * 4)) && (8192 < len_q)) && (1 < pieces))) {
     condval_4 = 1;
   } else {
     condval_4 = 0;

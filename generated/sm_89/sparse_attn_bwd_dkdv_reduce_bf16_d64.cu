@@ -15,8 +15,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_kernel(const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, const float* __restrict__ partial, int batch, int batch_plus_one, int heads_k, int n_pieces, int total_k);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_kernel(const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, const float* __restrict__ partial, int batch, int batch_plus_one, int heads_k, int n_pieces, int total_k) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_kernel(const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, const float* __restrict__ partial, int batch, int batch_plus_one, int heads_k, int n_pieces, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_kernel(const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, const float* __restrict__ partial, int batch, int batch_plus_one, int heads_k, int n_pieces, int total_k, int total_q) {
   float acc_dk[32];
   float acc_dv[32];
   int condval;
@@ -39,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
+  int len_q = (min(condval_2, total_q) - q0);
   int condval_3;
   if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
     condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
@@ -182,7 +182,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_init() {
     return 0;
 }
 
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_call(float* __restrict__ partial, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, int batch, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream) {
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_call(float* __restrict__ partial, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, int batch, int total_q, int heads_k, int n_pieces, int batch_plus_one, int total_k, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -195,7 +195,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_call(float* __
 		config.gridDim = dim3(4, heads_k, batch);
 		config.blockDim = dim3(128, 1, 1);
 		config.dynamicSmemBytes = 0;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_kernel, cu_seqlens_k, cu_seqlens_q, dK, dV, partial, batch, batch_plus_one, heads_k, n_pieces, total_k);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_kernel, cu_seqlens_k, cu_seqlens_q, dK, dV, partial, batch, batch_plus_one, heads_k, n_pieces, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_reduce_bf16_d64_sm89_kernel");
 
