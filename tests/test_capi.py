@@ -1,12 +1,14 @@
 """The C ABI itself, through ctypes: build info, arch override, status codes and messages."""
 
 import ctypes
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import infllmv2
 from infllmv2 import _lib
+from infllmv2.testing import cu_seqlens, random_tokens
 
 
 def _compress(k=1, cu_k=1, cu_c=1, punct=None, lam=0.5, ck=1, batch=1, total_k=64, total_c=3, max_nc=3,
@@ -156,7 +158,6 @@ def test_sparse_attn_bwd_workspace_size():
 def test_select_blocks_from_keys_matches_the_ops_it_runs(approx, phsa):
     """Bitwise the selection of the three ops called one by one (each tested against the reference)."""
     from infllmv2.ops import compress_keys, select_blocks_launch
-    from infllmv2.testing import cu_seqlens
 
     torch.manual_seed(0)
     lengths = [1, 63, 64, 65, 3000, 777]
@@ -237,7 +238,6 @@ def test_inconsistent_cu_seqlens_cannot_fault():
     torch.cuda.synchronize()  # an illegal address would surface here
 
 
-
 def _misaligned(t):
     """A contiguous copy of t whose data pointer is one element (2 bytes) past 16-byte alignment."""
     flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
@@ -265,10 +265,6 @@ MISALIGNED = {
 def test_misaligned_tensors_are_refused(case):
     # TileLang moves rows by 16-byte vector loads (and tiles by TMA on sm_90a): a tensor one
     # element past alignment had faulted with a misaligned address in the first five of these
-    from types import SimpleNamespace
-
-    from infllmv2.testing import cu_seqlens, random_tokens
-
     lengths = [300, 1000]
     t = SimpleNamespace(q=random_tokens(lengths, 16, 128, torch.bfloat16, "cuda", seed=1),
                         k=random_tokens(lengths, 2, 128, torch.bfloat16, "cuda", seed=2),

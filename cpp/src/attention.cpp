@@ -12,9 +12,7 @@ namespace {
 constexpr const char* kOp = "infllmv2_attention_fwd";
 // The stage-1 kernels' DSL build parameters (dsl/select_blocks.py) and stage 2's row limit.
 constexpr int kFineW = 32, kFineS = 16, kBlock = 64, kMaxK = 128;
-constexpr size_t kAlign = 256;
 
-size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 int64_t windows(int64_t len, int w, int s) { return len >= w ? (len - w) / s + 1 : 0; }
 
@@ -59,10 +57,10 @@ SelectLayout select_layout(int32_t batch, int64_t total_k, int32_t heads_k, int3
   l.bound_c = total_k / kFineS + batch;
   l.bound_n = approx_lse ? total_k / norm_kernel_stride + batch : 0;
   size_t at = 0;
-  l.cu_c = at, at += align_up((size_t)(batch + 1) * 4);
-  l.cu_n = at, at += align_up((size_t)(batch + 1) * 4);
-  l.ck = at, at += align_up((size_t)l.bound_c * row);
-  l.nk = at, at += align_up((size_t)l.bound_n * row);
+  l.cu_c = at, at += align256((size_t)(batch + 1) * 4);
+  l.cu_n = at, at += align256((size_t)(batch + 1) * 4);
+  l.ck = at, at += align256((size_t)l.bound_c * row);
+  l.nk = at, at += align256((size_t)l.bound_n * row);
   l.total = at;
   return l;
 }
@@ -77,7 +75,7 @@ Layout layout(int32_t batch, int64_t total_q, int64_t total_k, int32_t heads_k, 
               const infllmv2_sparse_config& c) {
   Layout l;
   l.select = select_layout(batch, total_k, heads_k, head_dim, c.approx_lse != 0, c.norm_kernel_stride).total;
-  l.total = l.select + align_up((size_t)heads_k * total_q * selected(c) * 4);
+  l.total = l.select + align256((size_t)heads_k * total_q * selected(c) * 4);
   return l;
 }
 

@@ -61,6 +61,9 @@ infllmv2_status check_key_blocks_on_grid(const char* op, int32_t max_seqlen_k, i
 
 // Bytes of Delta = rowsum(dO * O), fp32 (heads, total_q), which both attention backwards keep
 // at the start of their workspace.
+// Workspace regions start at 256-byte boundaries (TMA boxes and vector loads need 16 bytes).
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
 inline size_t attn_delta_bytes(int64_t total_q, int32_t heads) {
   return (size_t)total_q * (size_t)heads * sizeof(float);
 }

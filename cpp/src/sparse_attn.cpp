@@ -114,8 +114,6 @@ namespace {
 // bwd_block_map, int32 (heads_k, chunks, words), then at a 256-byte boundary, where a sequence
 // may have more than kPiece queries, bwd_dkdv's partial dK/dV: fp32 (kSplitBlocks, heads_k,
 // pieces of the packed queries, 2 sides, dK/dV, kBlock, head_dim), sized for head_dim 128.
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-size_t map_offset(int64_t total_q, int32_t heads) { return align256(attn_delta_bytes(total_q, heads)); }
 int64_t map_chunks(int64_t total_q, int map_chunk) { return (total_q + map_chunk - 1) / map_chunk; }
 int64_t map_words(int32_t max_seqlen_k) { return ((int64_t)max_seqlen_k + kBlock * 32 - 1) / (kBlock * 32); }
 size_t map_bytes(int64_t total_q, int32_t heads_k, int32_t max_seqlen_k) {
@@ -127,15 +125,27 @@ size_t partial_bytes(int64_t total_q, int32_t heads_k) {
   return (size_t)kSplitBlocks * heads_k * packed_pieces(total_q) * 2 * 2 * kBlock * kMaxHeadDim * sizeof(float);
 }
 
+// Byte offsets of the regions above (partial 0 when there is none) and the total.
+struct BwdLayout {
+  size_t map, partial, total;
+};
+BwdLayout bwd_layout(int64_t total_q, int32_t heads, int32_t heads_k, int32_t max_seqlen_k) {
+  BwdLayout l;
+  l.map = align256(attn_delta_bytes(total_q, heads));
+  const size_t map_end = l.map + map_bytes(total_q, heads_k, max_seqlen_k);
+  const size_t partial = partial_bytes(total_q, heads_k);
+  l.partial = partial ? align256(map_end) : 0;
+  l.total = partial ? l.partial + partial : map_end;
+  return l;
+}
+
 }  // namespace
 
 extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads, int32_t heads_k,
                                                                        int32_t max_seqlen_k) {
   if (total_q <= 0 || heads <= 0) return 0;
   if (heads_k <= 0 || max_seqlen_k <= 0) return attn_delta_bytes(total_q, heads);  // no key block: no map
-  const size_t partial = partial_bytes(total_q, heads_k);
-  const size_t map_end = map_offset(total_q, heads) + map_bytes(total_q, heads_k, max_seqlen_k);
-  return partial ? align256(map_end) + partial : map_end;
+  return bwd_layout(total_q, heads, heads_k, max_seqlen_k).total;
 }
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
@@ -212,7 +222,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                  (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
   if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
   if (total_k == 0 || max_seqlen_k == 0) return INFLLMV2_OK;
-  int32_t* map = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + map_offset(total_q, heads));
+  const BwdLayout l = bwd_layout(total_q, heads, heads_k, max_seqlen_k);
+  int32_t* map = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + l.map);
   const int chunks = (int)map_chunks(total_q, kMapChunk), words = (int)map_words(max_seqlen_k);
   rc = umap->call(const_cast<int32_t*>(topk_idx), map, heads_k, (int)total_q, topk, chunks, words, stream);
   if ((st = launch_result(op, umap->name, rc, umap->last_error)) != INFLLMV2_OK) return st;
@@ -220,10 +231,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   // a sequence of L > kPiece queries overlaps at most ceil(L / kPiece) + 1 pieces
   const bool split = max_seqlen_q > kPiece && total_q > kPiece;
   const int pieces = split ? (max_seqlen_q + kPiece - 1) / kPiece + 1 : 1;
-  float* partial = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) +
-                                                    align256(map_offset(total_q, heads) +
-                                                             map_bytes(total_q, heads_k, max_seqlen_k)))
-                         : delta;  // never indexed: no piece is split
+  // split implies total_q > kPiece, so the layout has the partial slots
+  float* partial = split ? reinterpret_cast<float*>(static_cast<char*>(workspace) + l.partial)
+                         : delta;  // never indexed: with pieces == 1 the kernel splits nothing
   const int n_pieces = split ? (int)packed_pieces(total_q) : 1;
   rc = udkdv->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
                    const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), map,
