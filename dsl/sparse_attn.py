@@ -822,29 +822,38 @@ def _bwd_dkdv(dtype, D, arch):
     scan_tile = _make_scan_tile(topk, SCAN_T)
     prefetch = _prefetch(arch)
     NV = BM * D // VEC
+    NI = NV // threads  # 16-byte vectors a thread copies per tile and tensor
+    assert NV % threads == 0
 
     @T.macro
-    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab):
+    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab, rowl, headl):
         # cp.async, zero-filled past the member rows, and no wait: the next group's rows load
         # while the current one is computed. Per-thread copies because the rows are a gather:
         # row r is head rhead_s[r] of member token tok_s[base + rtok_s[r]]. (Computing
-        # r -> token, head here instead of reading rtok_s / rhead_s removes barriers but made
-        # the kernel 60% slower on an H100.)
-        for i in T.serial(T.ceildiv(NV, threads)):
-            v = i * threads + tx
-            if v < NV:
-                r = v // (D // VEC)
-                d = (v % (D // VEC)) * VEC
-                row = q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0)
-                T.ptx_cp_async(T.access_ptr(Qb[r, d], "w", VEC), T.access_ptr(Q[row, rhead_s[r], d], "r", VEC), VEC,
-                               predicate=r < n_rows)
-                T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[row, rhead_s[r], d], "r", VEC), VEC,
-                               predicate=r < n_rows)
+        # r -> token, head here instead of reading rtok_s / rhead_s made the kernel 60% slower on
+        # an H100.) All of a thread's rows are read into registers (rowl, headl; the last entry
+        # is its LSE / Delta row) before any copy is issued: TileLang's sync planner cannot tell
+        # the merged shared buffers apart, and with a read of tok_s before each copy it put a
+        # __syncthreads() before every read and every copy, 25 a group (H100, 32K x 8: half of
+        # the kernel's warp samples were in this macro).
+        for i in T.unroll(NI):
+            r = (i * threads + tx) // (D // VEC)
+            rowl[i] = q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0)
+            headl[i] = rhead_s[r]
         if tx < BM:
-            row = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
-            T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[rhead_s[tx], row], "r", 1), 1,
+            rowl[NI] = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
+            headl[NI] = rhead_s[tx]
+        for i in T.unroll(NI):
+            r = (i * threads + tx) // (D // VEC)
+            d = ((i * threads + tx) % (D // VEC)) * VEC
+            T.ptx_cp_async(T.access_ptr(Qb[r, d], "w", VEC), T.access_ptr(Q[rowl[i], headl[i], d], "r", VEC), VEC,
+                           predicate=r < n_rows)
+            T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[rowl[i], headl[i], d], "r", VEC), VEC,
+                           predicate=r < n_rows)
+        if tx < BM:
+            T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[headl[NI], rowl[NI]], "r", 1), 1,
                            predicate=tx < n_rows)
-            T.ptx_cp_async(T.access_ptr(deltab[tx], "w", 1), T.access_ptr(Delta[rhead_s[tx], row], "r", 1), 1,
+            T.ptx_cp_async(T.access_ptr(deltab[tx], "w", 1), T.access_ptr(Delta[headl[NI], rowl[NI]], "r", 1), 1,
                            predicate=tx < n_rows)
 
     @T.macro
@@ -942,6 +951,8 @@ def _bwd_dkdv(dtype, D, arch):
             # integer divisions by G into every load and mask of every query tile
             rtok_s = T.alloc_shared([BM], "int32")
             rhead_s = T.alloc_shared([BM], "int32")
+            rowl = T.alloc_local([NI + 1], "int32")
+            headl = T.alloc_local([NI + 1], "int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BM], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BM], accum)
             if reg_operands:
@@ -1045,7 +1056,7 @@ def _bwd_dkdv(dtype, D, arch):
                         n_m = T.ceildiv(n_toks, tile_tokens)
                         if n_m > 0:
                             load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
                             T.ptx_commit_group()
                         for m in T.serial(n_m):
                             if prefetch:
@@ -1053,10 +1064,10 @@ def _bwd_dkdv(dtype, D, arch):
                                     nb = (m + 1) * tile_tokens
                                     if m % 2 == 0:
                                         load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups,
-                                                  tok_s, rtok_s, rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1)
+                                                  tok_s, rtok_s, rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl)
                                     else:
                                         load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups,
-                                                  tok_s, rtok_s, rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                                                  tok_s, rtok_s, rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
                                     T.ptx_commit_group()
                                     T.ptx_wait_group(1)
                                 else:
@@ -1065,7 +1076,7 @@ def _bwd_dkdv(dtype, D, arch):
                                 if m > 0:
                                     load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
                                               T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
-                                              rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0)
+                                              rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
                                     T.ptx_commit_group()
                                 T.ptx_wait_group(0)
                             T.sync_threads()

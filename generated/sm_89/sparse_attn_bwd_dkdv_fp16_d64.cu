@@ -53,6 +53,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   int n_put = 0;
   int n_toks = 0;
   int n_m = 0;
+  int rowl[3];
+  int headl[3];
   float acc_sT[16];
   float acc_dpT[16];
   int condval;
@@ -291,159 +293,90 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
         n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
         if (0 < n_m) {
+          #pragma unroll
           for (int i_4 = 0; i_4 < 2; ++i_4) {
-            __syncthreads();
             int condval_12;
             if ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups))) {
               condval_12 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]];
             } else {
               condval_12 = 0;
             }
-            int row = (q0 + condval_12);
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
-            __syncthreads();
-            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_4 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (row < total_q)) && (0 <= row)) && (((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))])));
+            rowl[i_4] = (q0 + condval_12);
+            headl[i_4] = ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))];
+          }
+        }
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            int condval_13;
+            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+              condval_13 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+            } else {
+              condval_13 = 0;
+            }
+            rowl[2] = (q0 + condval_13);
+          }
+        }
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
           }
         }
         __syncthreads();
         if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            int64_t condval_13;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-              condval_13 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-            } else {
-              condval_13 = (int64_t)0;
-            }
-            int64_t condval_14;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-              condval_14 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-            } else {
-              condval_14 = (int64_t)0;
-            }
-                        int condval_15;
-            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_15 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-            } else {
-              condval_15 = 0;
-            }
-            int condval_16;
-            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_16 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-            } else {
-              condval_16 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_14)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_15) < total_q)) && (0 <= (q0 + condval_16))));
+          #pragma unroll
+          for (int i_5 = 0; i_5 < 2; ++i_5) {
+            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)headl[((int64_t)i_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_5)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (rowl[i_5] < total_q)) && (0 <= rowl[i_5])) && (headl[i_5] < heads)) && (0 <= headl[i_5])));
+            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)headl[((int64_t)i_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_5)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (rowl[i_5] < total_q)) && (0 <= rowl[i_5])) && (headl[i_5] < heads)) && (0 <= headl[i_5])));
           }
         }
-        __syncthreads();
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            int64_t condval_17;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-              condval_17 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-            } else {
-              condval_17 = (int64_t)0;
-            }
-            int64_t condval_18;
-            if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), ((int64_t)n_toks)) * ((int64_t)groups)))) {
-              condval_18 = ((int64_t)((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]]);
-            } else {
-              condval_18 = (int64_t)0;
-            }
-                        int condval_19;
-            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_19 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-            } else {
-              condval_19 = 0;
-            }
-            int condval_20;
-            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_20 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-            } else {
-              condval_20 = 0;
-            }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_18)])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_19) < total_q)) && (0 <= (q0 + condval_20))));
+            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+          }
+        }
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
           }
         }
         if (0 < n_m) {
           tl::cp_async_commit();
         }
+        __syncthreads();
         for (int m = 0; m < n_m; ++m) {
           if (0 < m) {
-            for (int i_5 = 0; i_5 < 2; ++i_5) {
-              __syncthreads();
-              int condval_21;
-              if ((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_21 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
+            #pragma unroll
+            for (int i_6 = 0; i_6 < 2; ++i_6) {
+              int condval_14;
+              if ((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_14 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
               } else {
-                condval_21 = 0;
+                condval_14 = 0;
               }
-              int row_1 = (q0 + condval_21);
-              __syncthreads();
-              tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
-              __syncthreads();
-              tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)((int*)rhead_s)[((((int64_t)i_5) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * (int64_t)64) + ((((int64_t)row_1) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (row_1 < total_q)) && (0 <= row_1)) && (((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))] < heads)) && (0 <= ((int*)rhead_s)[((i_5 * 32) + (((int)threadIdx.x) >> 3))])));
+              rowl[i_6] = (q0 + condval_14);
+              headl[i_6] = ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))];
+            }
+            if (((int)threadIdx.x) < 64) {
+              int condval_15;
+              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_15 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              } else {
+                condval_15 = 0;
+              }
+              rowl[2] = (q0 + condval_15);
+              headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
             }
           }
           __syncthreads();
           if (0 < m) {
-            if (((int)threadIdx.x) < 64) {
-              int64_t condval_22;
-              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-                condval_22 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
-              } else {
-                condval_22 = (int64_t)0;
-              }
-              int64_t condval_23;
-              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-                condval_23 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
-              } else {
-                condval_23 = (int64_t)0;
-              }
-                            int condval_24;
-              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_24 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-              } else {
-                condval_24 = 0;
-              }
-              int condval_25;
-              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_25 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-              } else {
-                condval_25 = 0;
-              }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_23)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_24) < total_q)) && (0 <= (q0 + condval_25))));
+            #pragma unroll
+            for (int i_7 = 0; i_7 < 2; ++i_7) {
+              tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_7 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)headl[((int64_t)i_7)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_7)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_7 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[i_7] < total_q)) && (0 <= rowl[i_7])) && (headl[i_7] < heads)) && (0 <= headl[i_7])));
+              tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_7 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)headl[((int64_t)i_7)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_7)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_7 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[i_7] < total_q)) && (0 <= rowl[i_7])) && (headl[i_7] < heads)) && (0 <= headl[i_7])));
             }
-          }
-          __syncthreads();
-          if (0 < m) {
             if (((int)threadIdx.x) < 64) {
-              int64_t condval_26;
-              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-                condval_26 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
-              } else {
-                condval_26 = (int64_t)0;
-              }
-              int64_t condval_27;
-              if ((((int64_t)((int)threadIdx.x)) < (min(((int64_t)tile_tokens), (((int64_t)n_toks) - (((int64_t)m) * ((int64_t)tile_tokens)))) * ((int64_t)groups)))) {
-                condval_27 = ((int64_t)((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))]);
-              } else {
-                condval_27 = (int64_t)0;
-              }
-                            int condval_28;
-              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_28 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-              } else {
-                condval_28 = 0;
-              }
-              int condval_29;
-              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_29 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-              } else {
-                condval_29 = 0;
-              }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[(((((int64_t)((int*)rhead_s)[((int64_t)((int)threadIdx.x))]) * ((int64_t)total_q)) + ((int64_t)q0)) + condval_27)])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (((int*)rhead_s)[((int)threadIdx.x)] < heads)) && (0 <= ((int*)rhead_s)[((int)threadIdx.x)])) && ((q0 + condval_28) < total_q)) && (0 <= (q0 + condval_29))));
+              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
             }
             tl::cp_async_commit();
           }
@@ -452,9 +385,9 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           int n_rows = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
           int kb_1 = kb;
           #pragma unroll
-          for (int i_6 = 0; i_6 < 4; ++i_6) {
+          for (int i_8 = 0; i_8 < 4; ++i_8) {
             float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_sT + (i_6 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+            *(float4*)(acc_sT + (i_8 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
           }
           {
             half_t A_local[8];
@@ -462,8 +395,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             for (int ki = 0; ki < 4; ++ki) {
               tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
               #pragma unroll
-              for (int i_7 = 0; i_7 < 2; ++i_7) {
-                tl::ptx_ldmatrix_x4((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_7 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_7 * 8)])));
+              for (int i_9 = 0; i_9 < 2; ++i_9) {
+                tl::ptx_ldmatrix_x4((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_9 * 8)])));
               }
               for (int j_1 = 0; j_1 < 2; ++j_1) {
                 tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_1 * 8)));
@@ -473,17 +406,17 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
           if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
-            for (int i_8 = 0; i_8 < 8; ++i_8) {
+            for (int i_10 = 0; i_10 < 8; ++i_10) {
               float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
               float2 __1;
               float2 __2;
                 float2 __3;
-                  float2 v_ = *(float2*)(acc_sT + (i_8 * 2));
+                  float2 v_ = *(float2*)(acc_sT + (i_10 * 2));
                   float2 v__1 = make_float2(scale_log2, scale_log2);
                   __3.x = (v_.x*v__1.x);
                   __3.y = (v_.y*v__1.y);
                 float2 __4;
-                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_10 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
                   float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
                   __4.x = (v__2.x*v__3.x);
                   __4.y = (v__2.y*v__3.y);
@@ -491,24 +424,24 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
                 __2.y = (__3.y-__4.y);
               __1.x = exp2f(__2.x);
               __1.y = exp2f(__2.y);
-              *(float2*)(acc_sT + (i_8 * 2)) = __1;
+              *(float2*)(acc_sT + (i_10 * 2)) = __1;
             }
           } else {
             #pragma unroll
-            for (int i_9 = 0; i_9 < 16; ++i_9) {
-              float condval_30;
-              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_9) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
-                condval_30 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            for (int i_11 = 0; i_11 < 16; ++i_11) {
+              float condval_16;
+              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_11) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_11) & (int64_t)1))]))]) - len_q)))) {
+                condval_16 = exp2f(((acc_sT[i_11] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               } else {
-                condval_30 = 0x0p+0f/*0.000000e+00*/;
+                condval_16 = 0x0p+0f/*0.000000e+00*/;
               }
-              acc_sT[i_9] = condval_30;
+              acc_sT[i_11] = condval_16;
             }
           }
           #pragma unroll
-          for (int i_10 = 0; i_10 < 4; ++i_10) {
+          for (int i_12 = 0; i_12 < 4; ++i_12) {
             float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_dpT + (i_10 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+            *(float4*)(acc_dpT + (i_12 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
           }
           {
             half_t A_local_1[8];
@@ -516,8 +449,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
               tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
               #pragma unroll
-              for (int i_11 = 0; i_11 < 2; ++i_11) {
-                tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_11 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_11 * 8)])));
+              for (int i_13 = 0; i_13 < 2; ++i_13) {
+                tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_13 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_13 * 8)])));
               }
               for (int j_2 = 0; j_2 < 2; ++j_2) {
                 tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_2 * 8)));
@@ -527,24 +460,24 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
           }
           __syncthreads();
           #pragma unroll
-          for (int i_12 = 0; i_12 < 8; ++i_12) {
+          for (int i_14 = 0; i_14 < 8; ++i_14) {
             half_t pT_local_cast[2];
             uint1 __5;
-            float2 v__4 = *(float2*)(acc_sT + (i_12 * 2));
+            float2 v__4 = *(float2*)(acc_sT + (i_14 * 2));
             ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
             *(uint1*)(pT_local_cast + 0) = __5;
-            *(uint1*)(((half_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
+            *(uint1*)(((half_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_14 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_14 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_14 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
           }
           #pragma unroll
-          for (int i_13 = 0; i_13 < 8; ++i_13) {
+          for (int i_15 = 0; i_15 < 8; ++i_15) {
             float delta_s0_local_cast_2[2];
             half_t dsT_local_cast_1[2];
-            *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_13 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_15 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
             uint1 __6;
             float2 __7;
-              float2 v__5 = *(float2*)(acc_sT + (i_13 * 2));
+              float2 v__5 = *(float2*)(acc_sT + (i_15 * 2));
               float2 __8;
-                float2 v__6 = *(float2*)(acc_dpT + (i_13 * 2));
+                float2 v__6 = *(float2*)(acc_dpT + (i_15 * 2));
                 float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
                 __8.x = (v__6.x-v__7.x);
                 __8.y = (v__6.y-v__7.y);
@@ -552,7 +485,7 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
               __7.y = (v__5.y*__8.y);
             ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
             *(uint1*)(dsT_local_cast_1 + 0) = __6;
-            *(uint1*)(((half_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_13 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_13 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_13 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
+            *(uint1*)(((half_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_15 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_15 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_15 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
           }
           {
             half_t A_local_2[8];
@@ -561,8 +494,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
               tl::ptx_ldmatrix_x4((&(((half_t*)pT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
               #pragma unroll
-              for (int i_14 = 0; i_14 < 2; ++i_14) {
-                tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_14) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_14 * 8)])));
+              for (int i_16 = 0; i_16 < 2; ++i_16) {
+                tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_16) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_16 * 8)])));
               }
               for (int j_3 = 0; j_3 < 2; ++j_3) {
                 tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_3 * 8)));
@@ -576,8 +509,8 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
             for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
               tl::ptx_ldmatrix_x4((&(((half_t*)dsT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
               #pragma unroll
-              for (int i_15 = 0; i_15 < 2; ++i_15) {
-                tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_15) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_15 * 8)])));
+              for (int i_17 = 0; i_17 < 2; ++i_17) {
+                tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_17) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_17 * 8)])));
               }
               for (int j_4 = 0; j_4 < 2; ++j_4) {
                 tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_4 * 8)));
@@ -594,80 +527,80 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
       #pragma unroll
-      for (int i_16 = 0; i_16 < 8; ++i_16) {
-        int condval_31;
+      for (int i_18 = 0; i_18 < 8; ++i_18) {
+        int condval_17;
         if ((j == 0)) {
-          condval_31 = 1;
+          condval_17 = 1;
         } else {
-          condval_31 = 0;
+          condval_17 = 0;
         }
-        if (0 <= condval_31) {
-          int condval_32;
+        if (0 <= condval_17) {
+          int condval_18;
           if ((j == 0)) {
-            condval_32 = 1;
+            condval_18 = 1;
           } else {
-            condval_32 = 0;
+            condval_18 = 0;
           }
-          if (condval_32 < 2) {
+          if (condval_18 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
                     float2 __9;
-                      float2 v__8 = *(float2*)(acc_dk + (i_16 * 2));
+                      float2 v__8 = *(float2*)(acc_dk + (i_18 * 2));
                       float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                       __9.x = (v__8.x*v__9.x);
                       __9.y = (v__8.y*v__9.y);
-                    int64_t condval_33;
+                    int64_t condval_19;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_33 = (int64_t)1;
+                      condval_19 = (int64_t)1;
                     } else {
-                      condval_33 = (int64_t)0;
+                      condval_19 = (int64_t)0;
                     }
-                    int64_t condval_34;
+                    int64_t condval_20;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_34 = (int64_t)1;
+                      condval_20 = (int64_t)1;
                     } else {
-                      condval_34 = (int64_t)0;
+                      condval_20 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_34 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_20 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_18) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_18) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
                   }
                 }
               }
             }
           }
         }
-        int condval_35;
+        int condval_21;
         if ((j == 0)) {
-          condval_35 = 1;
+          condval_21 = 1;
         } else {
-          condval_35 = 0;
+          condval_21 = 0;
         }
-        if (0 <= condval_35) {
-          int condval_36;
+        if (0 <= condval_21) {
+          int condval_22;
           if ((j == 0)) {
-            condval_36 = 1;
+            condval_22 = 1;
           } else {
-            condval_36 = 0;
+            condval_22 = 0;
           }
-          if (condval_36 < 2) {
+          if (condval_22 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    int64_t condval_37;
+                    int64_t condval_23;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_37 = (int64_t)1;
+                      condval_23 = (int64_t)1;
                     } else {
-                      condval_37 = (int64_t)0;
+                      condval_23 = (int64_t)0;
                     }
-                    int64_t condval_38;
+                    int64_t condval_24;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_38 = (int64_t)1;
+                      condval_24 = (int64_t)1;
                     } else {
-                      condval_38 = (int64_t)0;
+                      condval_24 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_38 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_16 * 2));
+                    *(float2*)(partial + (((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_24 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_18) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_18) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_18 * 2));
                   }
                 }
               }
@@ -677,28 +610,28 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(D
       }
     } else {
       #pragma unroll
-      for (int i_17 = 0; i_17 < 8; ++i_17) {
-        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+      for (int i_19 = 0; i_19 < 8; ++i_19) {
+        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __10;
               float2 __11;
-                float2 v__10 = *(float2*)(acc_dk + (i_17 * 2));
+                float2 v__10 = *(float2*)(acc_dk + (i_19 * 2));
                 float2 v__11 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                 __11.x = (v__10.x*v__11.x);
                 __11.y = (v__10.y*v__11.y);
               ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&__11))[0]);
-              *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
+              *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
             }
           }
         }
-        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __12;
-              float2 v__12 = *(float2*)(acc_dv + (i_17 * 2));
+              float2 v__12 = *(float2*)(acc_dv + (i_19 * 2));
               ((half2*)(&__12))[0] = __float22half2_rn(((float2*)(&v__12))[0]);
-              *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
+              *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
             }
           }
         }
