@@ -779,22 +779,25 @@ def _make_scan_tile(topk, SCAN_T):
     into a new free parameter of the kernel."""
 
     @T.macro
-    def scan_tile(topk_idx, hk, row0, n, kb, pos, mask):
+    def scan_tile(topk_idx, hk, row0, n, kb, pos, val, mask):
+        # The loads are unconditional (indices clamped into the token's row, and tokens past n
+        # onto the last one) and each step's SCAN_T loads come before any use of them: under
+        # an `if`, ptxas issued each load after the previous token's compare, so a thread's 128
+        # loads ran one after another (H100, 32K x 8: 13% of the kernel's warp samples).
         for t in T.unroll(SCAN_T):
             pos[t] = 0
         for s in T.unroll(LOG_K_MAX):
             for t in T.unroll(SCAN_T):
                 # steps K_MAX/2 ... 1 reach K_MAX - 1; the first step, K_MAX, reaches K_MAX
-                if t < n and pos[t] + (K_MAX >> s) <= topk:
-                    if topk_idx[hk, row0 + t, pos[t] + (K_MAX >> s) - 1] >= 0 and topk_idx[
-                        hk, row0 + t, pos[t] + (K_MAX >> s) - 1
-                    ] < kb:
-                        pos[t] = pos[t] + (K_MAX >> s)
+                val[t] = topk_idx[hk, row0 + T.min(t, n - 1), T.min(pos[t] + (K_MAX >> s), topk) - 1]
+            for t in T.unroll(SCAN_T):
+                pos[t] = pos[t] + T.if_then_else(
+                    pos[t] + (K_MAX >> s) <= topk and val[t] >= 0 and val[t] < kb, K_MAX >> s, 0)
+        for t in T.unroll(SCAN_T):
+            val[t] = topk_idx[hk, row0 + T.min(t, n - 1), T.min(pos[t], topk - 1)]
         mask[0] = 0
         for t in T.unroll(SCAN_T):
-            if t < n and pos[t] < topk:
-                if topk_idx[hk, row0 + t, pos[t]] == kb:
-                    mask[0] = mask[0] | (1 << t)
+            mask[0] = mask[0] | T.if_then_else(t < n and pos[t] < topk and val[t] == kb, 1 << t, 0)
 
     return scan_tile
 
@@ -821,9 +824,10 @@ def _bwd_dkdv(dtype, D, arch):
     QPC = MAP_CHUNK // SCAN_T  # scanning threads a map chunk
     scan_tile = _make_scan_tile(topk, SCAN_T)
     prefetch = _prefetch(arch)
-    NV = BM * D // VEC
-    NI = NV // threads  # 16-byte vectors a thread copies per tile and tensor
-    assert NV % threads == 0
+    TPR = 4  # load_tile: threads a row
+    VPT = D // VEC // TPR  # 16-byte vectors a thread copies of a row
+    RPP = threads // TPR  # rows a pass
+    PASSES = BM // RPP
 
     @T.macro
     def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab, rowl, headl):
@@ -831,30 +835,33 @@ def _bwd_dkdv(dtype, D, arch):
         # while the current one is computed. Per-thread copies because the rows are a gather:
         # row r is head rhead_s[r] of member token tok_s[base + rtok_s[r]]. (Computing
         # r -> token, head here instead of reading rtok_s / rhead_s made the kernel 60% slower on
-        # an H100.) All of a thread's rows are read into registers (rowl, headl; the last entry
-        # is its LSE / Delta row) before any copy is issued: TileLang's sync planner cannot tell
-        # the merged shared buffers apart, and with a read of tok_s before each copy it put a
-        # __syncthreads() before every read and every copy, 25 a group (H100, 32K x 8: half of
-        # the kernel's warp samples were in this macro).
-        for i in T.unroll(NI):
-            r = (i * threads + tx) // (D // VEC)
-            rowl[i] = q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0)
-            headl[i] = rhead_s[r]
+        # an H100.) TPR threads share a row, each copying VPT of its 16-byte vectors (TPR
+        # adjacent vectors, 64 bytes, a copy instruction), so a thread has PASSES rows to look
+        # up, not one per vector. The rows are read into registers (rowl, headl; the last
+        # entry is the thread's LSE / Delta row) before any copy is issued: TileLang's sync
+        # planner cannot tell the merged shared buffers apart, and with a read of tok_s before
+        # each copy it put a __syncthreads() before every read and every copy, 25 a group
+        # (H100, 32K x 8: half of the kernel's warp samples were in this macro).
+        for p in T.unroll(PASSES):
+            r = p * RPP + tx // TPR
+            rowl[p] = q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0)
+            headl[p] = rhead_s[r]
         if tx < BM:
-            rowl[NI] = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
-            headl[NI] = rhead_s[tx]
-        for i in T.unroll(NI):
-            r = (i * threads + tx) // (D // VEC)
-            d = ((i * threads + tx) % (D // VEC)) * VEC
-            T.ptx_cp_async(T.access_ptr(Qb[r, d], "w", VEC), T.access_ptr(Q[rowl[i], headl[i], d], "r", VEC), VEC,
-                           predicate=r < n_rows)
-            T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[rowl[i], headl[i], d], "r", VEC), VEC,
-                           predicate=r < n_rows)
+            rowl[PASSES] = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
+            headl[PASSES] = rhead_s[tx]
+        for p in T.unroll(PASSES):
+            for j in T.unroll(VPT):
+                r = p * RPP + tx // TPR
+                d = (j * TPR + tx % TPR) * VEC
+                T.ptx_cp_async(T.access_ptr(Qb[r, d], "w", VEC), T.access_ptr(Q[rowl[p], headl[p], d], "r", VEC),
+                               VEC, predicate=r < n_rows)
+                T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[rowl[p], headl[p], d], "r", VEC),
+                               VEC, predicate=r < n_rows)
         if tx < BM:
-            T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[headl[NI], rowl[NI]], "r", 1), 1,
+            T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[headl[PASSES], rowl[PASSES]], "r", 1), 1,
                            predicate=tx < n_rows)
-            T.ptx_cp_async(T.access_ptr(deltab[tx], "w", 1), T.access_ptr(Delta[headl[NI], rowl[NI]], "r", 1), 1,
-                           predicate=tx < n_rows)
+            T.ptx_cp_async(T.access_ptr(deltab[tx], "w", 1), T.access_ptr(Delta[headl[PASSES], rowl[PASSES]], "r", 1),
+                           1, predicate=tx < n_rows)
 
     @T.macro
     def compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT, dsT,
@@ -945,14 +952,15 @@ def _bwd_dkdv(dtype, D, arch):
             my_cnt = T.alloc_var("int32")
             n_put = T.alloc_var("int32")
             pos = T.alloc_local([SCAN_T], "int32")
+            val = T.alloc_local([SCAN_T], "int32")
             n_m = T.alloc_var("int32")
             n_toks = T.alloc_var("int32")
             # row r's token offset and head, computed once: as expressions they put run-time
             # integer divisions by G into every load and mask of every query tile
             rtok_s = T.alloc_shared([BM], "int32")
             rhead_s = T.alloc_shared([BM], "int32")
-            rowl = T.alloc_local([NI + 1], "int32")
-            headl = T.alloc_local([NI + 1], "int32")
+            rowl = T.alloc_local([PASSES + 1], "int32")
+            headl = T.alloc_local([PASSES + 1], "int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BM], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BM], accum)
             if reg_operands:
@@ -1035,7 +1043,7 @@ def _bwd_dkdv(dtype, D, arch):
                             t_start = T.max(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, t_a)
                             t_end = T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, t_b)
                             if t_end > t_start:
-                                scan_tile(topk_idx, hk, q0 + t_start, t_end - t_start, kb, pos, my_mask)
+                                scan_tile(topk_idx, hk, q0 + t_start, t_end - t_start, kb, pos, val, my_mask)
                                 for t in T.unroll(SCAN_T):
                                     my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
                         # compact the member tokens: groups of BM // G of them are the GEMM tiles,

@@ -50,11 +50,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   int t_start = 0;
   int t_end = 0;
   int pos[8];
+  int val[8];
   int n_put = 0;
   int n_toks = 0;
   int n_m = 0;
-  int rowl[3];
-  int headl[3];
+  int rowl[2];
+  int headl[2];
   float acc_sT[16];
   float acc_dpT[16];
   int condval;
@@ -216,24 +217,38 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             for (int s = 0; s < 8; ++s) {
               #pragma unroll
               for (int t_1 = 0; t_1 < 8; ++t_1) {
-                if ((t_1 < (t_end - t_start)) && ((pos[t_1] + (128 >> s)) <= topk)) {
-                  int condval_9;
-                  if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= ((q0 + t_start) + t_1))) && (((q0 + t_start) + t_1) < total_q))) {
-                    condval_9 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
-                  } else {
-                    condval_9 = 0;
-                  }
-                  int condval_10;
-                  if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= ((q0 + t_start) + t_1))) && (((q0 + t_start) + t_1) < total_q))) {
-                    condval_10 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
-                  } else {
-                    condval_10 = 0;
-                  }
-                  if ((0 <= condval_9) && (condval_10 < kb)) {
-                    pos[t_1] = (pos[t_1] + (128 >> s));
-                  }
+                int condval_9;
+                if (((((1 <= (pos[t_1] + (128 >> s))) && (1 <= topk)) && (0 <= ((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                  condval_9 = topk_idx[(((min((((int64_t)pos[((int64_t)t_1)]) + ((int64_t)128 >> ((int64_t)s))), ((int64_t)topk)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_1), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk))) - (int64_t)1)];
+                } else {
+                  condval_9 = 0;
                 }
+                val[t_1] = condval_9;
               }
+              #pragma unroll
+              for (int t_2 = 0; t_2 < 8; ++t_2) {
+                int condval_10;
+                if (((((pos[t_2] + (128 >> s)) <= topk) && (0 <= val[t_2])) && (val[t_2] < kb))) {
+                  condval_10 = (128 >> s);
+                } else {
+                  condval_10 = 0;
+                }
+                pos[t_2] = (pos[t_2] + condval_10);
+              }
+            }
+          }
+        }
+        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
+          if (t_start < t_end) {
+            #pragma unroll
+            for (int t_3 = 0; t_3 < 8; ++t_3) {
+              int condval_11;
+              if (((((0 <= pos[t_3]) && (1 <= topk)) && (0 <= ((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                condval_11 = topk_idx[((min(((int64_t)pos[((int64_t)t_3)]), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_3), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk)))];
+              } else {
+                condval_11 = 0;
+              }
+              val[t_3] = condval_11;
             }
           }
         }
@@ -245,26 +260,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
           if (t_start < t_end) {
             #pragma unroll
-            for (int t_2 = 0; t_2 < 8; ++t_2) {
-              if ((t_2 < (t_end - t_start)) && (pos[t_2] < topk)) {
-                int condval_11;
-                if (((((0 <= pos[t_2]) && (pos[t_2] < topk)) && (0 <= ((q0 + t_start) + t_2))) && (((q0 + t_start) + t_2) < total_q))) {
-                  condval_11 = topk_idx[((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_2)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_2)]))];
-                } else {
-                  condval_11 = 0;
-                }
-                if (condval_11 == kb) {
-                  my_mask[0] = (my_mask[0] | (1 << t_2));
-                }
+            for (int t_4 = 0; t_4 < 8; ++t_4) {
+              int condval_12;
+              if ((((t_4 < (t_end - t_start)) && (pos[t_4] < topk)) && (val[t_4] == kb))) {
+                condval_12 = (1 << t_4);
+              } else {
+                condval_12 = 0;
               }
+              my_mask[0] = (my_mask[0] | condval_12);
             }
           }
         }
         if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
           if (t_start < t_end) {
             #pragma unroll
-            for (int t_3 = 0; t_3 < 8; ++t_3) {
-              my_cnt = (my_cnt + ((my_mask[0] >> t_3) & 1));
+            for (int t_5 = 0; t_5 < 8; ++t_5) {
+              my_cnt = (my_cnt + ((my_mask[0] >> t_5) & 1));
             }
           }
         }
@@ -275,11 +286,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         __syncthreads();
         n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
         __syncthreads();
-        for (int t_4 = 0; t_4 < 8; ++t_4) {
-          if (((my_mask[0] >> t_4) & 1) == 1) {
-            ((int*)tok_s)[n_put] = (t_start + t_4);
+        for (int t_6 = 0; t_6 < 8; ++t_6) {
+          if (((my_mask[0] >> t_6) & 1) == 1) {
+            ((int*)tok_s)[n_put] = (t_start + t_6);
           }
-          if (((my_mask[0] >> t_4) & 1) == 1) {
+          if (((my_mask[0] >> t_6) & 1) == 1) {
             n_put = (n_put + 1);
           }
         }
@@ -293,50 +304,47 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
         n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
         if (0 < n_m) {
-          #pragma unroll
-          for (int i_4 = 0; i_4 < 2; ++i_4) {
-            int condval_12;
-            if ((((i_4 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups))) {
-              condval_12 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]];
-            } else {
-              condval_12 = 0;
-            }
-            rowl[i_4] = (q0 + condval_12);
-            headl[i_4] = ((int*)rhead_s)[((i_4 * 32) + (((int)threadIdx.x) >> 3))];
+          int condval_13;
+          if (((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups))) {
+            condval_13 = ((int*)tok_s)[((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)2)]];
+          } else {
+            condval_13 = 0;
           }
+          rowl[0] = (q0 + condval_13);
+          headl[0] = ((int*)rhead_s)[(((int)threadIdx.x) >> 2)];
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            int condval_13;
+            int condval_14;
             if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_13 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+              condval_14 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
             } else {
-              condval_13 = 0;
+              condval_14 = 0;
             }
-            rowl[2] = (q0 + condval_13);
+            rowl[1] = (q0 + condval_14);
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
+            headl[1] = ((int*)rhead_s)[((int)threadIdx.x)];
           }
         }
         __syncthreads();
         if (0 < n_m) {
           #pragma unroll
-          for (int i_5 = 0; i_5 < 2; ++i_5) {
-            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)headl[((int64_t)i_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_5)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (rowl[i_5] < total_q)) && (0 <= rowl[i_5])) && (headl[i_5] < heads)) && (0 <= headl[i_5])));
-            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_5 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)headl[((int64_t)i_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_5)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (rowl[i_5] < total_q)) && (0 <= rowl[i_5])) && (headl[i_5] < heads)) && (0 <= headl[i_5])));
+          for (int j_1 = 0; j_1 < 2; ++j_1) {
+            tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((((int)threadIdx.x) >> 2) * 64) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)64) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+            tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((((int)threadIdx.x) >> 2) * 64) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)64) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
           }
         }
         if (0 < n_m) {
@@ -345,38 +353,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         __syncthreads();
         for (int m = 0; m < n_m; ++m) {
           if (0 < m) {
-            #pragma unroll
-            for (int i_6 = 0; i_6 < 2; ++i_6) {
-              int condval_14;
-              if ((((i_6 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_14 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_6) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
-              } else {
-                condval_14 = 0;
-              }
-              rowl[i_6] = (q0 + condval_14);
-              headl[i_6] = ((int*)rhead_s)[((i_6 * 32) + (((int)threadIdx.x) >> 3))];
+            int condval_15;
+            if (((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+              condval_15 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)2)]))];
+            } else {
+              condval_15 = 0;
             }
+            rowl[0] = (q0 + condval_15);
+            headl[0] = ((int*)rhead_s)[(((int)threadIdx.x) >> 2)];
             if (((int)threadIdx.x) < 64) {
-              int condval_15;
+              int condval_16;
               if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_15 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                condval_16 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
               } else {
-                condval_15 = 0;
+                condval_16 = 0;
               }
-              rowl[2] = (q0 + condval_15);
-              headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
+              rowl[1] = (q0 + condval_16);
+              headl[1] = ((int*)rhead_s)[((int)threadIdx.x)];
             }
           }
           __syncthreads();
           if (0 < m) {
             #pragma unroll
-            for (int i_7 = 0; i_7 < 2; ++i_7) {
-              tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((i_7 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)headl[((int64_t)i_7)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_7)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_7 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[i_7] < total_q)) && (0 <= rowl[i_7])) && (headl[i_7] < heads)) && (0 <= headl[i_7])));
-              tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((i_7 * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)headl[((int64_t)i_7)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_7)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_7 * 32) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[i_7] < total_q)) && (0 <= rowl[i_7])) && (headl[i_7] < heads)) && (0 <= headl[i_7])));
+            for (int j_2 = 0; j_2 < 2; ++j_2) {
+              tl::cp_async_gs_conditional<16>((&(((half_t*)Q_s0)[(((((((int)threadIdx.x) >> 2) * 64) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)64) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+              tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[(((((((int)threadIdx.x) >> 2) * 64) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)64) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
             }
             if (((int)threadIdx.x) < 64) {
-              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
+              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
             }
             tl::cp_async_commit();
           }
@@ -385,9 +390,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           int n_rows = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
           int kb_1 = kb;
           #pragma unroll
-          for (int i_8 = 0; i_8 < 4; ++i_8) {
+          for (int i_4 = 0; i_4 < 4; ++i_4) {
             float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_sT + (i_8 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+            *(float4*)(acc_sT + (i_4 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
           }
           {
             half_t A_local[8];
@@ -395,28 +400,28 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             for (int ki = 0; ki < 4; ++ki) {
               tl::ptx_ldmatrix_x4((&(((half_t*)K_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
               #pragma unroll
-              for (int i_9 = 0; i_9 < 2; ++i_9) {
-                tl::ptx_ldmatrix_x4((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_9 * 8)])));
+              for (int i_5 = 0; i_5 < 2; ++i_5) {
+                tl::ptx_ldmatrix_x4((&(((half_t*)Q_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
               }
-              for (int j_1 = 0; j_1 < 2; ++j_1) {
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_1 * 8)));
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j_1 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j_1 * 8) + 4)));
+              for (int j_3 = 0; j_3 < 2; ++j_3) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_3 * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j_3 * 8) + 4)));
               }
             }
           }
           if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
-            for (int i_10 = 0; i_10 < 8; ++i_10) {
+            for (int i_6 = 0; i_6 < 8; ++i_6) {
               float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
               float2 __1;
               float2 __2;
                 float2 __3;
-                  float2 v_ = *(float2*)(acc_sT + (i_10 * 2));
+                  float2 v_ = *(float2*)(acc_sT + (i_6 * 2));
                   float2 v__1 = make_float2(scale_log2, scale_log2);
                   __3.x = (v_.x*v__1.x);
                   __3.y = (v_.y*v__1.y);
                 float2 __4;
-                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_10 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
                   float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
                   __4.x = (v__2.x*v__3.x);
                   __4.y = (v__2.y*v__3.y);
@@ -424,24 +429,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                 __2.y = (__3.y-__4.y);
               __1.x = exp2f(__2.x);
               __1.y = exp2f(__2.y);
-              *(float2*)(acc_sT + (i_10 * 2)) = __1;
+              *(float2*)(acc_sT + (i_6 * 2)) = __1;
             }
           } else {
             #pragma unroll
-            for (int i_11 = 0; i_11 < 16; ++i_11) {
-              float condval_16;
-              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_11) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_11) & (int64_t)1))]))]) - len_q)))) {
-                condval_16 = exp2f(((acc_sT[i_11] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+            for (int i_7 = 0; i_7 < 16; ++i_7) {
+              float condval_17;
+              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_7) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_7) & (int64_t)1))]))]) - len_q)))) {
+                condval_17 = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               } else {
-                condval_16 = 0x0p+0f/*0.000000e+00*/;
+                condval_17 = 0x0p+0f/*0.000000e+00*/;
               }
-              acc_sT[i_11] = condval_16;
+              acc_sT[i_7] = condval_17;
             }
           }
           #pragma unroll
-          for (int i_12 = 0; i_12 < 4; ++i_12) {
+          for (int i_8 = 0; i_8 < 4; ++i_8) {
             float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_dpT + (i_12 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+            *(float4*)(acc_dpT + (i_8 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
           }
           {
             half_t A_local_1[8];
@@ -449,35 +454,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
               tl::ptx_ldmatrix_x4((&(((half_t*)V_s)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
               #pragma unroll
-              for (int i_13 = 0; i_13 < 2; ++i_13) {
-                tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_13 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_13 * 8)])));
+              for (int i_9 = 0; i_9 < 2; ++i_9) {
+                tl::ptx_ldmatrix_x4((&(((half_t*)dO_s0)[((((((((((int)threadIdx.x) >> 7) * 2048) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_1 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_9 * 8)])));
               }
-              for (int j_2 = 0; j_2 < 2; ++j_2) {
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_2 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_2 * 8)));
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_2 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_2 * 8) + 4)));
+              for (int j_4 = 0; j_4 < 2; ++j_4) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_4 * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_4 * 8) + 4)));
               }
             }
           }
           __syncthreads();
           #pragma unroll
-          for (int i_14 = 0; i_14 < 8; ++i_14) {
+          for (int i_10 = 0; i_10 < 8; ++i_10) {
             half_t pT_local_cast[2];
             uint1 __5;
-            float2 v__4 = *(float2*)(acc_sT + (i_14 * 2));
+            float2 v__4 = *(float2*)(acc_sT + (i_10 * 2));
             ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
             *(uint1*)(pT_local_cast + 0) = __5;
-            *(uint1*)(((half_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_14 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_14 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_14 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
+            *(uint1*)(((half_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_10 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_10 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
           }
           #pragma unroll
-          for (int i_15 = 0; i_15 < 8; ++i_15) {
+          for (int i_11 = 0; i_11 < 8; ++i_11) {
             float delta_s0_local_cast_2[2];
             half_t dsT_local_cast_1[2];
-            *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_15 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+            *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
             uint1 __6;
             float2 __7;
-              float2 v__5 = *(float2*)(acc_sT + (i_15 * 2));
+              float2 v__5 = *(float2*)(acc_sT + (i_11 * 2));
               float2 __8;
-                float2 v__6 = *(float2*)(acc_dpT + (i_15 * 2));
+                float2 v__6 = *(float2*)(acc_dpT + (i_11 * 2));
                 float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
                 __8.x = (v__6.x-v__7.x);
                 __8.y = (v__6.y-v__7.y);
@@ -485,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               __7.y = (v__5.y*__8.y);
             ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
             *(uint1*)(dsT_local_cast_1 + 0) = __6;
-            *(uint1*)(((half_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_15 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_15 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_15 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
+            *(uint1*)(((half_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
           }
           {
             half_t A_local_2[8];
@@ -494,12 +499,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
               tl::ptx_ldmatrix_x4((&(((half_t*)pT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
               #pragma unroll
-              for (int i_16 = 0; i_16 < 2; ++i_16) {
-                tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_16) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_16 * 8)])));
+              for (int i_12 = 0; i_12 < 2; ++i_12) {
+                tl::ptx_ldmatrix_x4_trans((&(((half_t*)dO_s0)[(((((ki_2 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_12) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_12 * 8)])));
               }
-              for (int j_3 = 0; j_3 < 2; ++j_3) {
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_3 * 8)));
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_3 * 8) + 4)));
+              for (int j_5 = 0; j_5 < 2; ++j_5) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_5 * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_5 * 8) + 4)));
               }
             }
           }
@@ -509,12 +514,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
               tl::ptx_ldmatrix_x4((&(((half_t*)dsT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
               #pragma unroll
-              for (int i_17 = 0; i_17 < 2; ++i_17) {
-                tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_17) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_17 * 8)])));
+              for (int i_13 = 0; i_13 < 2; ++i_13) {
+                tl::ptx_ldmatrix_x4_trans((&(((half_t*)Q_s0)[(((((ki_3 * 1024) + ((((int)threadIdx.x) & 15) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + i_13) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_13 * 8)])));
               }
-              for (int j_4 = 0; j_4 < 2; ++j_4) {
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_4 * 8)));
-                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_4 * 8) + 4)));
+              for (int j_6 = 0; j_6 < 2; ++j_6) {
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_6 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_6 * 8)));
+                tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_6 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_6 * 8) + 4)));
               }
             }
           }
@@ -527,80 +532,80 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
       #pragma unroll
-      for (int i_18 = 0; i_18 < 8; ++i_18) {
-        int condval_17;
+      for (int i_14 = 0; i_14 < 8; ++i_14) {
+        int condval_18;
         if ((j == 0)) {
-          condval_17 = 1;
+          condval_18 = 1;
         } else {
-          condval_17 = 0;
+          condval_18 = 0;
         }
-        if (0 <= condval_17) {
-          int condval_18;
+        if (0 <= condval_18) {
+          int condval_19;
           if ((j == 0)) {
-            condval_18 = 1;
+            condval_19 = 1;
           } else {
-            condval_18 = 0;
+            condval_19 = 0;
           }
-          if (condval_18 < 2) {
+          if (condval_19 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
                     float2 __9;
-                      float2 v__8 = *(float2*)(acc_dk + (i_18 * 2));
+                      float2 v__8 = *(float2*)(acc_dk + (i_14 * 2));
                       float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                       __9.x = (v__8.x*v__9.x);
                       __9.y = (v__8.y*v__9.y);
-                    int64_t condval_19;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_19 = (int64_t)1;
-                    } else {
-                      condval_19 = (int64_t)0;
-                    }
                     int64_t condval_20;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_20 = (int64_t)1;
                     } else {
                       condval_20 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_20 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_18) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_18) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+                    int64_t condval_21;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_21 = (int64_t)1;
+                    } else {
+                      condval_21 = (int64_t)0;
+                    }
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_21 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
                   }
                 }
               }
             }
           }
         }
-        int condval_21;
+        int condval_22;
         if ((j == 0)) {
-          condval_21 = 1;
+          condval_22 = 1;
         } else {
-          condval_21 = 0;
+          condval_22 = 0;
         }
-        if (0 <= condval_21) {
-          int condval_22;
+        if (0 <= condval_22) {
+          int condval_23;
           if ((j == 0)) {
-            condval_22 = 1;
+            condval_23 = 1;
           } else {
-            condval_22 = 0;
+            condval_23 = 0;
           }
-          if (condval_22 < 2) {
+          if (condval_23 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    int64_t condval_23;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_23 = (int64_t)1;
-                    } else {
-                      condval_23 = (int64_t)0;
-                    }
                     int64_t condval_24;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_24 = (int64_t)1;
                     } else {
                       condval_24 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_24 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_18) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_18) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_18 * 2));
+                    int64_t condval_25;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_25 = (int64_t)1;
+                    } else {
+                      condval_25 = (int64_t)0;
+                    }
+                    *(float2*)(partial + (((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_25 * (int64_t)8192)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_14 * 2));
                   }
                 }
               }
@@ -610,28 +615,28 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       }
     } else {
       #pragma unroll
-      for (int i_19 = 0; i_19 < 8; ++i_19) {
-        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+      for (int i_15 = 0; i_15 < 8; ++i_15) {
+        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __10;
               float2 __11;
-                float2 v__10 = *(float2*)(acc_dk + (i_19 * 2));
+                float2 v__10 = *(float2*)(acc_dk + (i_15 * 2));
                 float2 v__11 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                 __11.x = (v__10.x*v__11.x);
                 __11.y = (v__10.y*v__11.y);
               ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&__11))[0]);
-              *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
+              *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
             }
           }
         }
-        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_19 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+        if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_15 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __12;
-              float2 v__12 = *(float2*)(acc_dv + (i_19 * 2));
+              float2 v__12 = *(float2*)(acc_dv + (i_15 * 2));
               ((half2*)(&__12))[0] = __float22half2_rn(((float2*)(&v__12))[0]);
-              *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
+              *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
             }
           }
         }

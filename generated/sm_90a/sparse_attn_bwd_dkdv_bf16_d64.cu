@@ -54,11 +54,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   int t_start = 0;
   int t_end = 0;
   int pos[16];
+  int val[16];
   int n_put = 0;
   int n_toks = 0;
   int n_m = 0;
-  int rowl[5];
-  int headl[5];
+  int rowl[3];
+  int headl[3];
   float acc_sT[32];
   float acc_dpT[32];
   bfloat16_t pT[32];
@@ -222,24 +223,38 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             for (int s = 0; s < 8; ++s) {
               #pragma unroll
               for (int t_1 = 0; t_1 < 16; ++t_1) {
-                if ((t_1 < (t_end - t_start)) && ((pos[t_1] + (128 >> s)) <= topk)) {
-                  int condval_9;
-                  if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= ((q0 + t_start) + t_1))) && (((q0 + t_start) + t_1) < total_q))) {
-                    condval_9 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
-                  } else {
-                    condval_9 = 0;
-                  }
-                  int condval_10;
-                  if (((((1 <= (pos[t_1] + (128 >> s))) && ((pos[t_1] + (128 >> s)) <= topk)) && (0 <= ((q0 + t_start) + t_1))) && (((q0 + t_start) + t_1) < total_q))) {
-                    condval_10 = topk_idx[((((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_1)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_1)])) + ((int64_t)128 >> ((int64_t)s))) - (int64_t)1)];
-                  } else {
-                    condval_10 = 0;
-                  }
-                  if ((0 <= condval_9) && (condval_10 < kb)) {
-                    pos[t_1] = (pos[t_1] + (128 >> s));
-                  }
+                int condval_9;
+                if (((((1 <= (pos[t_1] + (128 >> s))) && (1 <= topk)) && (0 <= ((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                  condval_9 = topk_idx[(((min((((int64_t)pos[((int64_t)t_1)]) + ((int64_t)128 >> ((int64_t)s))), ((int64_t)topk)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_1), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk))) - (int64_t)1)];
+                } else {
+                  condval_9 = 0;
                 }
+                val[t_1] = condval_9;
               }
+              #pragma unroll
+              for (int t_2 = 0; t_2 < 16; ++t_2) {
+                int condval_10;
+                if (((((pos[t_2] + (128 >> s)) <= topk) && (0 <= val[t_2])) && (val[t_2] < kb))) {
+                  condval_10 = (128 >> s);
+                } else {
+                  condval_10 = 0;
+                }
+                pos[t_2] = (pos[t_2] + condval_10);
+              }
+            }
+          }
+        }
+        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
+          if (t_start < t_end) {
+            #pragma unroll
+            for (int t_3 = 0; t_3 < 16; ++t_3) {
+              int condval_11;
+              if (((((0 <= pos[t_3]) && (1 <= topk)) && (0 <= ((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                condval_11 = topk_idx[((min(((int64_t)pos[((int64_t)t_3)]), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_3), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk)))];
+              } else {
+                condval_11 = 0;
+              }
+              val[t_3] = condval_11;
             }
           }
         }
@@ -251,26 +266,22 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
             #pragma unroll
-            for (int t_2 = 0; t_2 < 16; ++t_2) {
-              if ((t_2 < (t_end - t_start)) && (pos[t_2] < topk)) {
-                int condval_11;
-                if (((((0 <= pos[t_2]) && (pos[t_2] < topk)) && (0 <= ((q0 + t_start) + t_2))) && (((q0 + t_start) + t_2) < total_q))) {
-                  condval_11 = topk_idx[((((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)q0) + ((int64_t)t_start)) + ((int64_t)t_2)) * ((int64_t)topk))) + ((int64_t)pos[((int64_t)t_2)]))];
-                } else {
-                  condval_11 = 0;
-                }
-                if (condval_11 == kb) {
-                  my_mask[0] = (my_mask[0] | (1 << t_2));
-                }
+            for (int t_4 = 0; t_4 < 16; ++t_4) {
+              int condval_12;
+              if ((((t_4 < (t_end - t_start)) && (pos[t_4] < topk)) && (val[t_4] == kb))) {
+                condval_12 = (1 << t_4);
+              } else {
+                condval_12 = 0;
               }
+              my_mask[0] = (my_mask[0] | condval_12);
             }
           }
         }
         if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
           if (t_start < t_end) {
             #pragma unroll
-            for (int t_3 = 0; t_3 < 16; ++t_3) {
-              my_cnt = (my_cnt + ((my_mask[0] >> t_3) & 1));
+            for (int t_5 = 0; t_5 < 16; ++t_5) {
+              my_cnt = (my_cnt + ((my_mask[0] >> t_5) & 1));
             }
           }
         }
@@ -281,11 +292,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         __syncthreads();
         n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
         __syncthreads();
-        for (int t_4 = 0; t_4 < 16; ++t_4) {
-          if (((my_mask[0] >> t_4) & 1) == 1) {
-            ((int*)tok_s)[n_put] = (t_start + t_4);
+        for (int t_6 = 0; t_6 < 16; ++t_6) {
+          if (((my_mask[0] >> t_6) & 1) == 1) {
+            ((int*)tok_s)[n_put] = (t_start + t_6);
           }
-          if (((my_mask[0] >> t_4) & 1) == 1) {
+          if (((my_mask[0] >> t_6) & 1) == 1) {
             n_put = (n_put + 1);
           }
         }
@@ -300,49 +311,52 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
         if (0 < n_m) {
           #pragma unroll
-          for (int i_4 = 0; i_4 < 4; ++i_4) {
-            int condval_12;
-            if ((((i_4 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups))) {
-              condval_12 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]];
-            } else {
-              condval_12 = 0;
-            }
-            rowl[i_4] = (q0 + condval_12);
-            headl[i_4] = ((int*)rhead_s)[((i_4 * 16) + (((int)threadIdx.x) >> 3))];
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
+          for (int p = 0; p < 2; ++p) {
             int condval_13;
-            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_13 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+            if ((((p * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups))) {
+              condval_13 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)p) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]];
             } else {
               condval_13 = 0;
             }
-            rowl[4] = (q0 + condval_13);
+            rowl[p] = (q0 + condval_13);
+            headl[p] = ((int*)rhead_s)[((p * 32) + (((int)threadIdx.x) >> 2))];
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            headl[4] = ((int*)rhead_s)[((int)threadIdx.x)];
+            int condval_14;
+            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+              condval_14 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+            } else {
+              condval_14 = 0;
+            }
+            rowl[2] = (q0 + condval_14);
+          }
+        }
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
           }
         }
         __syncthreads();
         if (0 < n_m) {
           #pragma unroll
-          for (int i_5 = 0; i_5 < 4; ++i_5) {
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)headl[((int64_t)i_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_5)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (rowl[i_5] < total_q)) && (0 <= rowl[i_5])) && (headl[i_5] < heads)) && (0 <= headl[i_5])));
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)headl[((int64_t)i_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_5)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, n_toks) * groups)) && (rowl[i_5] < total_q)) && (0 <= rowl[i_5])) && (headl[i_5] < heads)) && (0 <= headl[i_5])));
+          for (int p_1 = 0; p_1 < 2; ++p_1) {
+            #pragma unroll
+            for (int j_1 = 0; j_1 < 2; ++j_1) {
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((p_1 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((p_1 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
+            }
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)4]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)4]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[4] < heads)) && (0 <= headl[4])) && (rowl[4] < total_q)) && (0 <= rowl[4])));
+            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)4]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)4]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[4] < heads)) && (0 <= headl[4])) && (rowl[4] < total_q)) && (0 <= rowl[4])));
+            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
           }
         }
         if (0 < n_m) {
@@ -354,68 +368,74 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             if ((m % 2) == 0) {
               int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
               #pragma unroll
-              for (int i_6 = 0; i_6 < 4; ++i_6) {
-                int condval_14;
-                if ((((i_6 * 16) + (((int)threadIdx.x) >> 3)) < n_rows)) {
-                  condval_14 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_6) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
-                } else {
-                  condval_14 = 0;
-                }
-                rowl[i_6] = (q0 + condval_14);
-                headl[i_6] = ((int*)rhead_s)[((i_6 * 16) + (((int)threadIdx.x) >> 3))];
-              }
-              if (((int)threadIdx.x) < 64) {
+              for (int p_2 = 0; p_2 < 2; ++p_2) {
                 int condval_15;
-                if ((((int)threadIdx.x) < n_rows)) {
-                  condval_15 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                if ((((p_2 * 32) + (((int)threadIdx.x) >> 2)) < n_rows)) {
+                  condval_15 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_2) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
                 } else {
                   condval_15 = 0;
                 }
-                rowl[4] = (q0 + condval_15);
-                headl[4] = ((int*)rhead_s)[((int)threadIdx.x)];
+                rowl[p_2] = (q0 + condval_15);
+                headl[p_2] = ((int*)rhead_s)[((p_2 * 32) + (((int)threadIdx.x) >> 2))];
+              }
+              if (((int)threadIdx.x) < 64) {
+                int condval_16;
+                if ((((int)threadIdx.x) < n_rows)) {
+                  condval_16 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                } else {
+                  condval_16 = 0;
+                }
+                rowl[2] = (q0 + condval_16);
+                headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               __syncthreads();
               #pragma unroll
-              for (int i_7 = 0; i_7 < 4; ++i_7) {
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((i_7 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)headl[((int64_t)i_7)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_7)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_7 * 16) + (((int)threadIdx.x) >> 3)) < n_rows) && (rowl[i_7] < total_q)) && (0 <= rowl[i_7])) && (headl[i_7] < heads)) && (0 <= headl[i_7])));
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((i_7 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)headl[((int64_t)i_7)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_7)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_7 * 16) + (((int)threadIdx.x) >> 3)) < n_rows) && (rowl[i_7] < total_q)) && (0 <= rowl[i_7])) && (headl[i_7] < heads)) && (0 <= headl[i_7])));
+              for (int p_3 = 0; p_3 < 2; ++p_3) {
+                #pragma unroll
+                for (int j_2 = 0; j_2 < 2; ++j_2) {
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((p_3 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((p_3 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
+                }
               }
               if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)4]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)4]))])), (((((((int)threadIdx.x) < n_rows) && (headl[4] < heads)) && (0 <= headl[4])) && (rowl[4] < total_q)) && (0 <= rowl[4])));
-                tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)4]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)4]))])), (((((((int)threadIdx.x) < n_rows) && (headl[4] < heads)) && (0 <= headl[4])) && (rowl[4] < total_q)) && (0 <= rowl[4])));
+                tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
               }
             } else {
               int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
               #pragma unroll
-              for (int i_8 = 0; i_8 < 4; ++i_8) {
-                int condval_16;
-                if ((((i_8 * 16) + (((int)threadIdx.x) >> 3)) < n_rows_1)) {
-                  condval_16 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)i_8) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]))];
-                } else {
-                  condval_16 = 0;
-                }
-                rowl[i_8] = (q0 + condval_16);
-                headl[i_8] = ((int*)rhead_s)[((i_8 * 16) + (((int)threadIdx.x) >> 3))];
-              }
-              if (((int)threadIdx.x) < 64) {
+              for (int p_4 = 0; p_4 < 2; ++p_4) {
                 int condval_17;
-                if ((((int)threadIdx.x) < n_rows_1)) {
-                  condval_17 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                if ((((p_4 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1)) {
+                  condval_17 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
                 } else {
                   condval_17 = 0;
                 }
-                rowl[4] = (q0 + condval_17);
-                headl[4] = ((int*)rhead_s)[((int)threadIdx.x)];
+                rowl[p_4] = (q0 + condval_17);
+                headl[p_4] = ((int*)rhead_s)[((p_4 * 32) + (((int)threadIdx.x) >> 2))];
+              }
+              if (((int)threadIdx.x) < 64) {
+                int condval_18;
+                if ((((int)threadIdx.x) < n_rows_1)) {
+                  condval_18 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                } else {
+                  condval_18 = 0;
+                }
+                rowl[2] = (q0 + condval_18);
+                headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               __syncthreads();
               #pragma unroll
-              for (int i_9 = 0; i_9 < 4; ++i_9) {
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((i_9 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((int64_t)headl[((int64_t)i_9)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_9)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_9 * 16) + (((int)threadIdx.x) >> 3)) < n_rows_1) && (rowl[i_9] < total_q)) && (0 <= rowl[i_9])) && (headl[i_9] < heads)) && (0 <= headl[i_9])));
-                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((i_9 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((int64_t)headl[((int64_t)i_9)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)i_9)]) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), (((((((i_9 * 16) + (((int)threadIdx.x) >> 3)) < n_rows_1) && (rowl[i_9] < total_q)) && (0 <= rowl[i_9])) && (headl[i_9] < heads)) && (0 <= headl[i_9])));
+              for (int p_5 = 0; p_5 < 2; ++p_5) {
+                #pragma unroll
+                for (int j_3 = 0; j_3 < 2; ++j_3) {
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((p_5 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_3) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((p_5 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_3) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
+                }
               }
               if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)4]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)4]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[4] < heads)) && (0 <= headl[4])) && (rowl[4] < total_q)) && (0 <= rowl[4])));
-                tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)4]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)4]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[4] < heads)) && (0 <= headl[4])) && (rowl[4] < total_q)) && (0 <= rowl[4])));
+                tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
               }
             }
             tl::cp_async_commit();
@@ -430,9 +450,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
           if ((m % 2) == 0) {
             int kb_1 = kb;
             #pragma unroll
-            for (int i_10 = 0; i_10 < 8; ++i_10) {
+            for (int i_4 = 0; i_4 < 8; ++i_4) {
               float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_sT + (i_10 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+              *(float4*)(acc_sT + (i_4 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
             }
             {
               tl::GmmaDescriptor desc_a;
@@ -451,17 +471,17 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             }
             if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
-              for (int i_11 = 0; i_11 < 16; ++i_11) {
+              for (int i_5 = 0; i_5 < 16; ++i_5) {
                 float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
                 float2 __1;
                 float2 __2;
                   float2 __3;
-                    float2 v_ = *(float2*)(acc_sT + (i_11 * 2));
+                    float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
                     float2 v__1 = make_float2(scale_log2, scale_log2);
                     __3.x = (v_.x*v__1.x);
                     __3.y = (v_.y*v__1.y);
                   float2 __4;
-                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_5 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
                     float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
                     __4.x = (v__2.x*v__3.x);
                     __4.y = (v__2.y*v__3.y);
@@ -469,24 +489,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                   __2.y = (__3.y-__4.y);
                 __1.x = exp2f(__2.x);
                 __1.y = exp2f(__2.y);
-                *(float2*)(acc_sT + (i_11 * 2)) = __1;
+                *(float2*)(acc_sT + (i_5 * 2)) = __1;
               }
             } else {
               #pragma unroll
-              for (int i_12 = 0; i_12 < 32; ++i_12) {
-                float condval_18;
-                if ((((((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_12) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_12) & (int64_t)1))]))]) - len_q)))) {
-                  condval_18 = exp2f(((acc_sT[i_12] * scale_log2) - (((float*)lse_s0)[((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              for (int i_6 = 0; i_6 < 32; ++i_6) {
+                float condval_19;
+                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
+                  condval_19 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
-                  condval_18 = 0x0p+0f/*0.000000e+00*/;
+                  condval_19 = 0x0p+0f/*0.000000e+00*/;
                 }
-                acc_sT[i_12] = condval_18;
+                acc_sT[i_6] = condval_19;
               }
             }
             #pragma unroll
-            for (int i_13 = 0; i_13 < 8; ++i_13) {
+            for (int i_7 = 0; i_7 < 8; ++i_7) {
               float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_dpT + (i_13 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+              *(float4*)(acc_dpT + (i_7 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
             }
             {
               tl::GmmaDescriptor desc_a_1;
@@ -504,29 +524,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
             #pragma unroll
-            for (int i_14 = 0; i_14 < 8; ++i_14) {
+            for (int i_8 = 0; i_8 < 8; ++i_8) {
               uint2 __5;
-              float4 v__4 = *(float4*)(acc_sT + (i_14 * 4));
+              float4 v__4 = *(float4*)(acc_sT + (i_8 * 4));
               (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
               (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
-              *(uint2*)(pT + (i_14 * 4)) = __5;
+              *(uint2*)(pT + (i_8 * 4)) = __5;
             }
             #pragma unroll
-            for (int i_15 = 0; i_15 < 16; ++i_15) {
+            for (int i_9 = 0; i_9 < 16; ++i_9) {
               float delta_s0_local_cast[2];
-              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_15 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_9 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
               uint1 __6;
               float2 __7;
-                float2 v__5 = *(float2*)(acc_sT + (i_15 * 2));
+                float2 v__5 = *(float2*)(acc_sT + (i_9 * 2));
                 float2 __8;
-                  float2 v__6 = *(float2*)(acc_dpT + (i_15 * 2));
+                  float2 v__6 = *(float2*)(acc_dpT + (i_9 * 2));
                   float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
                   __8.x = (v__6.x-v__7.x);
                   __8.y = (v__6.y-v__7.y);
                 __7.x = (v__5.x*__8.x);
                 __7.y = (v__5.y*__8.y);
               (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-              *(uint1*)(dsT + (i_15 * 2)) = __6;
+              *(uint1*)(dsT + (i_9 * 2)) = __6;
             }
             {
               tl::GmmaDescriptor desc_b_2;
@@ -561,9 +581,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
           } else {
             int kb_2 = kb;
             #pragma unroll
-            for (int i_16 = 0; i_16 < 8; ++i_16) {
+            for (int i_10 = 0; i_10 < 8; ++i_10) {
               float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_sT + (i_16 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+              *(float4*)(acc_sT + (i_10 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
             }
             {
               tl::GmmaDescriptor desc_a_2;
@@ -582,17 +602,17 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             }
             if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
-              for (int i_17 = 0; i_17 < 16; ++i_17) {
+              for (int i_11 = 0; i_11 < 16; ++i_11) {
                 float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
                 float2 __9;
                 float2 __10;
                   float2 __11;
-                    float2 v__8 = *(float2*)(acc_sT + (i_17 * 2));
+                    float2 v__8 = *(float2*)(acc_sT + (i_11 * 2));
                     float2 v__9 = make_float2(scale_log2, scale_log2);
                     __11.x = (v__8.x*v__9.x);
                     __11.y = (v__8.y*v__9.y);
                   float2 __12;
-                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_17 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
                     float2 v__11 = make_float2(broadcast_var_8, broadcast_var_8);
                     __12.x = (v__10.x*v__11.x);
                     __12.y = (v__10.y*v__11.y);
@@ -600,24 +620,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                   __10.y = (__11.y-__12.y);
                 __9.x = exp2f(__10.x);
                 __9.y = exp2f(__10.y);
-                *(float2*)(acc_sT + (i_17 * 2)) = __9;
+                *(float2*)(acc_sT + (i_11 * 2)) = __9;
               }
             } else {
               #pragma unroll
-              for (int i_18 = 0; i_18 < 32; ++i_18) {
-                float condval_19;
-                if ((((((((i_18 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_18 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_18 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_18) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_18) & (int64_t)1))]))]) - len_q)))) {
-                  condval_19 = exp2f(((acc_sT[i_18] * scale_log2) - (((float*)lse_s1)[((((i_18 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              for (int i_12 = 0; i_12 < 32; ++i_12) {
+                float condval_20;
+                if ((((((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_12) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_12) & (int64_t)1))]))]) - len_q)))) {
+                  condval_20 = exp2f(((acc_sT[i_12] * scale_log2) - (((float*)lse_s1)[((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
-                  condval_19 = 0x0p+0f/*0.000000e+00*/;
+                  condval_20 = 0x0p+0f/*0.000000e+00*/;
                 }
-                acc_sT[i_18] = condval_19;
+                acc_sT[i_12] = condval_20;
               }
             }
             #pragma unroll
-            for (int i_19 = 0; i_19 < 8; ++i_19) {
+            for (int i_13 = 0; i_13 < 8; ++i_13) {
               float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_dpT + (i_19 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
+              *(float4*)(acc_dpT + (i_13 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
             }
             {
               tl::GmmaDescriptor desc_a_3;
@@ -635,29 +655,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
             #pragma unroll
-            for (int i_20 = 0; i_20 < 8; ++i_20) {
+            for (int i_14 = 0; i_14 < 8; ++i_14) {
               uint2 __13;
-              float4 v__12 = *(float4*)(acc_sT + (i_20 * 4));
+              float4 v__12 = *(float4*)(acc_sT + (i_14 * 4));
               (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
               (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
-              *(uint2*)(pT + (i_20 * 4)) = __13;
+              *(uint2*)(pT + (i_14 * 4)) = __13;
             }
             #pragma unroll
-            for (int i_21 = 0; i_21 < 16; ++i_21) {
+            for (int i_15 = 0; i_15 < 16; ++i_15) {
               float delta_s1_local_cast_1[2];
-              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_21 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_15 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
               uint1 __14;
               float2 __15;
-                float2 v__13 = *(float2*)(acc_sT + (i_21 * 2));
+                float2 v__13 = *(float2*)(acc_sT + (i_15 * 2));
                 float2 __16;
-                  float2 v__14 = *(float2*)(acc_dpT + (i_21 * 2));
+                  float2 v__14 = *(float2*)(acc_dpT + (i_15 * 2));
                   float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
                   __16.x = (v__14.x-v__15.x);
                   __16.y = (v__14.y-v__15.y);
                 __15.x = (v__13.x*__16.x);
                 __15.y = (v__13.y*__16.y);
               (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
-              *(uint1*)(dsT + (i_21 * 2)) = __14;
+              *(uint1*)(dsT + (i_15 * 2)) = __14;
             }
             {
               tl::GmmaDescriptor desc_b_6;
@@ -699,80 +719,80 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
       #pragma unroll
-      for (int i_22 = 0; i_22 < 16; ++i_22) {
-        int condval_20;
+      for (int i_16 = 0; i_16 < 16; ++i_16) {
+        int condval_21;
         if ((j == 0)) {
-          condval_20 = 1;
+          condval_21 = 1;
         } else {
-          condval_20 = 0;
+          condval_21 = 0;
         }
-        if (0 <= condval_20) {
-          int condval_21;
+        if (0 <= condval_21) {
+          int condval_22;
           if ((j == 0)) {
-            condval_21 = 1;
+            condval_22 = 1;
           } else {
-            condval_21 = 0;
+            condval_22 = 0;
           }
-          if (condval_21 < 2) {
+          if (condval_22 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
                     float2 __17;
-                      float2 v__16 = *(float2*)(acc_dk + (i_22 * 2));
+                      float2 v__16 = *(float2*)(acc_dk + (i_16 * 2));
                       float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                       __17.x = (v__16.x*v__17.x);
                       __17.y = (v__16.y*v__17.y);
-                    int64_t condval_22;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_22 = (int64_t)1;
-                    } else {
-                      condval_22 = (int64_t)0;
-                    }
                     int64_t condval_23;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_23 = (int64_t)1;
                     } else {
                       condval_23 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_23 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_22) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+                    int64_t condval_24;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_24 = (int64_t)1;
+                    } else {
+                      condval_24 = (int64_t)0;
+                    }
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_24 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
                   }
                 }
               }
             }
           }
         }
-        int condval_24;
+        int condval_25;
         if ((j == 0)) {
-          condval_24 = 1;
+          condval_25 = 1;
         } else {
-          condval_24 = 0;
+          condval_25 = 0;
         }
-        if (0 <= condval_24) {
-          int condval_25;
+        if (0 <= condval_25) {
+          int condval_26;
           if ((j == 0)) {
-            condval_25 = 1;
+            condval_26 = 1;
           } else {
-            condval_25 = 0;
+            condval_26 = 0;
           }
-          if (condval_25 < 2) {
+          if (condval_26 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    int64_t condval_26;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_26 = (int64_t)1;
-                    } else {
-                      condval_26 = (int64_t)0;
-                    }
                     int64_t condval_27;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_27 = (int64_t)1;
                     } else {
                       condval_27 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_27 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_22) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_22 * 2));
+                    int64_t condval_28;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_28 = (int64_t)1;
+                    } else {
+                      condval_28 = (int64_t)0;
+                    }
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_28 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_16 * 2));
                   }
                 }
               }
@@ -782,28 +802,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       }
     } else {
       #pragma unroll
-      for (int i_23 = 0; i_23 < 16; ++i_23) {
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+      for (int i_17 = 0; i_17 < 16; ++i_17) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __18;
               float2 __19;
-                float2 v__18 = *(float2*)(acc_dk + (i_23 * 2));
+                float2 v__18 = *(float2*)(acc_dk + (i_17 * 2));
                 float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                 __19.x = (v__18.x*v__19.x);
                 __19.y = (v__18.y*v__19.y);
               (reinterpret_cast<__nv_bfloat162*>(&__18))[0] = __float22bfloat162_rn(((float2*)(&__19))[0]);
-              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
+              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
             }
           }
         }
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __20;
-              float2 v__20 = *(float2*)(acc_dv + (i_23 * 2));
+              float2 v__20 = *(float2*)(acc_dv + (i_17 * 2));
               (reinterpret_cast<__nv_bfloat162*>(&__20))[0] = __float22bfloat162_rn(((float2*)(&v__20))[0]);
-              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
+              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
             }
           }
         }
