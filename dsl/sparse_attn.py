@@ -866,8 +866,16 @@ def _bwd_dkdv(dtype, D, arch):
     @T.macro
     def compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT, dsT,
                 acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
-        T.clear(acc_sT)
-        T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if reg_operands:
+            # the four wgmma issued without waiting where they are independent: dP^T runs while
+            # the exponentials of S^T are taken, and dV while dS^T is
+            T.wgmma_gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.wgmma_gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+            T.wait_wgmma(1)
+            T.warpgroup_fence_operand(acc_sT, num_regs=BLOCK_N * BM // threads)
+        else:
+            T.clear(acc_sT)
+            T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         if n_rows == full_rows and (kb + 1) * BLOCK_N <= shift + tok_s[base] + 1:
             # a full group whose first (earliest) token sees the whole key block: no mask, and
             # every row's LSE is finite (rows past a group of BM // G tokens are zero-filled
@@ -883,13 +891,27 @@ def _bwd_dkdv(dtype, D, arch):
                     T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
                     0,
                 )
-        T.clear(acc_dpT)
-        T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        T.copy(acc_sT, pT)
-        for c, r in T.Parallel(BLOCK_N, BM):
-            dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
-        T.gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
-        T.gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+        if reg_operands:
+            T.copy(acc_sT, pT)
+            T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
+            T.wgmma_gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
+            T.wait_wgmma(1)
+            T.warpgroup_fence_operand(acc_dpT, num_regs=BLOCK_N * BM // threads)
+            for c, r in T.Parallel(BLOCK_N, BM):
+                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+            T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
+            T.wgmma_gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
+            T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
+        else:
+            T.clear(acc_dpT)
+            T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.copy(acc_sT, pT)
+            for c, r in T.Parallel(BLOCK_N, BM):
+                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+            T.gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
 
     @T.prim_func
     def sparse_attn_bwd_dkdv(

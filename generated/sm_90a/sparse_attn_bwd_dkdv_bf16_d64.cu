@@ -449,11 +449,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
           tl::fence_proxy_async();
           if ((m % 2) == 0) {
             int kb_1 = kb;
-            #pragma unroll
-            for (int i_4 = 0; i_4 < 8; ++i_4) {
-              float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_sT + (i_4 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
-            }
             {
               tl::GmmaDescriptor desc_a;
               tl::GmmaDescriptor desc_b;
@@ -463,50 +458,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_arrive();
               #pragma unroll
               for (int ki = 0; ki < 4; ++ki) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + ((ki * 32) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + ((ki * 32) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki) ? 1 : 0));
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            }
-            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-              #pragma unroll
-              for (int i_5 = 0; i_5 < 16; ++i_5) {
-                float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                float2 __1;
-                float2 __2;
-                  float2 __3;
-                    float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
-                    float2 v__1 = make_float2(scale_log2, scale_log2);
-                    __3.x = (v_.x*v__1.x);
-                    __3.y = (v_.y*v__1.y);
-                  float2 __4;
-                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_5 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                    float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
-                    __4.x = (v__2.x*v__3.x);
-                    __4.y = (v__2.y*v__3.y);
-                  __2.x = (__3.x-__4.x);
-                  __2.y = (__3.y-__4.y);
-                __1.x = exp2f(__2.x);
-                __1.y = exp2f(__2.y);
-                *(float2*)(acc_sT + (i_5 * 2)) = __1;
-              }
-            } else {
-              #pragma unroll
-              for (int i_6 = 0; i_6 < 32; ++i_6) {
-                float condval_19;
-                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
-                  condval_19 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                } else {
-                  condval_19 = 0x0p+0f/*0.000000e+00*/;
-                }
-                acc_sT[i_6] = condval_19;
-              }
-            }
-            #pragma unroll
-            for (int i_7 = 0; i_7 < 8; ++i_7) {
-              float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_dpT + (i_7 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
             }
             {
               tl::GmmaDescriptor desc_a_1;
@@ -517,37 +472,56 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_arrive();
               #pragma unroll
               for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + ((ki_1 * 32) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_1 * 32) >> 4)), uint64_t(desc_b_1 + ((ki_1 * 32) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_1) ? 1 : 0));
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+              #pragma unroll
+              for (int i_4 = 0; i_4 < 16; ++i_4) {
+                float broadcast_var_4 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+                float2 __1;
+                float2 __2;
+                  float2 __3;
+                    float2 v_ = *(float2*)(acc_sT + (i_4 * 2));
+                    float2 v__1 = make_float2(scale_log2, scale_log2);
+                    __3.x = (v_.x*v__1.x);
+                    __3.y = (v_.y*v__1.y);
+                  float2 __4;
+                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_4 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__3 = make_float2(broadcast_var_4, broadcast_var_4);
+                    __4.x = (v__2.x*v__3.x);
+                    __4.y = (v__2.y*v__3.y);
+                  __2.x = (__3.x-__4.x);
+                  __2.y = (__3.y-__4.y);
+                __1.x = exp2f(__2.x);
+                __1.y = exp2f(__2.y);
+                *(float2*)(acc_sT + (i_4 * 2)) = __1;
+              }
+            } else {
+              #pragma unroll
+              for (int i_5 = 0; i_5 < 32; ++i_5) {
+                float condval_19;
+                if ((((((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_5) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_5) & (int64_t)1))]))]) - len_q)))) {
+                  condval_19 = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                } else {
+                  condval_19 = 0x0p+0f/*0.000000e+00*/;
+                }
+                acc_sT[i_5] = condval_19;
+              }
+            }
             #pragma unroll
-            for (int i_8 = 0; i_8 < 8; ++i_8) {
+            for (int i_6 = 0; i_6 < 8; ++i_6) {
               uint2 __5;
-              float4 v__4 = *(float4*)(acc_sT + (i_8 * 4));
+              float4 v__4 = *(float4*)(acc_sT + (i_6 * 4));
               (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
               (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
-              *(uint2*)(pT + (i_8 * 4)) = __5;
+              *(uint2*)(pT + (i_6 * 4)) = __5;
             }
-            #pragma unroll
-            for (int i_9 = 0; i_9 < 16; ++i_9) {
-              float delta_s0_local_cast[2];
-              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_9 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __6;
-              float2 __7;
-                float2 v__5 = *(float2*)(acc_sT + (i_9 * 2));
-                float2 __8;
-                  float2 v__6 = *(float2*)(acc_dpT + (i_9 * 2));
-                  float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
-                  __8.x = (v__6.x-v__7.x);
-                  __8.y = (v__6.y-v__7.y);
-                __7.x = (v__5.x*__8.x);
-                __7.y = (v__5.y*__8.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-              *(uint1*)(dsT + (i_9 * 2)) = __6;
-            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
               tl::GmmaDescriptor desc_b_2;
               tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
@@ -559,10 +533,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
             }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            #pragma unroll
+            for (int i_7 = 0; i_7 < 16; ++i_7) {
+              float delta_s0_local_cast[2];
+              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_7 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              uint1 __6;
+              float2 __7;
+                float2 v__5 = *(float2*)(acc_sT + (i_7 * 2));
+                float2 __8;
+                  float2 v__6 = *(float2*)(acc_dpT + (i_7 * 2));
+                  float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
+                  __8.x = (v__6.x-v__7.x);
+                  __8.y = (v__6.y-v__7.y);
+                __7.x = (v__5.x*__8.x);
+                __7.y = (v__5.y*__8.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+              *(uint1*)(dsT + (i_7 * 2)) = __6;
+            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
               tl::GmmaDescriptor desc_b_3;
               tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
@@ -574,17 +567,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
+            tl::wait_wgmma<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           } else {
             int kb_2 = kb;
-            #pragma unroll
-            for (int i_10 = 0; i_10 < 8; ++i_10) {
-              float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_sT + (i_10 * 4)) = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
-            }
             {
               tl::GmmaDescriptor desc_a_2;
               tl::GmmaDescriptor desc_b_4;
@@ -594,50 +584,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_arrive();
               #pragma unroll
               for (int ki_4 = 0; ki_4 < 4; ++ki_4) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + ((ki_4 * 32) >> 4)), ((uint32_t*)(acc_sT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((ki_4 * 32) >> 4)), uint64_t(desc_b_4 + ((ki_4 * 32) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki_4) ? 1 : 0));
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            }
-            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-              #pragma unroll
-              for (int i_11 = 0; i_11 < 16; ++i_11) {
-                float broadcast_var_8 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                float2 __9;
-                float2 __10;
-                  float2 __11;
-                    float2 v__8 = *(float2*)(acc_sT + (i_11 * 2));
-                    float2 v__9 = make_float2(scale_log2, scale_log2);
-                    __11.x = (v__8.x*v__9.x);
-                    __11.y = (v__8.y*v__9.y);
-                  float2 __12;
-                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                    float2 v__11 = make_float2(broadcast_var_8, broadcast_var_8);
-                    __12.x = (v__10.x*v__11.x);
-                    __12.y = (v__10.y*v__11.y);
-                  __10.x = (__11.x-__12.x);
-                  __10.y = (__11.y-__12.y);
-                __9.x = exp2f(__10.x);
-                __9.y = exp2f(__10.y);
-                *(float2*)(acc_sT + (i_11 * 2)) = __9;
-              }
-            } else {
-              #pragma unroll
-              for (int i_12 = 0; i_12 < 32; ++i_12) {
-                float condval_20;
-                if ((((((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_12 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_12) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_12) & (int64_t)1))]))]) - len_q)))) {
-                  condval_20 = exp2f(((acc_sT[i_12] * scale_log2) - (((float*)lse_s1)[((((i_12 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                } else {
-                  condval_20 = 0x0p+0f/*0.000000e+00*/;
-                }
-                acc_sT[i_12] = condval_20;
-              }
-            }
-            #pragma unroll
-            for (int i_13 = 0; i_13 < 8; ++i_13) {
-              float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
-              *(float4*)(acc_dpT + (i_13 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
             }
             {
               tl::GmmaDescriptor desc_a_3;
@@ -648,37 +598,56 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_arrive();
               #pragma unroll
               for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + ((ki_5 * 32) >> 4)), ((uint32_t*)(acc_dpT + 0)), 1);
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((ki_5 * 32) >> 4)), uint64_t(desc_b_5 + ((ki_5 * 32) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_5) ? 1 : 0));
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+              #pragma unroll
+              for (int i_8 = 0; i_8 < 16; ++i_8) {
+                float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+                float2 __9;
+                float2 __10;
+                  float2 __11;
+                    float2 v__8 = *(float2*)(acc_sT + (i_8 * 2));
+                    float2 v__9 = make_float2(scale_log2, scale_log2);
+                    __11.x = (v__8.x*v__9.x);
+                    __11.y = (v__8.y*v__9.y);
+                  float2 __12;
+                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_8 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__11 = make_float2(broadcast_var_5, broadcast_var_5);
+                    __12.x = (v__10.x*v__11.x);
+                    __12.y = (v__10.y*v__11.y);
+                  __10.x = (__11.x-__12.x);
+                  __10.y = (__11.y-__12.y);
+                __9.x = exp2f(__10.x);
+                __9.y = exp2f(__10.y);
+                *(float2*)(acc_sT + (i_8 * 2)) = __9;
+              }
+            } else {
+              #pragma unroll
+              for (int i_9 = 0; i_9 < 32; ++i_9) {
+                float condval_20;
+                if ((((((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_9) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+                  condval_20 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                } else {
+                  condval_20 = 0x0p+0f/*0.000000e+00*/;
+                }
+                acc_sT[i_9] = condval_20;
+              }
+            }
             #pragma unroll
-            for (int i_14 = 0; i_14 < 8; ++i_14) {
+            for (int i_10 = 0; i_10 < 8; ++i_10) {
               uint2 __13;
-              float4 v__12 = *(float4*)(acc_sT + (i_14 * 4));
+              float4 v__12 = *(float4*)(acc_sT + (i_10 * 4));
               (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
               (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
-              *(uint2*)(pT + (i_14 * 4)) = __13;
+              *(uint2*)(pT + (i_10 * 4)) = __13;
             }
-            #pragma unroll
-            for (int i_15 = 0; i_15 < 16; ++i_15) {
-              float delta_s1_local_cast_1[2];
-              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_15 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __14;
-              float2 __15;
-                float2 v__13 = *(float2*)(acc_sT + (i_15 * 2));
-                float2 __16;
-                  float2 v__14 = *(float2*)(acc_dpT + (i_15 * 2));
-                  float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
-                  __16.x = (v__14.x-v__15.x);
-                  __16.y = (v__14.y-v__15.y);
-                __15.x = (v__13.x*__16.x);
-                __15.y = (v__13.y*__16.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
-              *(uint1*)(dsT + (i_15 * 2)) = __14;
-            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
               tl::GmmaDescriptor desc_b_6;
               tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
@@ -690,10 +659,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_6 * 8)), uint64_t(desc_b_6 + ((ki_6 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
             }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            #pragma unroll
+            for (int i_11 = 0; i_11 < 16; ++i_11) {
+              float delta_s1_local_cast_1[2];
+              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              uint1 __14;
+              float2 __15;
+                float2 v__13 = *(float2*)(acc_sT + (i_11 * 2));
+                float2 __16;
+                  float2 v__14 = *(float2*)(acc_dpT + (i_11 * 2));
+                  float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
+                  __16.x = (v__14.x-v__15.x);
+                  __16.y = (v__14.y-v__15.y);
+                __15.x = (v__13.x*__16.x);
+                __15.y = (v__13.y*__16.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
+              *(uint1*)(dsT + (i_11 * 2)) = __14;
+            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
               tl::GmmaDescriptor desc_b_7;
               tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
@@ -705,10 +693,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_7 * 8)), uint64_t(desc_b_7 + ((ki_7 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
               }
               tl::warpgroup_commit_batch();
-              tl::warpgroup_wait<0>();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
+            tl::wait_wgmma<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           }
           __syncthreads();
         }
@@ -719,7 +709,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
       #pragma unroll
-      for (int i_16 = 0; i_16 < 16; ++i_16) {
+      for (int i_12 = 0; i_12 < 16; ++i_12) {
         int condval_21;
         if ((j == 0)) {
           condval_21 = 1;
@@ -739,7 +729,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 if (0 <= kb) {
                   if (kb < 4) {
                     float2 __17;
-                      float2 v__16 = *(float2*)(acc_dk + (i_16 * 2));
+                      float2 v__16 = *(float2*)(acc_dk + (i_12 * 2));
                       float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                       __17.x = (v__16.x*v__17.x);
                       __17.y = (v__16.y*v__17.y);
@@ -755,7 +745,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                     } else {
                       condval_24 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_24 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_24 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
                   }
                 }
               }
@@ -792,7 +782,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                     } else {
                       condval_28 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_28 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_16 * 2));
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_28 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_12 * 2));
                   }
                 }
               }
@@ -802,28 +792,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       }
     } else {
       #pragma unroll
-      for (int i_17 = 0; i_17 < 16; ++i_17) {
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+      for (int i_13 = 0; i_13 < 16; ++i_13) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __18;
               float2 __19;
-                float2 v__18 = *(float2*)(acc_dk + (i_17 * 2));
+                float2 v__18 = *(float2*)(acc_dk + (i_13 * 2));
                 float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                 __19.x = (v__18.x*v__19.x);
                 __19.y = (v__18.y*v__19.y);
               (reinterpret_cast<__nv_bfloat162*>(&__18))[0] = __float22bfloat162_rn(((float2*)(&__19))[0]);
-              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
+              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
             }
           }
         }
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __20;
-              float2 v__20 = *(float2*)(acc_dv + (i_17 * 2));
+              float2 v__20 = *(float2*)(acc_dv + (i_13 * 2));
               (reinterpret_cast<__nv_bfloat162*>(&__20))[0] = __float22bfloat162_rn(((float2*)(&v__20))[0]);
-              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
+              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
             }
           }
         }
