@@ -61,6 +61,7 @@ T_MAX_BY_ARCH = {"sm_90a": 16}  # tokens per query tile at most (G < 64 // T_MAX
 T_MAX_DEFAULT = 8  # 8 elsewhere, so the union buffers fit 99 KB of shared memory with the tiles
 K_MAX = 128  # selected blocks per token at most
 MAP_CHUNK = 64  # packed query rows per entry of bwd_block_map's map
+ROT = 32  # bwd_dkdv visits a key block's listed chunks from one whose index is a multiple of this
 # bwd_dkdv: the first SPLIT_BLOCKS key blocks of a sequence of more than PIECE queries (the init
 # blocks every query picks) are shared among one thread block per PIECE packed query rows
 # (see _bwd_dkdv); bwd_dkdv_reduce sums their fp32 partial dK/dV.
@@ -963,6 +964,7 @@ def _bwd_dkdv(dtype, D, arch):
             cflag_s = T.alloc_shared([threads], "int32")
             clist_s = T.alloc_shared([threads], "int32")  # the listed map chunks, ascending
             n_hit = T.alloc_var("int32")
+            rot = T.alloc_var("int32")
             c_hit = T.alloc_var("int32")
             t_start = T.alloc_var("int32")
             t_end = T.alloc_var("int32")
@@ -1054,79 +1056,95 @@ def _bwd_dkdv(dtype, D, arch):
                         clist_s[cflag_s[tx] - 1] = c_first + outer * threads + tx
                     n_hit = cflag_s[threads - 1]
                     T.sync_threads()
-                    for chunk in T.serial(T.ceildiv(n_hit * QPC, threads)):
-                        # SCAN_T tokens of a listed chunk a thread: which of them picked this block
-                        e = chunk * threads + tx
-                        my_mask[0] = 0
-                        my_cnt = 0
-                        t_start = 0
-                        if e < n_hit * QPC:
-                            # the thread's SCAN_T rows of the chunk, clipped to t_a .. t_b
-                            t_start = T.max(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, t_a)
-                            t_end = T.min(clist_s[e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, t_b)
-                            if t_end > t_start:
-                                scan_tile(topk_idx, hk, q0 + t_start, t_end - t_start, kb, pos, val, my_mask)
-                                for t in T.unroll(SCAN_T):
-                                    my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
-                        # compact the member tokens: groups of BM // G of them are the GEMM tiles,
-                        # so rows of tokens that did not pick this block cost nothing
-                        flag_s[tx] = my_cnt
-                        T.sync_threads()
-                        T.cumsum(src=flag_s, dst=flag_s, dim=0)
-                        T.sync_threads()
-                        n_put = flag_s[tx] - my_cnt
-                        for t in T.serial(SCAN_T):
-                            if ((my_mask[0] >> t) & 1) == 1:
-                                tok_s[n_put] = t_start + t
-                                n_put = n_put + 1
-                        if tx == 0:
-                            n_mem[0] = flag_s[threads - 1]
-                        T.sync_threads()
-                        n_toks = n_mem[0]
-                        n_m = T.ceildiv(n_toks, tile_tokens)
-                        if n_m > 0:
-                            load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
-                            T.ptx_commit_group()
-                        for m in T.serial(n_m):
-                            if prefetch:
-                                if m + 1 < n_m:
-                                    nb = (m + 1) * tile_tokens
-                                    if m % 2 == 0:
-                                        load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups,
-                                                  tok_s, rtok_s, rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl)
+                    # The listed chunks are visited from the first whose index is a multiple of
+                    # ROT, then from the start: every thread block of a sequence's key blocks
+                    # begins its local window (the first listed chunks) on the same chunks, so
+                    # neighbouring blocks, started close together, read the same member rows
+                    # close together and find them in L2. Each of the two segments ascends, so
+                    # a group's first token stays its earliest (compute's unmasked test).
+                    rot = 0
+                    if outer == 0 and n_hit > 0:
+                        rot = (ROT - clist_s[0] % ROT) % ROT
+                        if rot >= n_hit:
+                            rot = 0
+                    for seg in T.serial(2):
+                        seg0 = T.if_then_else(seg == 0, rot, 0)
+                        seg_len = T.if_then_else(seg == 0, n_hit - rot, rot)
+                        for chunk in T.serial(T.ceildiv(seg_len * QPC, threads)):
+                            # SCAN_T tokens of a listed chunk a thread: which of them picked this block
+                            e = chunk * threads + tx
+                            my_mask[0] = 0
+                            my_cnt = 0
+                            t_start = 0
+                            if e < seg_len * QPC:
+                                # the thread's SCAN_T rows of the chunk, clipped to t_a .. t_b
+                                t_start = T.max(clist_s[seg0 + e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, t_a)
+                                t_end = T.min(clist_s[seg0 + e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, t_b)
+                                if t_end > t_start:
+                                    scan_tile(topk_idx, hk, q0 + t_start, t_end - t_start, kb, pos, val, my_mask)
+                                    for t in T.unroll(SCAN_T):
+                                        my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
+                            # compact the member tokens: groups of BM // G of them are the GEMM tiles,
+                            # so rows of tokens that did not pick this block cost nothing
+                            flag_s[tx] = my_cnt
+                            T.sync_threads()
+                            T.cumsum(src=flag_s, dst=flag_s, dim=0)
+                            T.sync_threads()
+                            n_put = flag_s[tx] - my_cnt
+                            for t in T.serial(SCAN_T):
+                                if ((my_mask[0] >> t) & 1) == 1:
+                                    tok_s[n_put] = t_start + t
+                                    n_put = n_put + 1
+                            if tx == 0:
+                                n_mem[0] = flag_s[threads - 1]
+                            T.sync_threads()
+                            n_toks = n_mem[0]
+                            n_m = T.ceildiv(n_toks, tile_tokens)
+                            if n_m > 0:
+                                load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
+                                          rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
+                                T.ptx_commit_group()
+                            for m in T.serial(n_m):
+                                if prefetch:
+                                    if m + 1 < n_m:
+                                        nb = (m + 1) * tile_tokens
+                                        if m % 2 == 0:
+                                            load_tile(Q, dO, LSE, Delta, q0, nb,
+                                                      T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
+                                                      rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl)
+                                        else:
+                                            load_tile(Q, dO, LSE, Delta, q0, nb,
+                                                      T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
+                                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
+                                        T.ptx_commit_group()
+                                        T.ptx_wait_group(1)
                                     else:
-                                        load_tile(Q, dO, LSE, Delta, q0, nb, T.min(tile_tokens, n_toks - nb) * groups,
-                                                  tok_s, rtok_s, rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
-                                    T.ptx_commit_group()
-                                    T.ptx_wait_group(1)
+                                        T.ptx_wait_group(0)
                                 else:
+                                    if m > 0:
+                                        load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
+                                                  T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
+                                                  rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
+                                        T.ptx_commit_group()
                                     T.ptx_wait_group(0)
-                            else:
-                                if m > 0:
-                                    load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
-                                              T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
-                                              rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
-                                    T.ptx_commit_group()
-                                T.ptx_wait_group(0)
-                            T.sync_threads()
-                            base = m * tile_tokens
-                            n_rows = T.min(tile_tokens, n_toks - base) * groups
-                            if prefetch:
-                                if m % 2 == 0:
-                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
-                                            delta_s0)
+                                T.sync_threads()
+                                base = m * tile_tokens
+                                n_rows = T.min(tile_tokens, n_toks - base) * groups
+                                if prefetch:
+                                    if m % 2 == 0:
+                                        compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
+                                                pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
+                                                delta_s0)
+                                    else:
+                                        compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
+                                                pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
+                                                delta_s1)
                                 else:
-                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
-                                            delta_s1)
-                            else:
-                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
-                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
-                            # the next step's prefetch overwrites this step's buffers
+                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
+                                            dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                                # the next step's prefetch overwrites this step's buffers
+                                T.sync_threads()
                             T.sync_threads()
-                        T.sync_threads()
                 if split == 1:
                     for c, d in T.Parallel(BLOCK_N, D):
                         partial[kb, hk, piece, T.if_then_else(j == 0, 1, 0), 0, c, d] = acc_dk[c, d] * (

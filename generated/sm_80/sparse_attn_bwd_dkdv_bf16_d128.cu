@@ -45,6 +45,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   float acc_dv[32];
   int c_hit = 0;
   int n_hit = 0;
+  int rot = 0;
   int my_mask[1];
   int my_cnt = 0;
   int t_start = 0;
@@ -193,339 +194,351 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
       __syncthreads();
       n_hit = ((int*)cflag_s)[255];
       __syncthreads();
-      for (int chunk = 0; chunk < ((n_hit + 31) >> 5); ++chunk) {
-        my_mask[0] = 0;
-        my_cnt = 0;
-        t_start = 0;
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) - q0), t_a);
+      rot = 0;
+      if ((outer == 0) && (0 < n_hit)) {
+        int rmod_4 = (((int*)clist_s)[0] % 32);
+        rot = (((rmod_4 <= 0) ? rmod_4 : (rmod_4 - 32)) * -1);
+      }
+      if ((outer == 0) && (0 < n_hit)) {
+        if (n_hit <= rot) {
+          rot = 0;
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), t_b);
+      }
+      for (int seg = 0; seg < 2; ++seg) {
+        int condval_9;
+        if ((seg == 0)) {
+          condval_9 = rot;
+        } else {
+          condval_9 = 0;
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t = 0; t < 8; ++t) {
-              pos[t] = 0;
-            }
-          }
+        int seg0 = condval_9;
+        int condval_10;
+        if ((seg == 0)) {
+          condval_10 = (n_hit - rot);
+        } else {
+          condval_10 = rot;
         }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int s = 0; s < 8; ++s) {
+        int seg_len = condval_10;
+        for (int chunk = 0; chunk < ((seg_len + 31) >> 5); ++chunk) {
+          my_mask[0] = 0;
+          my_cnt = 0;
+          t_start = 0;
+          if (((chunk * 256) + ((int)threadIdx.x)) < (seg_len * 8)) {
+            t_start = max((((((int*)clist_s)[(((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)seg0))] * 64) + ((((int)threadIdx.x) & 7) * 8)) - q0), t_a);
+            t_end = min(((((((int*)clist_s)[(((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)seg0))] * 64) + ((((int)threadIdx.x) & 7) * 8)) + 8) - q0), t_b);
+            if (t_start < t_end) {
               #pragma unroll
-              for (int t_1 = 0; t_1 < 8; ++t_1) {
-                int condval_9;
-                if (((((1 <= (pos[t_1] + (128 >> s))) && (1 <= topk)) && (0 <= ((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
-                  condval_9 = topk_idx[(((min((((int64_t)pos[((int64_t)t_1)]) + ((int64_t)128 >> ((int64_t)s))), ((int64_t)topk)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_1), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk))) - (int64_t)1)];
-                } else {
-                  condval_9 = 0;
-                }
-                val[t_1] = condval_9;
+              for (int t = 0; t < 8; ++t) {
+                pos[t] = 0;
               }
+            }
+            if (t_start < t_end) {
               #pragma unroll
-              for (int t_2 = 0; t_2 < 8; ++t_2) {
-                int condval_10;
-                if (((((pos[t_2] + (128 >> s)) <= topk) && (0 <= val[t_2])) && (val[t_2] < kb))) {
-                  condval_10 = (128 >> s);
-                } else {
-                  condval_10 = 0;
+              for (int s = 0; s < 8; ++s) {
+                #pragma unroll
+                for (int t_1 = 0; t_1 < 8; ++t_1) {
+                  int condval_11;
+                  if (((((1 <= (pos[t_1] + (128 >> s))) && (1 <= topk)) && (0 <= ((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                    condval_11 = topk_idx[(((min((((int64_t)pos[((int64_t)t_1)]) + ((int64_t)128 >> ((int64_t)s))), ((int64_t)topk)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_1), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk))) - (int64_t)1)];
+                  } else {
+                    condval_11 = 0;
+                  }
+                  val[t_1] = condval_11;
                 }
-                pos[t_2] = (pos[t_2] + condval_10);
+                #pragma unroll
+                for (int t_2 = 0; t_2 < 8; ++t_2) {
+                  int condval_12;
+                  if (((((pos[t_2] + (128 >> s)) <= topk) && (0 <= val[t_2])) && (val[t_2] < kb))) {
+                    condval_12 = (128 >> s);
+                  } else {
+                    condval_12 = 0;
+                  }
+                  pos[t_2] = (pos[t_2] + condval_12);
+                }
+              }
+            }
+            if (t_start < t_end) {
+              #pragma unroll
+              for (int t_3 = 0; t_3 < 8; ++t_3) {
+                int condval_13;
+                if (((((0 <= pos[t_3]) && (1 <= topk)) && (0 <= ((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                  condval_13 = topk_idx[((min(((int64_t)pos[((int64_t)t_3)]), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_3), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk)))];
+                } else {
+                  condval_13 = 0;
+                }
+                val[t_3] = condval_13;
+              }
+            }
+            if (t_start < t_end) {
+              my_mask[0] = 0;
+            }
+            if (t_start < t_end) {
+              #pragma unroll
+              for (int t_4 = 0; t_4 < 8; ++t_4) {
+                int condval_14;
+                if ((((t_4 < (t_end - t_start)) && (pos[t_4] < topk)) && (val[t_4] == kb))) {
+                  condval_14 = (1 << t_4);
+                } else {
+                  condval_14 = 0;
+                }
+                my_mask[0] = (my_mask[0] | condval_14);
+              }
+            }
+            if (t_start < t_end) {
+              #pragma unroll
+              for (int t_5 = 0; t_5 < 8; ++t_5) {
+                my_cnt = (my_cnt + ((my_mask[0] >> t_5) & 1));
               }
             }
           }
-        }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t_3 = 0; t_3 < 8; ++t_3) {
-              int condval_11;
-              if (((((0 <= pos[t_3]) && (1 <= topk)) && (0 <= ((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
-                condval_11 = topk_idx[((min(((int64_t)pos[((int64_t)t_3)]), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_3), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk)))];
-              } else {
-                condval_11 = 0;
-              }
-              val[t_3] = condval_11;
+          __syncthreads();
+          ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
+          __syncthreads();
+          tl::CumSum1D<256, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 256);
+          __syncthreads();
+          n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
+          __syncthreads();
+          for (int t_6 = 0; t_6 < 8; ++t_6) {
+            if (((my_mask[0] >> t_6) & 1) == 1) {
+              ((int*)tok_s)[n_put] = (t_start + t_6);
+            }
+            if (((my_mask[0] >> t_6) & 1) == 1) {
+              n_put = (n_put + 1);
             }
           }
-        }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if (t_start < t_end) {
-            my_mask[0] = 0;
+          __syncthreads();
+          if (((int)threadIdx.x) == 0) {
+            ((int*)n_mem)[0] = ((int*)flag_s)[255];
           }
-        }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t_4 = 0; t_4 < 8; ++t_4) {
-              int condval_12;
-              if ((((t_4 < (t_end - t_start)) && (pos[t_4] < topk)) && (val[t_4] == kb))) {
-                condval_12 = (1 << t_4);
-              } else {
-                condval_12 = 0;
-              }
-              my_mask[0] = (my_mask[0] | condval_12);
-            }
-          }
-        }
-        if (((chunk * 256) + ((int)threadIdx.x)) < (n_hit * 8)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t_5 = 0; t_5 < 8; ++t_5) {
-              my_cnt = (my_cnt + ((my_mask[0] >> t_5) & 1));
-            }
-          }
-        }
-        __syncthreads();
-        ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
-        __syncthreads();
-        tl::CumSum1D<256, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 256);
-        __syncthreads();
-        n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
-        __syncthreads();
-        for (int t_6 = 0; t_6 < 8; ++t_6) {
-          if (((my_mask[0] >> t_6) & 1) == 1) {
-            ((int*)tok_s)[n_put] = (t_start + t_6);
-          }
-          if (((my_mask[0] >> t_6) & 1) == 1) {
-            n_put = (n_put + 1);
-          }
-        }
-        __syncthreads();
-        if (((int)threadIdx.x) == 0) {
-          ((int*)n_mem)[0] = ((int*)flag_s)[255];
-        }
-        __syncthreads();
-        n_toks = ((int*)n_mem)[0];
-        int rmod_4 = (((n_toks + tile_tokens) - 1) % tile_tokens);
-        int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
-        n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
-        if (0 < n_m) {
-          int condval_13;
-          if (((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups))) {
-            condval_13 = ((int*)tok_s)[((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)2)]];
-          } else {
-            condval_13 = 0;
-          }
-          rowl[0] = (q0 + condval_13);
-          headl[0] = ((int*)rhead_s)[(((int)threadIdx.x) >> 2)];
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            int condval_14;
-            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_14 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-            } else {
-              condval_14 = 0;
-            }
-            rowl[1] = (q0 + condval_14);
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            headl[1] = ((int*)rhead_s)[((int)threadIdx.x)];
-          }
-        }
-        __syncthreads();
-        if (0 < n_m) {
-          #pragma unroll
-          for (int j_1 = 0; j_1 < 4; ++j_1) {
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
-          }
-        }
-        if (0 < n_m) {
-          tl::cp_async_commit();
-        }
-        __syncthreads();
-        for (int m = 0; m < n_m; ++m) {
-          if (0 < m) {
+          __syncthreads();
+          n_toks = ((int*)n_mem)[0];
+          int rmod_5 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+          int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+          n_m = ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
+          if (0 < n_m) {
             int condval_15;
-            if (((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-              condval_15 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)2)]))];
+            if (((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups))) {
+              condval_15 = ((int*)tok_s)[((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)2)]];
             } else {
               condval_15 = 0;
             }
             rowl[0] = (q0 + condval_15);
             headl[0] = ((int*)rhead_s)[(((int)threadIdx.x) >> 2)];
+          }
+          if (0 < n_m) {
             if (((int)threadIdx.x) < 64) {
               int condval_16;
-              if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
-                condval_16 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+              if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+                condval_16 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
               } else {
                 condval_16 = 0;
               }
               rowl[1] = (q0 + condval_16);
+            }
+          }
+          if (0 < n_m) {
+            if (((int)threadIdx.x) < 64) {
               headl[1] = ((int*)rhead_s)[((int)threadIdx.x)];
             }
           }
           __syncthreads();
-          if (0 < m) {
+          if (0 < n_m) {
             #pragma unroll
-            for (int j_2 = 0; j_2 < 4; ++j_2) {
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+            for (int j_1 = 0; j_1 < 4; ++j_1) {
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
             }
+          }
+          if (0 < n_m) {
             if (((int)threadIdx.x) < 64) {
-              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
-              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
+              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
             }
+          }
+          if (0 < n_m) {
+            if (((int)threadIdx.x) < 64) {
+              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
+            }
+          }
+          if (0 < n_m) {
             tl::cp_async_commit();
           }
-          tl::cp_async_wait<0>();
           __syncthreads();
-          int n_rows = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
-          int kb_1 = kb;
-          #pragma unroll
-          for (int i_4 = 0; i_4 < 4; ++i_4) {
-            float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_sT + (i_4 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
-          }
-          {
-            bfloat16_t A_local[8];
-            bfloat16_t B_local[16];
-            for (int ki = 0; ki < 8; ++ki) {
-              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[(((((((ki >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
-              #pragma unroll
-              for (int i_5 = 0; i_5 < 2; ++i_5) {
-                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s0)[(((((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
-              }
-              for (int j_3 = 0; j_3 < 2; ++j_3) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_3 * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j_3 * 8) + 4)));
-              }
-            }
-          }
-          if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-            #pragma unroll
-            for (int i_6 = 0; i_6 < 8; ++i_6) {
-              float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-              float2 __1;
-              float2 __2;
-                float2 __3;
-                  float2 v_ = *(float2*)(acc_sT + (i_6 * 2));
-                  float2 v__1 = make_float2(scale_log2, scale_log2);
-                  __3.x = (v_.x*v__1.x);
-                  __3.y = (v_.y*v__1.y);
-                float2 __4;
-                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-                  float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
-                  __4.x = (v__2.x*v__3.x);
-                  __4.y = (v__2.y*v__3.y);
-                __2.x = (__3.x-__4.x);
-                __2.y = (__3.y-__4.y);
-              __1.x = exp2f(__2.x);
-              __1.y = exp2f(__2.y);
-              *(float2*)(acc_sT + (i_6 * 2)) = __1;
-            }
-          } else {
-            #pragma unroll
-            for (int i_7 = 0; i_7 < 16; ++i_7) {
-              float condval_17;
-              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_7) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_7) & (int64_t)1))]))]) - len_q)))) {
-                condval_17 = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+          for (int m = 0; m < n_m; ++m) {
+            if (0 < m) {
+              int condval_17;
+              if (((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                condval_17 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((int64_t)((int)threadIdx.x)) >> (int64_t)2)]))];
               } else {
-                condval_17 = 0x0p+0f/*0.000000e+00*/;
+                condval_17 = 0;
               }
-              acc_sT[i_7] = condval_17;
-            }
-          }
-          #pragma unroll
-          for (int i_8 = 0; i_8 < 4; ++i_8) {
-            float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_dpT + (i_8 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
-          }
-          {
-            bfloat16_t A_local_1[8];
-            bfloat16_t B_local_1[16];
-            for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[(((((((ki_1 >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
-              #pragma unroll
-              for (int i_9 = 0; i_9 < 2; ++i_9) {
-                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s0)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_9 * 8)])));
-              }
-              for (int j_4 = 0; j_4 < 2; ++j_4) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_4 * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_4 * 8) + 4)));
+              rowl[0] = (q0 + condval_17);
+              headl[0] = ((int*)rhead_s)[(((int)threadIdx.x) >> 2)];
+              if (((int)threadIdx.x) < 64) {
+                int condval_18;
+                if ((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups))) {
+                  condval_18 = ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                } else {
+                  condval_18 = 0;
+                }
+                rowl[1] = (q0 + condval_18);
+                headl[1] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
             }
-          }
-          __syncthreads();
-          #pragma unroll
-          for (int i_10 = 0; i_10 < 8; ++i_10) {
-            bfloat16_t pT_local_cast[2];
-            uint1 __5;
-            float2 v__4 = *(float2*)(acc_sT + (i_10 * 2));
-            (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
-            *(uint1*)(pT_local_cast + 0) = __5;
-            *(uint1*)(((bfloat16_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_10 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_10 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
-          }
-          #pragma unroll
-          for (int i_11 = 0; i_11 < 8; ++i_11) {
-            float delta_s0_local_cast_2[2];
-            bfloat16_t dsT_local_cast_1[2];
-            *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-            uint1 __6;
-            float2 __7;
-              float2 v__5 = *(float2*)(acc_sT + (i_11 * 2));
-              float2 __8;
-                float2 v__6 = *(float2*)(acc_dpT + (i_11 * 2));
-                float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
-                __8.x = (v__6.x-v__7.x);
-                __8.y = (v__6.y-v__7.y);
-              __7.x = (v__5.x*__8.x);
-              __7.y = (v__5.y*__8.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-            *(uint1*)(dsT_local_cast_1 + 0) = __6;
-            *(uint1*)(((bfloat16_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
-          }
-          {
-            bfloat16_t A_local_2[8];
-            bfloat16_t B_local_2[32];
             __syncthreads();
-            for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)pT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
+            if (0 < m) {
               #pragma unroll
-              for (int i_12 = 0; i_12 < 4; ++i_12) {
-                tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_12 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_12 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_12 * 8)])));
+              for (int j_2 = 0; j_2 < 4; ++j_2) {
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
               }
-              for (int j_5 = 0; j_5 < 4; ++j_5) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_5 * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_5 * 8) + 4)));
+              if (((int)threadIdx.x) < 64) {
+                tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
+                tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
+              }
+              tl::cp_async_commit();
+            }
+            tl::cp_async_wait<0>();
+            __syncthreads();
+            int n_rows = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+            int kb_1 = kb;
+            #pragma unroll
+            for (int i_4 = 0; i_4 < 4; ++i_4) {
+              float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
+              *(float4*)(acc_sT + (i_4 * 4)) = make_float4(broadcast_var_4, broadcast_var_4, broadcast_var_4, broadcast_var_4);
+            }
+            {
+              bfloat16_t A_local[8];
+              bfloat16_t B_local[16];
+              for (int ki = 0; ki < 8; ++ki) {
+                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[(((((((ki >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
+                #pragma unroll
+                for (int i_5 = 0; i_5 < 2; ++i_5) {
+                  tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s0)[(((((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_5 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_5 * 8)])));
+                }
+                for (int j_3 = 0; j_3 < 2; ++j_3) {
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_3 * 8)));
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + ((j_3 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + ((j_3 * 8) + 4)));
+                }
               }
             }
-          }
-          {
-            bfloat16_t A_local_3[8];
-            bfloat16_t B_local_3[32];
-            for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-              tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dsT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
+            if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
-              for (int i_13 = 0; i_13 < 4; ++i_13) {
-                tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_13 * 8)])));
+              for (int i_6 = 0; i_6 < 8; ++i_6) {
+                float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+                float2 __1;
+                float2 __2;
+                  float2 __3;
+                    float2 v_ = *(float2*)(acc_sT + (i_6 * 2));
+                    float2 v__1 = make_float2(scale_log2, scale_log2);
+                    __3.x = (v_.x*v__1.x);
+                    __3.y = (v_.y*v__1.y);
+                  float2 __4;
+                    float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_6 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
+                    __4.x = (v__2.x*v__3.x);
+                    __4.y = (v__2.y*v__3.y);
+                  __2.x = (__3.x-__4.x);
+                  __2.y = (__3.y-__4.y);
+                __1.x = exp2f(__2.x);
+                __1.y = exp2f(__2.y);
+                *(float2*)(acc_sT + (i_6 * 2)) = __1;
               }
-              for (int j_6 = 0; j_6 < 4; ++j_6) {
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_6 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_6 * 8)));
-                tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_6 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_6 * 8) + 4)));
+            } else {
+              #pragma unroll
+              for (int i_7 = 0; i_7 < 16; ++i_7) {
+                float condval_19;
+                if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_7 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_7) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_7) & (int64_t)1))]))]) - len_q)))) {
+                  condval_19 = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_7 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                } else {
+                  condval_19 = 0x0p+0f/*0.000000e+00*/;
+                }
+                acc_sT[i_7] = condval_19;
               }
             }
+            #pragma unroll
+            for (int i_8 = 0; i_8 < 4; ++i_8) {
+              float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
+              *(float4*)(acc_dpT + (i_8 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+            }
+            {
+              bfloat16_t A_local_1[8];
+              bfloat16_t B_local_1[16];
+              for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[(((((((ki_1 >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
+                #pragma unroll
+                for (int i_9 = 0; i_9 < 2; ++i_9) {
+                  tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s0)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_9 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_9 * 8)])));
+                }
+                for (int j_4 = 0; j_4 < 2; ++j_4) {
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_4 * 8)));
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + ((j_4 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + ((j_4 * 8) + 4)));
+                }
+              }
+            }
+            __syncthreads();
+            #pragma unroll
+            for (int i_10 = 0; i_10 < 8; ++i_10) {
+              bfloat16_t pT_local_cast[2];
+              uint1 __5;
+              float2 v__4 = *(float2*)(acc_sT + (i_10 * 2));
+              (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
+              *(uint1*)(pT_local_cast + 0) = __5;
+              *(uint1*)(((bfloat16_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_10 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_10 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_10 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
+            }
+            #pragma unroll
+            for (int i_11 = 0; i_11 < 8; ++i_11) {
+              float delta_s0_local_cast_2[2];
+              bfloat16_t dsT_local_cast_1[2];
+              *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_11 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
+              uint1 __6;
+              float2 __7;
+                float2 v__5 = *(float2*)(acc_sT + (i_11 * 2));
+                float2 __8;
+                  float2 v__6 = *(float2*)(acc_dpT + (i_11 * 2));
+                  float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
+                  __8.x = (v__6.x-v__7.x);
+                  __8.y = (v__6.y-v__7.y);
+                __7.x = (v__5.x*__8.x);
+                __7.y = (v__5.y*__8.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+              *(uint1*)(dsT_local_cast_1 + 0) = __6;
+              *(uint1*)(((bfloat16_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
+            }
+            {
+              bfloat16_t A_local_2[8];
+              bfloat16_t B_local_2[32];
+              __syncthreads();
+              for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)pT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
+                #pragma unroll
+                for (int i_12 = 0; i_12 < 4; ++i_12) {
+                  tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_12 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_12 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_12 * 8)])));
+                }
+                for (int j_5 = 0; j_5 < 4; ++j_5) {
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_5 * 8)));
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + ((j_5 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + ((j_5 * 8) + 4)));
+                }
+              }
+            }
+            {
+              bfloat16_t A_local_3[8];
+              bfloat16_t B_local_3[32];
+              for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dsT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
+                #pragma unroll
+                for (int i_13 = 0; i_13 < 4; ++i_13) {
+                  tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_13 * 8)])));
+                }
+                for (int j_6 = 0; j_6 < 4; ++j_6) {
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_6 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_6 * 8)));
+                  tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + ((j_6 * 8) + 4)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + ((j_6 * 8) + 4)));
+                }
+              }
+            }
+            __syncthreads();
           }
           __syncthreads();
         }
-        __syncthreads();
       }
     }
   }
@@ -533,20 +546,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
     if (split == 1) {
       #pragma unroll
       for (int i_14 = 0; i_14 < 16; ++i_14) {
-        int condval_18;
+        int condval_20;
         if ((j == 0)) {
-          condval_18 = 1;
+          condval_20 = 1;
         } else {
-          condval_18 = 0;
+          condval_20 = 0;
         }
-        if (0 <= condval_18) {
-          int condval_19;
+        if (0 <= condval_20) {
+          int condval_21;
           if ((j == 0)) {
-            condval_19 = 1;
+            condval_21 = 1;
           } else {
-            condval_19 = 0;
+            condval_21 = 0;
           }
-          if (condval_19 < 2) {
+          if (condval_21 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
@@ -556,56 +569,56 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                       float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                       __9.x = (v__8.x*v__9.x);
                       __9.y = (v__8.y*v__9.y);
-                    int64_t condval_20;
+                    int64_t condval_22;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_20 = (int64_t)1;
+                      condval_22 = (int64_t)1;
                     } else {
-                      condval_20 = (int64_t)0;
+                      condval_22 = (int64_t)0;
                     }
-                    int64_t condval_21;
+                    int64_t condval_23;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_21 = (int64_t)1;
+                      condval_23 = (int64_t)1;
                     } else {
-                      condval_21 = (int64_t)0;
+                      condval_23 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_21 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_23 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
                   }
                 }
               }
             }
           }
         }
-        int condval_22;
+        int condval_24;
         if ((j == 0)) {
-          condval_22 = 1;
+          condval_24 = 1;
         } else {
-          condval_22 = 0;
+          condval_24 = 0;
         }
-        if (0 <= condval_22) {
-          int condval_23;
+        if (0 <= condval_24) {
+          int condval_25;
           if ((j == 0)) {
-            condval_23 = 1;
+            condval_25 = 1;
           } else {
-            condval_23 = 0;
+            condval_25 = 0;
           }
-          if (condval_23 < 2) {
+          if (condval_25 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    int64_t condval_24;
+                    int64_t condval_26;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_24 = (int64_t)1;
+                      condval_26 = (int64_t)1;
                     } else {
-                      condval_24 = (int64_t)0;
+                      condval_26 = (int64_t)0;
                     }
-                    int64_t condval_25;
+                    int64_t condval_27;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_25 = (int64_t)1;
+                      condval_27 = (int64_t)1;
                     } else {
-                      condval_25 = (int64_t)0;
+                      condval_27 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_25 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_14 * 2));
+                    *(float2*)(partial + (((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_27 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_14 * 2));
                   }
                 }
               }

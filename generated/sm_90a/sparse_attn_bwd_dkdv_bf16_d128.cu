@@ -49,6 +49,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   float acc_dv[64];
   int c_hit = 0;
   int n_hit = 0;
+  int rot = 0;
   int my_mask[1];
   int my_cnt = 0;
   int t_start = 0;
@@ -199,510 +200,522 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       __syncthreads();
       n_hit = ((int*)cflag_s)[127];
       __syncthreads();
-      for (int chunk = 0; chunk < ((n_hit + 31) >> 5); ++chunk) {
-        my_mask[0] = 0;
-        my_cnt = 0;
-        t_start = 0;
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          t_start = max((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) - q0), t_a);
+      rot = 0;
+      if ((outer == 0) && (0 < n_hit)) {
+        int rmod_4 = (((int*)clist_s)[0] % 32);
+        rot = (((rmod_4 <= 0) ? rmod_4 : (rmod_4 - 32)) * -1);
+      }
+      if ((outer == 0) && (0 < n_hit)) {
+        if (n_hit <= rot) {
+          rot = 0;
         }
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          t_end = min(((((((int*)clist_s)[((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))] * 64) + ((((int)threadIdx.x) & 3) * 16)) + 16) - q0), t_b);
+      }
+      for (int seg = 0; seg < 2; ++seg) {
+        int condval_9;
+        if ((seg == 0)) {
+          condval_9 = rot;
+        } else {
+          condval_9 = 0;
         }
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t = 0; t < 16; ++t) {
-              pos[t] = 0;
-            }
-          }
+        int seg0 = condval_9;
+        int condval_10;
+        if ((seg == 0)) {
+          condval_10 = (n_hit - rot);
+        } else {
+          condval_10 = rot;
         }
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int s = 0; s < 8; ++s) {
+        int seg_len = condval_10;
+        for (int chunk = 0; chunk < ((seg_len + 31) >> 5); ++chunk) {
+          my_mask[0] = 0;
+          my_cnt = 0;
+          t_start = 0;
+          if (((chunk * 128) + ((int)threadIdx.x)) < (seg_len * 4)) {
+            t_start = max((((((int*)clist_s)[(((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2)) + ((int64_t)seg0))] * 64) + ((((int)threadIdx.x) & 3) * 16)) - q0), t_a);
+            t_end = min(((((((int*)clist_s)[(((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2)) + ((int64_t)seg0))] * 64) + ((((int)threadIdx.x) & 3) * 16)) + 16) - q0), t_b);
+            if (t_start < t_end) {
               #pragma unroll
-              for (int t_1 = 0; t_1 < 16; ++t_1) {
-                int condval_9;
-                if (((((1 <= (pos[t_1] + (128 >> s))) && (1 <= topk)) && (0 <= ((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
-                  condval_9 = topk_idx[(((min((((int64_t)pos[((int64_t)t_1)]) + ((int64_t)128 >> ((int64_t)s))), ((int64_t)topk)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_1), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk))) - (int64_t)1)];
-                } else {
-                  condval_9 = 0;
-                }
-                val[t_1] = condval_9;
+              for (int t = 0; t < 16; ++t) {
+                pos[t] = 0;
               }
+            }
+            if (t_start < t_end) {
               #pragma unroll
-              for (int t_2 = 0; t_2 < 16; ++t_2) {
-                int condval_10;
-                if (((((pos[t_2] + (128 >> s)) <= topk) && (0 <= val[t_2])) && (val[t_2] < kb))) {
-                  condval_10 = (128 >> s);
-                } else {
-                  condval_10 = 0;
-                }
-                pos[t_2] = (pos[t_2] + condval_10);
-              }
-            }
-          }
-        }
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t_3 = 0; t_3 < 16; ++t_3) {
-              int condval_11;
-              if (((((0 <= pos[t_3]) && (1 <= topk)) && (0 <= ((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
-                condval_11 = topk_idx[((min(((int64_t)pos[((int64_t)t_3)]), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_3), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk)))];
-              } else {
-                condval_11 = 0;
-              }
-              val[t_3] = condval_11;
-            }
-          }
-        }
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          if (t_start < t_end) {
-            my_mask[0] = 0;
-          }
-        }
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t_4 = 0; t_4 < 16; ++t_4) {
-              int condval_12;
-              if ((((t_4 < (t_end - t_start)) && (pos[t_4] < topk)) && (val[t_4] == kb))) {
-                condval_12 = (1 << t_4);
-              } else {
-                condval_12 = 0;
-              }
-              my_mask[0] = (my_mask[0] | condval_12);
-            }
-          }
-        }
-        if (((chunk * 128) + ((int)threadIdx.x)) < (n_hit * 4)) {
-          if (t_start < t_end) {
-            #pragma unroll
-            for (int t_5 = 0; t_5 < 16; ++t_5) {
-              my_cnt = (my_cnt + ((my_mask[0] >> t_5) & 1));
-            }
-          }
-        }
-        __syncthreads();
-        ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
-        __syncthreads();
-        tl::CumSum1D<128, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 128);
-        __syncthreads();
-        n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
-        __syncthreads();
-        for (int t_6 = 0; t_6 < 16; ++t_6) {
-          if (((my_mask[0] >> t_6) & 1) == 1) {
-            ((int*)tok_s)[n_put] = (t_start + t_6);
-          }
-          if (((my_mask[0] >> t_6) & 1) == 1) {
-            n_put = (n_put + 1);
-          }
-        }
-        __syncthreads();
-        if (((int)threadIdx.x) == 0) {
-          ((int*)n_mem)[0] = ((int*)flag_s)[127];
-        }
-        __syncthreads();
-        n_toks = ((int*)n_mem)[0];
-        int rmod_4 = (((n_toks + tile_tokens) - 1) % tile_tokens);
-        int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
-        n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
-        if (0 < n_m) {
-          #pragma unroll
-          for (int p = 0; p < 2; ++p) {
-            int condval_13;
-            if ((((p * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups))) {
-              condval_13 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)p) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]];
-            } else {
-              condval_13 = 0;
-            }
-            rowl[p] = (q0 + condval_13);
-            headl[p] = ((int*)rhead_s)[((p * 32) + (((int)threadIdx.x) >> 2))];
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            int condval_14;
-            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_14 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-            } else {
-              condval_14 = 0;
-            }
-            rowl[2] = (q0 + condval_14);
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
-          }
-        }
-        __syncthreads();
-        if (0 < n_m) {
-          #pragma unroll
-          for (int p_1 = 0; p_1 < 2; ++p_1) {
-            #pragma unroll
-            for (int j_1 = 0; j_1 < 4; ++j_1) {
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((j_1 >> 1) * 4096) + (p_1 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((j_1 >> 1) * 4096) + (p_1 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
-            }
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-          }
-        }
-        if (0 < n_m) {
-          tl::cp_async_commit();
-        }
-        __syncthreads();
-        for (int m = 0; m < n_m; ++m) {
-          if ((m + 1) < n_m) {
-            if ((m % 2) == 0) {
-              int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
-              #pragma unroll
-              for (int p_2 = 0; p_2 < 2; ++p_2) {
-                int condval_15;
-                if ((((p_2 * 32) + (((int)threadIdx.x) >> 2)) < n_rows)) {
-                  condval_15 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_2) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
-                } else {
-                  condval_15 = 0;
-                }
-                rowl[p_2] = (q0 + condval_15);
-                headl[p_2] = ((int*)rhead_s)[((p_2 * 32) + (((int)threadIdx.x) >> 2))];
-              }
-              if (((int)threadIdx.x) < 64) {
-                int condval_16;
-                if ((((int)threadIdx.x) < n_rows)) {
-                  condval_16 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-                } else {
-                  condval_16 = 0;
-                }
-                rowl[2] = (q0 + condval_16);
-                headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
-              }
-              __syncthreads();
-              #pragma unroll
-              for (int p_3 = 0; p_3 < 2; ++p_3) {
+              for (int s = 0; s < 8; ++s) {
                 #pragma unroll
-                for (int j_2 = 0; j_2 < 4; ++j_2) {
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((((j_2 >> 1) * 4096) + (p_3 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((((j_2 >> 1) * 4096) + (p_3 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
+                for (int t_1 = 0; t_1 < 16; ++t_1) {
+                  int condval_11;
+                  if (((((1 <= (pos[t_1] + (128 >> s))) && (1 <= topk)) && (0 <= ((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                    condval_11 = topk_idx[(((min((((int64_t)pos[((int64_t)t_1)]) + ((int64_t)128 >> ((int64_t)s))), ((int64_t)topk)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_1), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk))) - (int64_t)1)];
+                  } else {
+                    condval_11 = 0;
+                  }
+                  val[t_1] = condval_11;
                 }
-              }
-              if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-              }
-            } else {
-              int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
-              #pragma unroll
-              for (int p_4 = 0; p_4 < 2; ++p_4) {
-                int condval_17;
-                if ((((p_4 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1)) {
-                  condval_17 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
-                } else {
-                  condval_17 = 0;
-                }
-                rowl[p_4] = (q0 + condval_17);
-                headl[p_4] = ((int*)rhead_s)[((p_4 * 32) + (((int)threadIdx.x) >> 2))];
-              }
-              if (((int)threadIdx.x) < 64) {
-                int condval_18;
-                if ((((int)threadIdx.x) < n_rows_1)) {
-                  condval_18 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-                } else {
-                  condval_18 = 0;
-                }
-                rowl[2] = (q0 + condval_18);
-                headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
-              }
-              __syncthreads();
-              #pragma unroll
-              for (int p_5 = 0; p_5 < 2; ++p_5) {
                 #pragma unroll
-                for (int j_3 = 0; j_3 < 4; ++j_3) {
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((j_3 >> 1) * 4096) + (p_5 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_3 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((j_3 >> 1) * 4096) + (p_5 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_3 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
+                for (int t_2 = 0; t_2 < 16; ++t_2) {
+                  int condval_12;
+                  if (((((pos[t_2] + (128 >> s)) <= topk) && (0 <= val[t_2])) && (val[t_2] < kb))) {
+                    condval_12 = (128 >> s);
+                  } else {
+                    condval_12 = 0;
+                  }
+                  pos[t_2] = (pos[t_2] + condval_12);
                 }
-              }
-              if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
               }
             }
+            if (t_start < t_end) {
+              #pragma unroll
+              for (int t_3 = 0; t_3 < 16; ++t_3) {
+                int condval_13;
+                if (((((0 <= pos[t_3]) && (1 <= topk)) && (0 <= ((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
+                  condval_13 = topk_idx[((min(((int64_t)pos[((int64_t)t_3)]), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_3), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk)))];
+                } else {
+                  condval_13 = 0;
+                }
+                val[t_3] = condval_13;
+              }
+            }
+            if (t_start < t_end) {
+              my_mask[0] = 0;
+            }
+            if (t_start < t_end) {
+              #pragma unroll
+              for (int t_4 = 0; t_4 < 16; ++t_4) {
+                int condval_14;
+                if ((((t_4 < (t_end - t_start)) && (pos[t_4] < topk)) && (val[t_4] == kb))) {
+                  condval_14 = (1 << t_4);
+                } else {
+                  condval_14 = 0;
+                }
+                my_mask[0] = (my_mask[0] | condval_14);
+              }
+            }
+            if (t_start < t_end) {
+              #pragma unroll
+              for (int t_5 = 0; t_5 < 16; ++t_5) {
+                my_cnt = (my_cnt + ((my_mask[0] >> t_5) & 1));
+              }
+            }
+          }
+          __syncthreads();
+          ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
+          __syncthreads();
+          tl::CumSum1D<128, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 128);
+          __syncthreads();
+          n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
+          __syncthreads();
+          for (int t_6 = 0; t_6 < 16; ++t_6) {
+            if (((my_mask[0] >> t_6) & 1) == 1) {
+              ((int*)tok_s)[n_put] = (t_start + t_6);
+            }
+            if (((my_mask[0] >> t_6) & 1) == 1) {
+              n_put = (n_put + 1);
+            }
+          }
+          __syncthreads();
+          if (((int)threadIdx.x) == 0) {
+            ((int*)n_mem)[0] = ((int*)flag_s)[127];
+          }
+          __syncthreads();
+          n_toks = ((int*)n_mem)[0];
+          int rmod_5 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+          int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+          n_m = ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
+          if (0 < n_m) {
+            #pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              int condval_15;
+              if ((((p * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups))) {
+                condval_15 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)p) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]];
+              } else {
+                condval_15 = 0;
+              }
+              rowl[p] = (q0 + condval_15);
+              headl[p] = ((int*)rhead_s)[((p * 32) + (((int)threadIdx.x) >> 2))];
+            }
+          }
+          if (0 < n_m) {
+            if (((int)threadIdx.x) < 64) {
+              int condval_16;
+              if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+                condval_16 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+              } else {
+                condval_16 = 0;
+              }
+              rowl[2] = (q0 + condval_16);
+            }
+          }
+          if (0 < n_m) {
+            if (((int)threadIdx.x) < 64) {
+              headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
+            }
+          }
+          __syncthreads();
+          if (0 < n_m) {
+            #pragma unroll
+            for (int p_1 = 0; p_1 < 2; ++p_1) {
+              #pragma unroll
+              for (int j_1 = 0; j_1 < 4; ++j_1) {
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((j_1 >> 1) * 4096) + (p_1 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
+                tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((j_1 >> 1) * 4096) + (p_1 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
+              }
+            }
+          }
+          if (0 < n_m) {
+            if (((int)threadIdx.x) < 64) {
+              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+            }
+          }
+          if (0 < n_m) {
+            if (((int)threadIdx.x) < 64) {
+              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+            }
+          }
+          if (0 < n_m) {
             tl::cp_async_commit();
-            tl::cp_async_wait<1>();
-            __syncthreads();
-          } else {
-            tl::cp_async_wait<0>();
           }
           __syncthreads();
-          int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
-          tl::fence_proxy_async();
-          if ((m % 2) == 0) {
-            int kb_1 = kb;
-            {
-              tl::GmmaDescriptor desc_a;
-              tl::GmmaDescriptor desc_b;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki = 0; ki < 8; ++ki) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            }
-            {
-              tl::GmmaDescriptor desc_a_1;
-              tl::GmmaDescriptor desc_b_1;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_1) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-              #pragma unroll
-              for (int i_4 = 0; i_4 < 16; ++i_4) {
-                float broadcast_var_4 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                float2 __1;
-                float2 __2;
-                  float2 __3;
-                    float2 v_ = *(float2*)(acc_sT + (i_4 * 2));
-                    float2 v__1 = make_float2(scale_log2, scale_log2);
-                    __3.x = (v_.x*v__1.x);
-                    __3.y = (v_.y*v__1.y);
-                  float2 __4;
-                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_4 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                    float2 v__3 = make_float2(broadcast_var_4, broadcast_var_4);
-                    __4.x = (v__2.x*v__3.x);
-                    __4.y = (v__2.y*v__3.y);
-                  __2.x = (__3.x-__4.x);
-                  __2.y = (__3.y-__4.y);
-                __1.x = exp2f(__2.x);
-                __1.y = exp2f(__2.y);
-                *(float2*)(acc_sT + (i_4 * 2)) = __1;
-              }
-            } else {
-              #pragma unroll
-              for (int i_5 = 0; i_5 < 32; ++i_5) {
-                float condval_19;
-                if ((((((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_5) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_5) & (int64_t)1))]))]) - len_q)))) {
-                  condval_19 = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                } else {
-                  condval_19 = 0x0p+0f/*0.000000e+00*/;
+          for (int m = 0; m < n_m; ++m) {
+            if ((m + 1) < n_m) {
+              if ((m % 2) == 0) {
+                int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
+                #pragma unroll
+                for (int p_2 = 0; p_2 < 2; ++p_2) {
+                  int condval_17;
+                  if ((((p_2 * 32) + (((int)threadIdx.x) >> 2)) < n_rows)) {
+                    condval_17 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_2) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
+                  } else {
+                    condval_17 = 0;
+                  }
+                  rowl[p_2] = (q0 + condval_17);
+                  headl[p_2] = ((int*)rhead_s)[((p_2 * 32) + (((int)threadIdx.x) >> 2))];
                 }
-                acc_sT[i_5] = condval_19;
-              }
-            }
-            #pragma unroll
-            for (int i_6 = 0; i_6 < 8; ++i_6) {
-              uint2 __5;
-              float4 v__4 = *(float4*)(acc_sT + (i_6 * 4));
-              (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
-              (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
-              *(uint2*)(pT + (i_6 * 4)) = __5;
-            }
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_2;
-              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-            #pragma unroll
-            for (int i_7 = 0; i_7 < 16; ++i_7) {
-              float delta_s0_local_cast[2];
-              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_7 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __6;
-              float2 __7;
-                float2 v__5 = *(float2*)(acc_sT + (i_7 * 2));
-                float2 __8;
-                  float2 v__6 = *(float2*)(acc_dpT + (i_7 * 2));
-                  float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
-                  __8.x = (v__6.x-v__7.x);
-                  __8.y = (v__6.y-v__7.y);
-                __7.x = (v__5.x*__8.x);
-                __7.y = (v__5.y*__8.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-              *(uint1*)(dsT + (i_7 * 2)) = __6;
-            }
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_3;
-              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-            }
-            tl::wait_wgmma<0>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-          } else {
-            int kb_2 = kb;
-            {
-              tl::GmmaDescriptor desc_a_2;
-              tl::GmmaDescriptor desc_b_4;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki_4) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            }
-            {
-              tl::GmmaDescriptor desc_a_3;
-              tl::GmmaDescriptor desc_b_5;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_5 = 0; ki_5 < 8; ++ki_5) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), uint64_t(desc_b_5 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_5) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-              #pragma unroll
-              for (int i_8 = 0; i_8 < 16; ++i_8) {
-                float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                float2 __9;
-                float2 __10;
-                  float2 __11;
-                    float2 v__8 = *(float2*)(acc_sT + (i_8 * 2));
-                    float2 v__9 = make_float2(scale_log2, scale_log2);
-                    __11.x = (v__8.x*v__9.x);
-                    __11.y = (v__8.y*v__9.y);
-                  float2 __12;
-                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_8 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                    float2 v__11 = make_float2(broadcast_var_5, broadcast_var_5);
-                    __12.x = (v__10.x*v__11.x);
-                    __12.y = (v__10.y*v__11.y);
-                  __10.x = (__11.x-__12.x);
-                  __10.y = (__11.y-__12.y);
-                __9.x = exp2f(__10.x);
-                __9.y = exp2f(__10.y);
-                *(float2*)(acc_sT + (i_8 * 2)) = __9;
-              }
-            } else {
-              #pragma unroll
-              for (int i_9 = 0; i_9 < 32; ++i_9) {
-                float condval_20;
-                if ((((((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_9) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
-                  condval_20 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                } else {
-                  condval_20 = 0x0p+0f/*0.000000e+00*/;
+                if (((int)threadIdx.x) < 64) {
+                  int condval_18;
+                  if ((((int)threadIdx.x) < n_rows)) {
+                    condval_18 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                  } else {
+                    condval_18 = 0;
+                  }
+                  rowl[2] = (q0 + condval_18);
+                  headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
                 }
-                acc_sT[i_9] = condval_20;
+                __syncthreads();
+                #pragma unroll
+                for (int p_3 = 0; p_3 < 2; ++p_3) {
+                  #pragma unroll
+                  for (int j_2 = 0; j_2 < 4; ++j_2) {
+                    tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((((j_2 >> 1) * 4096) + (p_3 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
+                    tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((((j_2 >> 1) * 4096) + (p_3 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
+                  }
+                }
+                if (((int)threadIdx.x) < 64) {
+                  tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                  tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                }
+              } else {
+                int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
+                #pragma unroll
+                for (int p_4 = 0; p_4 < 2; ++p_4) {
+                  int condval_19;
+                  if ((((p_4 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1)) {
+                    condval_19 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
+                  } else {
+                    condval_19 = 0;
+                  }
+                  rowl[p_4] = (q0 + condval_19);
+                  headl[p_4] = ((int*)rhead_s)[((p_4 * 32) + (((int)threadIdx.x) >> 2))];
+                }
+                if (((int)threadIdx.x) < 64) {
+                  int condval_20;
+                  if ((((int)threadIdx.x) < n_rows_1)) {
+                    condval_20 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                  } else {
+                    condval_20 = 0;
+                  }
+                  rowl[2] = (q0 + condval_20);
+                  headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
+                }
+                __syncthreads();
+                #pragma unroll
+                for (int p_5 = 0; p_5 < 2; ++p_5) {
+                  #pragma unroll
+                  for (int j_3 = 0; j_3 < 4; ++j_3) {
+                    tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((((j_3 >> 1) * 4096) + (p_5 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_3 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
+                    tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((((j_3 >> 1) * 4096) + (p_5 * 2048)) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_3 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)128) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
+                  }
+                }
+                if (((int)threadIdx.x) < 64) {
+                  tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                  tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                }
               }
+              tl::cp_async_commit();
+              tl::cp_async_wait<1>();
+              __syncthreads();
+            } else {
+              tl::cp_async_wait<0>();
             }
-            #pragma unroll
-            for (int i_10 = 0; i_10 < 8; ++i_10) {
-              uint2 __13;
-              float4 v__12 = *(float4*)(acc_sT + (i_10 * 4));
-              (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
-              (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
-              *(uint2*)(pT + (i_10 * 4)) = __13;
-            }
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_6;
-              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_arrive();
+            __syncthreads();
+            int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+            tl::fence_proxy_async();
+            if ((m % 2) == 0) {
+              int kb_1 = kb;
+              {
+                tl::GmmaDescriptor desc_a;
+                tl::GmmaDescriptor desc_b;
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki = 0; ki < 8; ++ki) {
+                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki) ? 1 : 0));
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+              }
+              {
+                tl::GmmaDescriptor desc_a_1;
+                tl::GmmaDescriptor desc_b_1;
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_1) ? 1 : 0));
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+              }
+              tl::wait_wgmma<1>();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+              if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+                #pragma unroll
+                for (int i_4 = 0; i_4 < 16; ++i_4) {
+                  float broadcast_var_4 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+                  float2 __1;
+                  float2 __2;
+                    float2 __3;
+                      float2 v_ = *(float2*)(acc_sT + (i_4 * 2));
+                      float2 v__1 = make_float2(scale_log2, scale_log2);
+                      __3.x = (v_.x*v__1.x);
+                      __3.y = (v_.y*v__1.y);
+                    float2 __4;
+                      float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_4 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                      float2 v__3 = make_float2(broadcast_var_4, broadcast_var_4);
+                      __4.x = (v__2.x*v__3.x);
+                      __4.y = (v__2.y*v__3.y);
+                    __2.x = (__3.x-__4.x);
+                    __2.y = (__3.y-__4.y);
+                  __1.x = exp2f(__2.x);
+                  __1.y = exp2f(__2.y);
+                  *(float2*)(acc_sT + (i_4 * 2)) = __1;
+                }
+              } else {
+                #pragma unroll
+                for (int i_5 = 0; i_5 < 32; ++i_5) {
+                  float condval_21;
+                  if ((((((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_5) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_5) & (int64_t)1))]))]) - len_q)))) {
+                    condval_21 = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                  } else {
+                    condval_21 = 0x0p+0f/*0.000000e+00*/;
+                  }
+                  acc_sT[i_5] = condval_21;
+                }
+              }
               #pragma unroll
-              for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_6 * 8)), uint64_t(desc_b_6 + ((ki_6 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
+              for (int i_6 = 0; i_6 < 8; ++i_6) {
+                uint2 __5;
+                float4 v__4 = *(float4*)(acc_sT + (i_6 * 4));
+                (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
+                (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
+                *(uint2*)(pT + (i_6 * 4)) = __5;
               }
-              tl::warpgroup_commit_batch();
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-            #pragma unroll
-            for (int i_11 = 0; i_11 < 16; ++i_11) {
-              float delta_s1_local_cast_1[2];
-              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __14;
-              float2 __15;
-                float2 v__13 = *(float2*)(acc_sT + (i_11 * 2));
-                float2 __16;
-                  float2 v__14 = *(float2*)(acc_dpT + (i_11 * 2));
-                  float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
-                  __16.x = (v__14.x-v__15.x);
-                  __16.y = (v__14.y-v__15.y);
-                __15.x = (v__13.x*__16.x);
-                __15.y = (v__13.y*__16.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
-              *(uint1*)(dsT + (i_11 * 2)) = __14;
-            }
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_7;
-              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_7 * 8)), uint64_t(desc_b_7 + ((ki_7 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
+              {
+                tl::GmmaDescriptor desc_b_2;
+                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
               }
-              tl::warpgroup_commit_batch();
+              tl::wait_wgmma<1>();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+              #pragma unroll
+              for (int i_7 = 0; i_7 < 16; ++i_7) {
+                float delta_s0_local_cast[2];
+                *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_7 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                uint1 __6;
+                float2 __7;
+                  float2 v__5 = *(float2*)(acc_sT + (i_7 * 2));
+                  float2 __8;
+                    float2 v__6 = *(float2*)(acc_dpT + (i_7 * 2));
+                    float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
+                    __8.x = (v__6.x-v__7.x);
+                    __8.y = (v__6.y-v__7.y);
+                  __7.x = (v__5.x*__8.x);
+                  __7.y = (v__5.y*__8.y);
+                (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+                *(uint1*)(dsT + (i_7 * 2)) = __6;
+              }
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+              {
+                tl::GmmaDescriptor desc_b_3;
+                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+              }
+              tl::wait_wgmma<0>();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+            } else {
+              int kb_2 = kb;
+              {
+                tl::GmmaDescriptor desc_a_2;
+                tl::GmmaDescriptor desc_b_4;
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)K_s)[0])));
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
+                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki_4) ? 1 : 0));
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+              }
+              {
+                tl::GmmaDescriptor desc_a_3;
+                tl::GmmaDescriptor desc_b_5;
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)V_s)[0])));
+                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki_5 = 0; ki_5 < 8; ++ki_5) {
+                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), uint64_t(desc_b_5 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_5) ? 1 : 0));
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+              }
+              tl::wait_wgmma<1>();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+              if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+                #pragma unroll
+                for (int i_8 = 0; i_8 < 16; ++i_8) {
+                  float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+                  float2 __9;
+                  float2 __10;
+                    float2 __11;
+                      float2 v__8 = *(float2*)(acc_sT + (i_8 * 2));
+                      float2 v__9 = make_float2(scale_log2, scale_log2);
+                      __11.x = (v__8.x*v__9.x);
+                      __11.y = (v__8.y*v__9.y);
+                    float2 __12;
+                      float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_8 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                      float2 v__11 = make_float2(broadcast_var_5, broadcast_var_5);
+                      __12.x = (v__10.x*v__11.x);
+                      __12.y = (v__10.y*v__11.y);
+                    __10.x = (__11.x-__12.x);
+                    __10.y = (__11.y-__12.y);
+                  __9.x = exp2f(__10.x);
+                  __9.y = exp2f(__10.y);
+                  *(float2*)(acc_sT + (i_8 * 2)) = __9;
+                }
+              } else {
+                #pragma unroll
+                for (int i_9 = 0; i_9 < 32; ++i_9) {
+                  float condval_22;
+                  if ((((((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_9) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
+                    condval_22 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                  } else {
+                    condval_22 = 0x0p+0f/*0.000000e+00*/;
+                  }
+                  acc_sT[i_9] = condval_22;
+                }
+              }
+              #pragma unroll
+              for (int i_10 = 0; i_10 < 8; ++i_10) {
+                uint2 __13;
+                float4 v__12 = *(float4*)(acc_sT + (i_10 * 4));
+                (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
+                (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
+                *(uint2*)(pT + (i_10 * 4)) = __13;
+              }
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+              {
+                tl::GmmaDescriptor desc_b_6;
+                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
+                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_6 * 8)), uint64_t(desc_b_6 + ((ki_6 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+              }
+              tl::wait_wgmma<1>();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+              #pragma unroll
+              for (int i_11 = 0; i_11 < 16; ++i_11) {
+                float delta_s1_local_cast_1[2];
+                *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                uint1 __14;
+                float2 __15;
+                  float2 v__13 = *(float2*)(acc_sT + (i_11 * 2));
+                  float2 __16;
+                    float2 v__14 = *(float2*)(acc_dpT + (i_11 * 2));
+                    float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
+                    __16.x = (v__14.x-v__15.x);
+                    __16.y = (v__14.y-v__15.y);
+                  __15.x = (v__13.x*__16.x);
+                  __15.y = (v__13.y*__16.y);
+                (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
+                *(uint1*)(dsT + (i_11 * 2)) = __14;
+              }
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+              {
+                tl::GmmaDescriptor desc_b_7;
+                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+                tl::warpgroup_arrive();
+                #pragma unroll
+                for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
+                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_7 * 8)), uint64_t(desc_b_7 + ((ki_7 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
+                }
+                tl::warpgroup_commit_batch();
+                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+              }
+              tl::wait_wgmma<0>();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
             }
-            tl::wait_wgmma<0>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+            __syncthreads();
           }
           __syncthreads();
         }
-        __syncthreads();
       }
     }
   }
@@ -710,20 +723,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     if (split == 1) {
       #pragma unroll
       for (int i_12 = 0; i_12 < 32; ++i_12) {
-        int condval_21;
+        int condval_23;
         if ((j == 0)) {
-          condval_21 = 1;
+          condval_23 = 1;
         } else {
-          condval_21 = 0;
+          condval_23 = 0;
         }
-        if (0 <= condval_21) {
-          int condval_22;
+        if (0 <= condval_23) {
+          int condval_24;
           if ((j == 0)) {
-            condval_22 = 1;
+            condval_24 = 1;
           } else {
-            condval_22 = 0;
+            condval_24 = 0;
           }
-          if (condval_22 < 2) {
+          if (condval_24 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
@@ -733,56 +746,56 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                       float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                       __17.x = (v__16.x*v__17.x);
                       __17.y = (v__16.y*v__17.y);
-                    int64_t condval_23;
+                    int64_t condval_25;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_23 = (int64_t)1;
+                      condval_25 = (int64_t)1;
                     } else {
-                      condval_23 = (int64_t)0;
+                      condval_25 = (int64_t)0;
                     }
-                    int64_t condval_24;
+                    int64_t condval_26;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_24 = (int64_t)1;
+                      condval_26 = (int64_t)1;
                     } else {
-                      condval_24 = (int64_t)0;
+                      condval_26 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_24 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_26 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
                   }
                 }
               }
             }
           }
         }
-        int condval_25;
+        int condval_27;
         if ((j == 0)) {
-          condval_25 = 1;
+          condval_27 = 1;
         } else {
-          condval_25 = 0;
+          condval_27 = 0;
         }
-        if (0 <= condval_25) {
-          int condval_26;
+        if (0 <= condval_27) {
+          int condval_28;
           if ((j == 0)) {
-            condval_26 = 1;
+            condval_28 = 1;
           } else {
-            condval_26 = 0;
+            condval_28 = 0;
           }
-          if (condval_26 < 2) {
+          if (condval_28 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    int64_t condval_27;
+                    int64_t condval_29;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_27 = (int64_t)1;
+                      condval_29 = (int64_t)1;
                     } else {
-                      condval_27 = (int64_t)0;
+                      condval_29 = (int64_t)0;
                     }
-                    int64_t condval_28;
+                    int64_t condval_30;
                     if ((((int64_t)j) == (int64_t)0)) {
-                      condval_28 = (int64_t)1;
+                      condval_30 = (int64_t)1;
                     } else {
-                      condval_28 = (int64_t)0;
+                      condval_30 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_28 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_12 * 2));
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_30 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_12 * 2));
                   }
                 }
               }
