@@ -829,6 +829,8 @@ def _bwd_dkdv(dtype, D, arch):
     VPT = D // VEC // TPR  # 16-byte vectors a thread copies of a row
     RPP = threads // TPR  # rows a pass
     PASSES = BM // RPP
+    # every vector of every row is copied exactly once
+    assert VPT * TPR == D // VEC and PASSES * RPP == BM, (D, threads)
 
     @T.macro
     def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab, rowl, headl):
