@@ -14,6 +14,8 @@ ms are medians of CUDA-event timings after warm-up; "fwd+bwd" times one forward 
 backward (autograd). TFLOP/s count the query-key pairs actually visible (for the sparse path
 those of the selection it made, `testing.visible_pairs`): 4 * D flops per pair and head
 forward, 2.5x that backward; dense causal counts S(S+1)/2 pairs per sequence and head.
+"tile fill": of the GEMM rows stage 2's forward and dQ compute, the share the selection made
+asks for (`bench_sparse_attn.tile_fill`; random data makes neighbouring tokens' picks unrelated).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_attn import bench, dense  # noqa: E402
+from bench_sparse_attn import bench, dense, tile_fill  # noqa: E402
 
 import infllmv2  # noqa: E402
 from infllmv2.testing import cu_seqlens, visible_pairs  # noqa: E402
@@ -67,10 +69,12 @@ def end_to_end(seqlen, batch, reps, cfg):
     idx = infllmv2.select_blocks(q, k, cu, cu, topk=cfg.num_selected, init_blocks=cfg.init_blocks,
                                  local_blocks=cfg.local_blocks, approx_lse=cfg.approx_lse, max_seqlen_q=seqlen,
                                  max_seqlen_k=seqlen)
-    pairs = visible_pairs(idx, [seqlen] * batch, [seqlen] * batch) * (HQ // HK)
+    lengths = [seqlen] * batch
+    pairs = visible_pairs(idx, lengths, lengths) * (HQ // HK)
+    fill = tile_fill(idx, lengths, HQ // HK)
     del q, k, v, idx
     torch.cuda.empty_cache()
-    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "selection_ms": sel, "visible_pairs": pairs}
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "selection_ms": sel, "visible_pairs": pairs, "tile_fill": fill}
 
 
 def dense_path(seqlen, batch, reps):
@@ -110,7 +114,7 @@ def run(args):
         results.append(r)
 
     print(f"{'path':<7}{'tokens':<11}{'fwd ms':>8}{'fwd+bwd':>9}{'sel ms':>8}{'TF/s f/fb':>11}"
-          f"{'cuDNN f / fb':>15}{'flash f / fb':>16}{'x cuDNN f / fb':>16}")
+          f"{'cuDNN f / fb':>15}{'flash f / fb':>16}{'x cuDNN f / fb':>16}{'tile fill':>10}")
     for r in results:
         def pair(a, b):
             return f"{a:.1f}/{b:.1f}" if a else "n/a"
@@ -121,7 +125,7 @@ def run(args):
         print(f"{r['path']:<7}{r['tokens']:<11}{r['fwd_ms']:>8.1f}{r['fwd_bwd_ms']:>9.1f}{sel:>8}"
               f"{r['fwd_tflops']:>5.0f}/{r['fwd_bwd_tflops']:<5.0f}"
               f"{pair(r['cudnn_fwd_ms'], r['cudnn_fwd_bwd_ms']):>15}{pair(r['flash_fwd_ms'], r['flash_fwd_bwd_ms']):>16}"
-              f"{sp:>16}")
+              f"{sp:>16}{format(r['tile_fill'], '.2f') if 'tile_fill' in r else '-':>10}")
     with open(args.json, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "config": cfg.to_dict(), "results": results}, f,
                   indent=1)

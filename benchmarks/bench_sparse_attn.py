@@ -1,7 +1,7 @@
 """Stage-2 sparse attention, forward and backward, against dense causal attention (SDPA cuDNN and
 flash backends) measured in the same run.
 
-    python benchmarks/bench_sparse_attn.py --json out.json
+    python benchmarks/bench_sparse_attn.py --json out.json [--kernels]
 
 Configuration of the original kernels' table: bf16, D = 128, Hq = 32, Hk = 2 (G = 16), block 64,
 K = 64 selected blocks per token (the init block, the local window of 32 blocks plus the
@@ -11,7 +11,9 @@ the worst case of independent per-token selections at 32K x 8.
 
 TFLOP/s count the query-key pairs actually visible (causal, selected): 4 * D flops per pair and
 head forward, 2.5x that backward; dense causal counts S(S+1)/2 pairs per sequence and head.
-Times are medians of CUDA-event timings after warm-up.
+Times are medians of CUDA-event timings after warm-up. "tile fill" is the share of the forward's
+and dQ's GEMM rows that the selections ask for (`tile_fill`); `--kernels` adds each kernel's
+device time in one more forward and backward call (torch profiler).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from infllmv2.ops import sort_topk_idx
-from infllmv2.testing import cu_seqlens, realistic_topk, visible_pairs
+from infllmv2.testing import cu_seqlens, realistic_topk, tile_union_blocks, visible_pairs
 
 import infllmv2  # noqa: F401  (registers the custom ops)
 
@@ -43,6 +45,16 @@ def bench(fn, reps, warmup=3):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def tile_fill(idx, lengths, groups):
+    """The share of the forward's and dQ's GEMM rows that the selections ask for: a query tile
+    is min(64 // G, 16) tokens x G heads (sm_90a) padded to 64 rows, and walks the union of its
+    tokens' selected blocks, each for all its rows. 1.0 when a tile's tokens picked the same
+    blocks and fill its 64 rows."""
+    tokens = min(max(64 // groups, 1), 16)
+    selected = tile_union_blocks(idx, lengths, lengths, 1)
+    return selected * groups / (64 * tile_union_blocks(idx, lengths, lengths, tokens))
 
 
 def dense(seqlen, batch, hq, hk, D, backend, reps):
@@ -70,7 +82,16 @@ def dense(seqlen, batch, hq, hk, D, backend, reps):
     return fwd, bwd
 
 
-def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps):
+def kernel_times(fn):
+    """Device ms of each kernel in one call of fn (torch profiler), slowest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times = {e.key: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps, kernels=False):
     lengths = [seqlen] * batch
     q = torch.randn(seqlen * batch, hq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(seqlen * batch, hk, D, device="cuda", dtype=torch.bfloat16)
@@ -78,12 +99,18 @@ def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps):
     cu = cu_seqlens(lengths, "cuda")
     idx = sort_topk_idx(realistic_topk(lengths, lengths, hk, topk, correlated=correlated, device="cuda"))
     pairs = visible_pairs(idx, lengths, lengths) * (hq // hk)
+    fill = tile_fill(idx, lengths, hq // hk)
     ops = torch.ops.infllmv2
     fwd = bench(lambda: ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0), reps)
     out, lse = ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0)
     dout = torch.randn_like(out)
-    bwd = bench(lambda: ops.sparse_attn_bwd(dout, q, k, v, out, lse, idx, cu, cu, seqlen, seqlen, 0.0), reps)
-    return fwd, bwd, pairs
+    bwd_call = lambda: ops.sparse_attn_bwd(dout, q, k, v, out, lse, idx, cu, cu, seqlen, seqlen, 0.0)  # noqa: E731
+    bwd = bench(bwd_call, reps)
+    times = None
+    if kernels:
+        times = {"fwd": kernel_times(lambda: ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0)),
+                 "bwd": kernel_times(bwd_call)}
+    return fwd, bwd, pairs, fill, times
 
 
 def main():
@@ -91,6 +118,8 @@ def main():
     ap.add_argument("--json", default="bench_sparse_attn.json")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="32K x 8 only")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each kernel's device time in one forward and one backward call (torch profiler)")
     args = ap.parse_args()
     D, hq, topk = 128, 32, 64
     rows = [(32768, 8, 2, True), (65536, 4, 2, True), (131072, 2, 2, True), (32768, 8, 8, True), (32768, 8, 2, False)]
@@ -101,7 +130,7 @@ def main():
     device = torch.cuda.get_device_name()
     print(f"device: {device}, torch {torch.__version__}, bf16, D={D}, Hq={hq}, K={topk}, block 64, causal")
     for seqlen, batch, hk, correlated in rows:
-        fwd, bwd, pairs = sparse(seqlen, batch, hq, hk, D, topk, correlated, args.reps)
+        fwd, bwd, pairs, fill, times = sparse(seqlen, batch, hq, hk, D, topk, correlated, args.reps, args.kernels)
         key = (seqlen, batch)
         if key not in dense_cache:
             # dense cost does not depend on Hk once K/V are expanded; measure once per shape
@@ -114,8 +143,10 @@ def main():
             "tokens": f"{seqlen // 1024}K x {batch}", "seqlen": seqlen, "batch": batch, "heads": hq, "heads_k": hk,
             "G": hq // hk, "topk": topk, "selection": "correlated" if correlated else "independent",
             "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": f_flops / fwd / 1e9, "bwd_tflops": b_flops / bwd / 1e9,
-            "visible_pairs": pairs,
+            "visible_pairs": pairs, "tile_fill": fill,
         }
+        if times:
+            r["kernel_ms"] = times
         for b in ("cudnn", "flash"):
             f, bw = dn[b]
             r[f"{b}_fwd_ms"], r[f"{b}_bwd_ms"] = f, bw
@@ -127,7 +158,7 @@ def main():
         torch.cuda.empty_cache()
 
     hdr = (f"{'tokens':<10}{'G':>3} {'selection':<12}{'fwd ms':>8}{'TF/s':>6}{'bwd ms':>8}{'TF/s':>6}"
-           f"{'cuDNN f/b ms':>16}{'TF/s':>10}{'flash f/b ms':>16}{'x cuDNN':>9}")
+           f"{'cuDNN f/b ms':>16}{'TF/s':>10}{'flash f/b ms':>16}{'x cuDNN':>9}{'tile fill':>10}")
     print(hdr)
     for r in results:
         cd = f"{r['cudnn_fwd_ms']:.1f}/{r['cudnn_bwd_ms']:.1f}" if r["cudnn_fwd_ms"] else "n/a"
@@ -135,7 +166,11 @@ def main():
         fl = f"{r['flash_fwd_ms']:.1f}/{r['flash_bwd_ms']:.1f}" if r["flash_fwd_ms"] else "n/a"
         sp = f"{r.get('speedup_vs_cudnn_fwd_bwd', 0):.2f}x"
         print(f"{r['tokens']:<10}{r['G']:>3} {r['selection']:<12}{r['fwd_ms']:>8.1f}{r['fwd_tflops']:>6.0f}"
-              f"{r['bwd_ms']:>8.1f}{r['bwd_tflops']:>6.0f}{cd:>16}{cdt:>10}{fl:>16}{sp:>9}")
+              f"{r['bwd_ms']:>8.1f}{r['bwd_tflops']:>6.0f}{cd:>16}{cdt:>10}{fl:>16}{sp:>9}{r['tile_fill']:>10.2f}")
+    for r in results:
+        for call, times in r.get("kernel_ms", {}).items():
+            listed = ", ".join(f"{name.removeprefix('infllmv2_')} {ms:.2f}" for name, ms in times.items())
+            print(f"{r['tokens']} G={r['G']} {r['selection']} {call} kernels (ms, one call): {listed}")
     with open(args.json, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "results": results}, f, indent=1)
     print(f"wrote {args.json}")

@@ -387,3 +387,25 @@ def test_bad_arguments_name_the_argument(mutate, message):
     mutate(args)
     with pytest.raises(ValueError, match=message):
         infllmv2.sparse_attn_varlen(**args)
+
+
+@pytest.mark.parametrize("tile_tokens", [1, 4, 16])
+def test_tile_union_blocks_counts_distinct_visible_blocks(tile_tokens):
+    # the benchmarks' measure of how many blocks the tiled kernels walk, against a set count
+    from infllmv2.testing import tile_union_blocks
+
+    lengths_q, lengths_k = [1, 63, 65, 200], [1, 63, 130, 700]
+    idx = realistic_topk(lengths_q, lengths_k, 2, 6, local_blocks=1, correlated=False, seed=3)
+    idx[0, 5, 2] = -1  # a padding entry
+    idx[1, 70, 0] = 500  # a block past the token's own: not walked
+    want, off = 0, 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        for g in range(idx.shape[0]):
+            for t0 in range(0, lq, tile_tokens):
+                blocks = set()
+                for t in range(t0, min(t0 + tile_tokens, lq)):
+                    own = (lk - lq + t) // 64
+                    blocks |= {b for b in idx[g, off + t].tolist() if 0 <= b <= own}
+                want += len(blocks)
+        off += lq
+    assert tile_union_blocks(idx, lengths_q, lengths_k, tile_tokens) == want

@@ -141,6 +141,25 @@ def visible_pairs(topk_idx, lengths_q, lengths_k, block=64) -> int:
     return total
 
 
+def tile_union_blocks(topk_idx, lengths_q, lengths_k, tile_tokens, block=64) -> int:
+    """Blocks that stage 2's tiled kernels (forward, dQ) walk, summed over KV heads and tiles:
+    a tile of ``tile_tokens`` consecutive queries of one sequence walks the union of its tokens'
+    selections (entries >= 0 and not past the token's own block). With G = 16 a tile is 4 tokens,
+    so ``tile_tokens * tile_union_blocks / (selected blocks)`` is how many GEMM rows a tile
+    computes for each one that a selection asks for (1 when the 4 tokens picked the same blocks)."""
+    total = 0
+    off = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        idx = topk_idx[:, off : off + lq].long()
+        own = (torch.arange(lk - lq, lk, device=idx.device) // block)[None, :, None]
+        idx = torch.where((idx >= 0) & (idx <= own), idx, -1)
+        idx = torch.nn.functional.pad(idx, (0, 0, 0, (-lq) % tile_tokens), value=-1)
+        tiles = idx.reshape(idx.shape[0], -1, tile_tokens * idx.shape[2]).sort(dim=-1).values
+        total += int((tiles[..., :1] >= 0).sum() + ((tiles[..., 1:] != tiles[..., :-1]) & (tiles[..., 1:] >= 0)).sum())
+        off += lq
+    return total
+
+
 # ---------------------------------------------------------------------------- stage-1 judgement
 
 # The stage-1 kernels compute in fp32 from the bf16/fp16 inputs, as the fp32 reference on the
