@@ -33,7 +33,8 @@ Kernels (one PrimFunc each):
                   selection rows, `threads` x T_MAX at a time, the members compacted by prefix
                   sum and taken BM // G at a time (BM = 64 rows), so
                   rows of tokens that did not pick the block cost no work; the next group's
-                  rows load by cp.async while the current one is computed (sm_90a); the
+                  rows load by cp.async while the current one is computed (sm_90a; its unit
+                  for G = 16 loads them as TMA boxes of one token's 16 heads instead); the
                   first SPLIT_BLOCKS blocks of long sequences in pieces of PIECE queries
   bwd_dkdv_reduce dK, dV of those blocks, their pieces'   grid (SPLIT_BLOCKS, Hk, batch)
                   fp32 partials summed in piece order
@@ -79,10 +80,19 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_reduce")
 # largest min_groups that the call's G reaches (unit_constants).
 SMALL_TOKENS = 4
 TILED = ("fwd", "bwd_dq")
+# bwd_dkdv has a unit for every G ("boxes": 0, its rows a gather) and, on sm_90a, one for G =
+# DKDV_BOXES (MiniCPM4's group) whose rows load as TMA boxes of one token's heads (see
+# _bwd_dkdv's load_tile); the host takes that one where G equals its "boxes".
+DKDV_BOXES = 16
 VARIANTS = [
     {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
     for kernel in KERNELS
-    if kernel not in TILED
+    if kernel not in TILED and kernel != "bwd_dkdv"
+    for dtype in ("bfloat16", "float16")
+    for head_dim in (64, 128)
+] + [
+    {"kernel": "bwd_dkdv", "dtype": dtype, "head_dim": head_dim, "boxes": boxes}
+    for boxes in (0, DKDV_BOXES)
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
 ] + [
@@ -104,12 +114,12 @@ def _is_pair(kernel, arch, tokens):
     return kernel == "fwd" and arch == "sm_90a" and tokens == SMALL_TOKENS
 
 
-def builds(kernel, arch, dtype=None, head_dim=None, tokens=None):
+def builds(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
     """Whether the build step lowers this variant for arch."""
-    return kernel not in TILED or tokens in _tile_tokens(arch)
+    return (kernel not in TILED or tokens in _tile_tokens(arch)) and (not boxes or arch == "sm_90a")
 
 
-def pass_configs(kernel, arch, dtype=None, head_dim=None, tokens=None):
+def pass_configs(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
     # Warp specialisation on sm_90a launches an extra producer warpgroup, but TileLang still
     # assumes threadIdx.x < threads when it simplifies the index arithmetic of the per-thread
     # (SIMT) union prologue, which then races (seen on an H100: wrong rows, non-determinism).
@@ -122,7 +132,7 @@ def tile_tokens_max(arch):
     return T_MAX_BY_ARCH.get(arch, T_MAX_DEFAULT)
 
 
-def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None):
+def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
     """What the host wrapper needs to size the grid: T = min(block_m // G, t_max) tokens a tile
     (for bwd_dkdv, tokens a group of member rows: block_m // G, uncapped, and how its first key
     blocks are split); for fwd and bwd_dq also the smallest group size the unit is meant for (a
@@ -139,12 +149,13 @@ def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None):
     return {"block_m": BLOCK_M, "t_max": tile_tokens_max(arch)}
 
 
-def variant_name(kernel, dtype=None, head_dim=None, tokens=None):
+def variant_name(kernel, dtype=None, head_dim=None, tokens=None, boxes=0):
     if dtype is None:
         return f"{OP}_{kernel}"
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     pair = "x2" if kernel == "fwd" and tokens == SMALL_TOKENS else ""  # two tiles a cluster (_fwd_pair)
-    return f"{OP}_{kernel}_{short}_d{head_dim}" + (f"_t{tokens}{pair}" if tokens else "")
+    boxed = f"_g{boxes}" if boxes else ""  # bwd_dkdv's unit for G = boxes
+    return f"{OP}_{kernel}_{short}_d{head_dim}" + (f"_t{tokens}{pair}" if tokens else "") + boxed
 
 
 def _stages(arch):
@@ -166,16 +177,17 @@ def _prefetch(arch):
 VEC = 8  # elements per 16-byte cp.async (2-byte dtypes)
 
 
-def program(kernel, arch, dtype=None, head_dim=None, tokens=None):
+def program(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
     if kernel == "bwd_block_map":
         return _bwd_block_map()
+    if kernel == "bwd_dkdv":
+        return _bwd_dkdv(dtype, head_dim, arch, boxes)
     if kernel == "bwd_dq":
         return _bwd_dq(dtype, head_dim, arch, tokens)
     if kernel == "fwd":
         return _fwd_pair(dtype, head_dim) if _is_pair(kernel, arch, tokens) else _fwd(dtype, head_dim, arch, tokens)
     return {
         "bwd_preprocess": _bwd_preprocess,
-        "bwd_dkdv": _bwd_dkdv,
         "bwd_dkdv_reduce": _bwd_dkdv_reduce,
     }[kernel](dtype, head_dim, arch)
 
@@ -803,7 +815,7 @@ def _make_scan_tile(topk, SCAN_T):
     return scan_tile
 
 
-def _bwd_dkdv(dtype, D, arch):
+def _bwd_dkdv(dtype, D, arch, boxes=0):
     accum = "float32"
     dyn = _dyn()
     total_q, total_k, heads, heads_k, topk, batch_plus_one = (
@@ -819,6 +831,9 @@ def _bwd_dkdv(dtype, D, arch):
     # needs all 255 registers (spilling on sm_80), and sm_89's 99 KB hold one block an SM.
     # A group is BM // G member tokens, independent of the scan's tiles, so small G fill it.
     reg_operands = _prefetch(arch)
+    # boxes: the unit for G = boxes, whose rows load as TMA boxes (see load_tile)
+    assert not boxes or (reg_operands and BLOCK_M % boxes == 0), (arch, boxes)
+    BOX_D = 64  # elements of a box row: 128 bytes, the 128-byte swizzle of the tiles
     threads = 128 if reg_operands else 256
     BM = BLOCK_M  # the rows of one warpgroup's wgmma on sm_90a
     SCAN_T = tile_tokens_max(arch)  # tokens a scanning thread checks (bits of a mask)
@@ -833,25 +848,20 @@ def _bwd_dkdv(dtype, D, arch):
     assert VPT * TPR == D // VEC and PASSES * RPP == BM, (D, threads)
 
     @T.macro
-    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab, rowl, headl):
-        # cp.async, zero-filled past the member rows, and no wait: the next group's rows load
-        # while the current one is computed. Per-thread copies because the rows are a gather:
-        # row r is head rhead_s[r] of member token tok_s[base + rtok_s[r]]. (Computing
-        # r -> token, head here instead of reading rtok_s / rhead_s made the kernel 60% slower on
-        # an H100.) TPR threads share a row, each copying VPT of its 16-byte vectors (TPR
-        # adjacent vectors, 64 bytes, a copy instruction), so a thread has PASSES rows to look
-        # up, not one per vector. The rows are read into registers (rowl, headl; the last
-        # entry is the thread's LSE / Delta row) before any copy is issued: TileLang's sync
-        # planner cannot tell the merged shared buffers apart, and with a read of tok_s before
-        # each copy it put a __syncthreads() before every read and every copy, 25 a group
-        # (H100, 32K x 8: half of the kernel's warp samples were in this macro).
+    def row_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl):
         for p in T.unroll(PASSES):
             r = p * RPP + tx // TPR
             rowl[p] = q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0)
             headl[p] = rhead_s[r]
+
+    @T.macro
+    def stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl):
         if tx < BM:
             rowl[PASSES] = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
             headl[PASSES] = rhead_s[tx]
+
+    @T.macro
+    def gather_rows(Q, dO, n_rows, tx, Qb, dOb, rowl, headl):
         for p in T.unroll(PASSES):
             for j in T.unroll(VPT):
                 r = p * RPP + tx // TPR
@@ -860,6 +870,46 @@ def _bwd_dkdv(dtype, D, arch):
                                VEC, predicate=r < n_rows)
                 T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[rowl[p], headl[p], d], "r", VEC),
                                VEC, predicate=r < n_rows)
+
+    @T.macro
+    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab, rowl, headl,
+                  hk, rbar, bi, boxl):
+        # No wait: the next group's rows load while the current one is computed. Rows past the
+        # member rows are zero-filled. Row r is head rhead_s[r] of member token
+        # tok_s[base + rtok_s[r]]: a gather, one 16-byte cp.async a thread and vector, except in
+        # the unit for G = `boxes` (sm_90a), where the group is its BM // G tokens' rows of Q and
+        # dO, each a TMA box of the G heads and a 128-byte half of D that one thread issues onto
+        # rbar[bi] (tokens past the group read row total_q, out of bounds, which TMA fills with
+        # zeros). H100, dK/dV alone at G = 16, two runs: 72.9 / 82.3 / 84.9 and 74.9 / 82.6 /
+        # 88.3 ms -> 68.8 / 79.3 / 82.1 and 70.9 / 79.8 / 82.6 at 32K x 8 / 128K x 2 / 32K x 8
+        # independent, gradients bitwise equal. (Boxes for any G a multiple of 16 and the gather
+        # for other G in one kernel, chosen at run time, spilled at 255 registers and took 88 /
+        # 98 / 103 ms.)
+        # Each thread reads its rows' token and head into registers (rowl, headl; the last entry
+        # is its LSE / Delta row; boxl the boxes' tokens) before any copy is issued: TileLang's
+        # sync planner cannot tell the merged shared buffers apart, and with a read of tok_s
+        # before each copy it put a __syncthreads() before every read and every copy, 25 a group
+        # (H100, 32K x 8: half of the kernel's warp samples were in this macro), and with TMA
+        # one inside the issuing thread's branch, which deadlocks. (Computing r -> token, head
+        # here instead of reading rtok_s / rhead_s made the kernel 60% slower on an H100.) In
+        # the gather TPR threads share a row, each copying VPT of its 16-byte vectors (TPR
+        # adjacent vectors, 64 bytes, a copy instruction), so a thread has PASSES rows to look up.
+        if boxes:
+            stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
+            for j in T.unroll(BM // boxes):
+                boxl[j] = T.if_then_else(j * boxes < n_rows, q0 + tok_s[base + j], total_q)
+            for j in T.unroll(BM // boxes):
+                # box j: rows j * boxes .., the heads of group hk of the group's token j
+                for hf in T.unroll(D // BOX_D):
+                    T.tma_copy(Q[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                               Qb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi])
+                    T.tma_copy(dO[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                               dOb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi])
+            T.mbarrier_arrive(rbar[bi])
+        else:
+            row_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
+            stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
+            gather_rows(Q, dO, n_rows, tx, Qb, dOb, rowl, headl)
         if tx < BM:
             T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[headl[PASSES], rowl[PASSES]], "r", 1), 1,
                            predicate=tx < n_rows)
@@ -986,6 +1036,10 @@ def _bwd_dkdv(dtype, D, arch):
             rtok_s = T.alloc_shared([BM], "int32")
             rhead_s = T.alloc_shared([BM], "int32")
             rowl = T.alloc_local([PASSES + 1], "int32")
+            rbar = T.alloc_barrier([threads, threads]) if boxes else None  # buffer 0's, 1's boxes landed
+            boxl = T.alloc_local([BM // max(boxes, 1)], "int32")  # the boxes' tokens
+            ph0 = T.alloc_var("int32")  # rbar[0]'s, rbar[1]'s phase
+            ph1 = T.alloc_var("int32")
             headl = T.alloc_local([PASSES + 1], "int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BM], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BM], accum)
@@ -1045,6 +1099,9 @@ def _bwd_dkdv(dtype, D, arch):
                 T.copy(V[k0 + kb * BLOCK_N : k0 + (kb + 1) * BLOCK_N, hk, :], V_s)
                 T.fill(acc_dk, 0)
                 T.fill(acc_dv, 0)
+                if boxes:
+                    ph0 = 0
+                    ph1 = 0
                 for outer in T.serial(T.ceildiv(n_cand, threads)):
                     # which of the next `threads` map chunks hold a row that lists this block
                     c_hit = 0
@@ -1104,7 +1161,8 @@ def _bwd_dkdv(dtype, D, arch):
                             n_m = T.ceildiv(n_toks, tile_tokens)
                             if n_m > 0:
                                 load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                          rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
+                                          rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
+                                          rbar, 0, boxl)
                                 T.ptx_commit_group()
                             for m in T.serial(n_m):
                                 if prefetch:
@@ -1113,20 +1171,31 @@ def _bwd_dkdv(dtype, D, arch):
                                         if m % 2 == 0:
                                             load_tile(Q, dO, LSE, Delta, q0, nb,
                                                       T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                      rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl)
+                                                      rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl, hk,
+                                                      rbar, 1, boxl)
                                         else:
                                             load_tile(Q, dO, LSE, Delta, q0, nb,
                                                       T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
+                                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
+                                                      rbar, 0, boxl)
                                         T.ptx_commit_group()
                                         T.ptx_wait_group(1)
                                     else:
                                         T.ptx_wait_group(0)
+                                    if boxes:
+                                        # this group's boxes; the phase flips with each use
+                                        if m % 2 == 0:
+                                            T.mbarrier_wait_parity(rbar[0], ph0)
+                                            ph0 = ph0 ^ 1
+                                        else:
+                                            T.mbarrier_wait_parity(rbar[1], ph1)
+                                            ph1 = ph1 ^ 1
                                 else:
                                     if m > 0:
                                         load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
                                                   T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
-                                                  rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl)
+                                                  rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
+                                                  rbar, 0, boxl)
                                         T.ptx_commit_group()
                                     T.ptx_wait_group(0)
                                 T.sync_threads()

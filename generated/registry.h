@@ -1004,6 +1004,7 @@ static const infllmv2_sparse_attn_bwd_block_map_unit infllmv2_sparse_attn_bwd_bl
 typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int boxes;
   int dtype;
   int head_dim;
   int block_m;
@@ -1027,6 +1028,11 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init();
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
 #endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error();
+#endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init();
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
@@ -1041,6 +1047,11 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error();
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init();
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init();
@@ -1057,6 +1068,11 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init();
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
 #endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error();
+#endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init();
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
@@ -1072,44 +1088,61 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init();
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
 #endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error();
+#endif
 static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 94480, 256, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 94480, 256, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 94480, 256, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 94480, 256, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 109840, 128, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 109840, 128, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 90, 109840, 128, 16, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 61712, 256, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 61712, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 61712, 256, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 61712, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 60688, 128, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 60688, 128, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 90, 60688, 128, 16, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 94480, 256, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 94480, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 94480, 256, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 94480, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 109840, 128, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 109840, 128, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 90, 109840, 128, 16, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 61712, 256, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 61712, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 61712, 256, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 61712, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 60688, 128, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 60688, 128, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 90, 60688, 128, 16, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 // ---- sparse_attn_bwd_dkdv_reduce: call(partial, cu_seqlens_q, cu_seqlens_k, dK, dV, batch, total_q, heads_k, n_pieces, batch_plus_one, total_k, stream)
@@ -1948,6 +1981,9 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 109840, 128},
 #endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 109840, 128},
+#endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 61712, 256},
 #endif
@@ -1956,6 +1992,9 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 60688, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 60688, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 94480, 256},
@@ -1966,6 +2005,9 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 109840, 128},
 #endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 109840, 128},
+#endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 61712, 256},
 #endif
@@ -1974,6 +2016,9 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 60688, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 60688, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_80", 0, 128},

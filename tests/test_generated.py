@@ -47,3 +47,20 @@ def test_sparse_tiled_units_serve_every_group_size(kernel):
                 # a unit's tiles hold min_groups x t_max rows at least where it is used
                 assert c["min_groups"] == 1 or c["min_groups"] * c["t_max"] == c["block_m"], (arch, config, c)
                 assert c["cluster"] == 1 or (arch.startswith("sm_90") and c["min_groups"] > 1), (arch, config, c)
+
+
+def test_dkdv_units_serve_every_group_size():
+    """Each arch, dtype and head dim has a dK/dV unit for every group size (boxes 0); a unit for
+    one group size whose rows load as TMA boxes (boxes > 0) exists only where TMA does (sm_90)."""
+    import json
+
+    for arch in sorted(d for d in os.listdir(os.path.join(ROOT, "generated")) if d.startswith("sm_")):
+        with open(os.path.join(ROOT, "generated", arch, "manifest.json")) as f:
+            units = [u for u in json.load(f) if u["kernel"] == "sparse_attn_bwd_dkdv"]
+        assert units, arch
+        by_config = {}
+        for u in units:
+            by_config.setdefault((u["config"]["dtype"], u["config"]["head_dim"]), []).append(u["config"]["boxes"])
+        for config, boxes in by_config.items():
+            assert 0 in boxes, (arch, config, boxes)
+            assert all(b == 0 or (arch.startswith("sm_90") and 64 % b == 0) for b in boxes), (arch, config, boxes)

@@ -67,6 +67,22 @@ auto group_matcher(const Shape& s, const Unit* table) {
   };
 }
 
+// dK/dV: an arch may have, besides the unit for every group size (boxes 0), one for G = boxes
+// (its rows load as TMA boxes of one token's heads): that one where G equals its boxes.
+template <class Unit>
+auto boxes_matcher(const Shape& s, const Unit* table) {
+  const int groups = s.heads / s.heads_k;
+  auto serves = [&s, groups](const Unit& u) {
+    return u.dtype == s.dtype && u.head_dim == s.head_dim && (u.boxes == 0 || u.boxes == groups);
+  };
+  return [serves, table](const Unit& u) {
+    if (!serves(u)) return false;
+    for (const Unit* o = table; o->name != nullptr; ++o)
+      if (std::strcmp(o->arch, u.arch) == 0 && o->boxes > u.boxes && serves(*o)) return false;
+    return true;
+  };
+}
+
 // Query tiles of T tokens covering the longest sequence, rounded up to whole clusters.
 int query_tiles(int32_t max_seqlen_q, int T, int cluster) {
   const int tiles = (max_seqlen_q + T - 1) / T;
@@ -190,8 +206,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                       matcher<infllmv2_sparse_attn_bwd_preprocess_unit>(s), desc(s), &pre)) != INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_dq_units, dev, group_matcher(s, infllmv2_sparse_attn_bwd_dq_units),
                       desc(s), &udq)) != INFLLMV2_OK ||
-      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_units, dev, matcher<infllmv2_sparse_attn_bwd_dkdv_unit>(s),
-                      desc(s), &udkdv)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_units, dev,
+                      boxes_matcher(s, infllmv2_sparse_attn_bwd_dkdv_units), desc(s), &udkdv)) != INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_reduce_units, dev,
                       matcher<infllmv2_sparse_attn_bwd_dkdv_reduce_unit>(s), desc(s), &ured)) != INFLLMV2_OK)
     return st;
