@@ -1036,10 +1036,11 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             rtok_s = T.alloc_shared([BM], "int32")
             rhead_s = T.alloc_shared([BM], "int32")
             rowl = T.alloc_local([PASSES + 1], "int32")
-            rbar = T.alloc_barrier([threads, threads]) if boxes else None  # buffer 0's, 1's boxes landed
-            boxl = T.alloc_local([BM // max(boxes, 1)], "int32")  # the boxes' tokens
-            ph0 = T.alloc_var("int32")  # rbar[0]'s, rbar[1]'s phase
-            ph1 = T.alloc_var("int32")
+            # the box unit's: buffer 0's, 1's boxes landed; the boxes' tokens; rbar[0]'s, rbar[1]'s phase
+            rbar = T.alloc_barrier([threads, threads]) if boxes else None
+            boxl = T.alloc_local([BM // boxes], "int32") if boxes else None
+            ph0 = T.alloc_var("int32") if boxes else None
+            ph1 = T.alloc_var("int32") if boxes else None
             headl = T.alloc_local([PASSES + 1], "int32")
             acc_sT = T.alloc_fragment([BLOCK_N, BM], accum)
             acc_dpT = T.alloc_fragment([BLOCK_N, BM], accum)
