@@ -50,37 +50,41 @@ auto matcher(const Shape& s) {
   return [&s](const Unit& u) { return u.dtype == s.dtype && u.head_dim == s.head_dim; };
 }
 
+// Of the units in `table` that `serves`, the one whose `key` is largest among its arch's.
+template <class Unit, class Serves, class Key>
+auto largest_serving(const Unit* table, Serves serves, Key key) {
+  return [table, serves, key](const Unit& u) {
+    if (!serves(u)) return false;
+    for (const Unit* o = table; o->name != nullptr; ++o)
+      if (std::strcmp(o->arch, u.arch) == 0 && key(*o) > key(u) && serves(*o)) return false;
+    return true;
+  };
+}
+
 // An arch may have, besides the forward and dQ units for every group size, one with smaller
 // tiles for large groups (min_groups > 1: the forward's runs two tiles a cluster, dQ's fits more
 // tiles an SM): of an arch's units in `table` that serve the group size, the one with the
 // largest min_groups.
 template <class Unit>
 auto group_matcher(const Shape& s, const Unit* table) {
-  auto serves = [&s](const Unit& u) {
-    return u.dtype == s.dtype && u.head_dim == s.head_dim && s.heads / s.heads_k >= u.min_groups;
-  };
-  return [serves, table](const Unit& u) {
-    if (!serves(u)) return false;
-    for (const Unit* o = table; o->name != nullptr; ++o)
-      if (std::strcmp(o->arch, u.arch) == 0 && o->min_groups > u.min_groups && serves(*o)) return false;
-    return true;
-  };
+  return largest_serving(
+      table,
+      [&s](const Unit& u) {
+        return u.dtype == s.dtype && u.head_dim == s.head_dim && s.heads / s.heads_k >= u.min_groups;
+      },
+      [](const Unit& u) { return u.min_groups; });
 }
 
 // dK/dV: an arch may have, besides the unit for every group size (boxes 0), one for G = boxes
 // (its rows load as TMA boxes of one token's heads): that one where G equals its boxes.
 template <class Unit>
 auto boxes_matcher(const Shape& s, const Unit* table) {
-  const int groups = s.heads / s.heads_k;
-  auto serves = [&s, groups](const Unit& u) {
-    return u.dtype == s.dtype && u.head_dim == s.head_dim && (u.boxes == 0 || u.boxes == groups);
-  };
-  return [serves, table](const Unit& u) {
-    if (!serves(u)) return false;
-    for (const Unit* o = table; o->name != nullptr; ++o)
-      if (std::strcmp(o->arch, u.arch) == 0 && o->boxes > u.boxes && serves(*o)) return false;
-    return true;
-  };
+  return largest_serving(
+      table,
+      [&s](const Unit& u) {
+        return u.dtype == s.dtype && u.head_dim == s.head_dim && (u.boxes == 0 || u.boxes == s.heads / s.heads_k);
+      },
+      [](const Unit& u) { return u.boxes; });
 }
 
 // Query tiles of T tokens covering the longest sequence, rounded up to whole clusters.
