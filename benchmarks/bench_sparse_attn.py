@@ -101,15 +101,19 @@ def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps, kernels=False):
     pairs = visible_pairs(idx, lengths, lengths) * (hq // hk)
     fill = tile_fill(idx, lengths, hq // hk)
     ops = torch.ops.infllmv2
-    fwd = bench(lambda: ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0), reps)
-    out, lse = ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0)
+
+    def fwd_call():
+        return ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0)
+
+    fwd = bench(fwd_call, reps)
+    out, lse = fwd_call()
     dout = torch.randn_like(out)
-    bwd_call = lambda: ops.sparse_attn_bwd(dout, q, k, v, out, lse, idx, cu, cu, seqlen, seqlen, 0.0)  # noqa: E731
+
+    def bwd_call():
+        return ops.sparse_attn_bwd(dout, q, k, v, out, lse, idx, cu, cu, seqlen, seqlen, 0.0)
+
     bwd = bench(bwd_call, reps)
-    times = None
-    if kernels:
-        times = {"fwd": kernel_times(lambda: ops.sparse_attn_fwd(q, k, v, idx, cu, cu, seqlen, seqlen, 0.0)),
-                 "bwd": kernel_times(bwd_call)}
+    times = {"fwd": kernel_times(fwd_call), "bwd": kernel_times(bwd_call)} if kernels else None
     return fwd, bwd, pairs, fill, times
 
 

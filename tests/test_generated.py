@@ -27,17 +27,23 @@ def test_regenerating_reproduces_generated(tmp_path):
         assert filecmp.cmp(os.path.join(ROOT, "generated", rel), tmp_path / rel, shallow=False), f"{rel} differs"
 
 
-@pytest.mark.parametrize("kernel", ["sparse_attn_fwd", "sparse_attn_bwd_dq"])
-def test_sparse_tiled_units_serve_every_group_size(kernel):
-    """A forward or dQ unit with small tiles (min_groups > 1) serves large groups only: for each
-    arch, dtype and head dim there must also be a unit for every group size (min_groups 1), and
-    units of several tiles a cluster only where clusters exist (sm_90)."""
+def _units_by_arch(kernel):
+    """(arch, the manifest entries of `kernel`) for each arch in generated/, none of them empty."""
     import json
 
     for arch in sorted(d for d in os.listdir(os.path.join(ROOT, "generated")) if d.startswith("sm_")):
         with open(os.path.join(ROOT, "generated", arch, "manifest.json")) as f:
             units = [u for u in json.load(f) if u["kernel"] == kernel]
         assert units, arch
+        yield arch, units
+
+
+@pytest.mark.parametrize("kernel", ["sparse_attn_fwd", "sparse_attn_bwd_dq"])
+def test_sparse_tiled_units_serve_every_group_size(kernel):
+    """A forward or dQ unit with small tiles (min_groups > 1) serves large groups only: for each
+    arch, dtype and head dim there must also be a unit for every group size (min_groups 1), and
+    units of several tiles a cluster only where clusters exist (sm_90)."""
+    for arch, units in _units_by_arch(kernel):
         by_config = {}
         for u in units:
             by_config.setdefault((u["config"]["dtype"], u["config"]["head_dim"]), []).append(u["constants"])
@@ -52,12 +58,7 @@ def test_sparse_tiled_units_serve_every_group_size(kernel):
 def test_dkdv_units_serve_every_group_size():
     """Each arch, dtype and head dim has a dK/dV unit for every group size (boxes 0); a unit for
     one group size whose rows load as TMA boxes (boxes > 0) exists only where TMA does (sm_90)."""
-    import json
-
-    for arch in sorted(d for d in os.listdir(os.path.join(ROOT, "generated")) if d.startswith("sm_")):
-        with open(os.path.join(ROOT, "generated", arch, "manifest.json")) as f:
-            units = [u for u in json.load(f) if u["kernel"] == "sparse_attn_bwd_dkdv"]
-        assert units, arch
+    for arch, units in _units_by_arch("sparse_attn_bwd_dkdv"):
         by_config = {}
         for u in units:
             by_config.setdefault((u["config"]["dtype"], u["config"]["head_dim"]), []).append(u["config"]["boxes"])
