@@ -11,16 +11,19 @@ the worst case of independent per-token selections at 32K x 8.
 
 TFLOP/s count the query-key pairs actually visible (causal, selected): 4 * D flops per pair and
 head forward, 2.5x that backward; dense causal counts S(S+1)/2 pairs per sequence and head.
-Times are medians of CUDA-event timings after warm-up. "tile fill" is the share of the forward's
-and dQ's GEMM rows that the selections ask for (`tile_fill`); `--kernels` adds each kernel's
-device time in one more forward and backward call (torch profiler).
+Times are medians of CUDA-event timings after warm-up; "bwd MHz/W" is the median SM clock and
+board power during the timed backward calls (NVML; n/a without it). "tile fill" is the share
+of the forward's and dQ's GEMM rows that the selections ask for (`tile_fill`); `--kernels`
+adds each kernel's device time in one more forward and backward call (torch profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +34,62 @@ from infllmv2.testing import cu_seqlens, realistic_topk, tile_union_blocks, visi
 import infllmv2  # noqa: F401  (registers the custom ops)
 
 
-def bench(fn, reps, warmup=3):
+class GpuSampler:
+    """The SM clock (MHz) and board power (W) of the current GPU, sampled every 10 ms from NVML
+    (the driver's libnvidia-ml, through ctypes) between start() and stop(). Long sparse
+    backwards run at the board's power limit, which lowers the clock below its boost
+    (H100 and H200: a 700 W cap, 1.5-1.8 GHz against 1.98), so timings depend on it. NVML
+    averages power over the last second on these GPUs: the figure lags a short measurement."""
+
+    def __init__(self):
+        self.handle = None
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}".encode()
+            handle = ctypes.c_void_p()
+            if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByUUID(uuid, ctypes.byref(handle)) == 0:
+                self.nvml, self.handle = nvml, handle
+        except (OSError, AttributeError):  # no NVML here: no figures, the timings stand alone
+            pass
+
+    def _sample(self):
+        mhz, mw = ctypes.c_uint(), ctypes.c_uint()
+        while not self.done.wait(0.01):
+            if self.nvml.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(mhz)) == 0:  # 1: NVML_CLOCK_SM
+                self.mhz.append(mhz.value)
+            if self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(mw)) == 0:
+                self.watts.append(mw.value / 1000)
+
+    def start(self):
+        self.mhz, self.watts, self.done = [], [], threading.Event()
+        if self.handle is not None:
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+
+    def stop(self):
+        """Medians over the samples taken: {"sm_mhz": ..., "power_w": ...}, None without NVML."""
+        if self.handle is None:
+            return {"sm_mhz": None, "power_w": None}
+        self.done.set()
+        self.thread.join()
+        return {"sm_mhz": statistics.median(self.mhz) if self.mhz else None,
+                "power_w": statistics.median(self.watts) if self.watts else None}
+
+
+_SAMPLER = None
+
+
+def bench(fn, reps, warmup=3, gpu=None):
+    """Median ms of `reps` timed calls after `warmup` calls; with a dict `gpu`, also the median
+    SM clock and board power over the timed calls (GpuSampler) into it."""
+    global _SAMPLER
     # three calls, not one: with one, the first row of a run (32K x 8 selection on an H100) read
     # 11.9 ms at 5 reps where 20 reps read 11.3 (the GPU's clocks still settling)
     for _ in range(warmup):
         fn()
+    if gpu is not None:
+        _SAMPLER = _SAMPLER or GpuSampler()
+        _SAMPLER.start()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -44,6 +98,8 @@ def bench(fn, reps, warmup=3):
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    if gpu is not None:
+        gpu.update(_SAMPLER.stop())
     return statistics.median(times)
 
 
@@ -57,7 +113,7 @@ def tile_fill(idx, lengths, groups):
     return selected * groups / (64 * tile_union_blocks(idx, lengths, lengths, tokens))
 
 
-def dense(seqlen, batch, hq, hk, D, backend, reps):
+def dense(seqlen, batch, hq, hk, D, backend, reps, gpu=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(batch, hq, seqlen, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -72,7 +128,7 @@ def dense(seqlen, batch, hq, hk, D, backend, reps):
             fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             dout = torch.randn_like(out)
-            bwd = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), reps)
+            bwd = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), reps, gpu=gpu)
     except RuntimeError as e:  # a backend missing on this GPU/torch
         print(f"  dense {backend}: unavailable ({str(e).splitlines()[0][:80]})")
         return None, None
@@ -91,7 +147,7 @@ def kernel_times(fn):
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
-def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps, kernels=False):
+def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps, kernels=False, gpu=None):
     lengths = [seqlen] * batch
     q = torch.randn(seqlen * batch, hq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(seqlen * batch, hk, D, device="cuda", dtype=torch.bfloat16)
@@ -112,7 +168,7 @@ def sparse(seqlen, batch, hq, hk, D, topk, correlated, reps, kernels=False):
     def bwd_call():
         return ops.sparse_attn_bwd(dout, q, k, v, out, lse, idx, cu, cu, seqlen, seqlen, 0.0)
 
-    bwd = bench(bwd_call, reps)
+    bwd = bench(bwd_call, reps, gpu=gpu)
     times = {"fwd": kernel_times(fwd_call), "bwd": kernel_times(bwd_call)} if kernels else None
     return fwd, bwd, pairs, fill, times
 
@@ -134,11 +190,15 @@ def main():
     device = torch.cuda.get_device_name()
     print(f"device: {device}, torch {torch.__version__}, bf16, D={D}, Hq={hq}, K={topk}, block 64, causal")
     for seqlen, batch, hk, correlated in rows:
-        fwd, bwd, pairs, fill, times = sparse(seqlen, batch, hq, hk, D, topk, correlated, args.reps, args.kernels)
+        gpu = {}
+        fwd, bwd, pairs, fill, times = sparse(seqlen, batch, hq, hk, D, topk, correlated, args.reps, args.kernels, gpu)
         key = (seqlen, batch)
         if key not in dense_cache:
             # dense cost does not depend on Hk once K/V are expanded; measure once per shape
-            dense_cache[key] = {b: dense(seqlen, batch, hq, hk, D, b, args.reps) for b in ("cudnn", "flash")}
+            dense_gpu = {}
+            dense_cache[key] = {b: dense(seqlen, batch, hq, hk, D, b, args.reps, dense_gpu if b == "cudnn" else None)
+                                for b in ("cudnn", "flash")}
+            dense_cache[key]["gpu"] = dense_gpu
         dn = dense_cache[key]
         dense_pairs = batch * hq * seqlen * (seqlen + 1) // 2
         f_flops, b_flops = 4 * D * pairs, 2.5 * 4 * D * pairs
@@ -148,6 +208,9 @@ def main():
             "G": hq // hk, "topk": topk, "selection": "correlated" if correlated else "independent",
             "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": f_flops / fwd / 1e9, "bwd_tflops": b_flops / bwd / 1e9,
             "visible_pairs": pairs, "tile_fill": fill,
+            # the GPU during the timed backward calls (GpuSampler): both backwards run at the power cap
+            "bwd_sm_mhz": gpu.get("sm_mhz"), "bwd_power_w": gpu.get("power_w"),
+            "cudnn_bwd_sm_mhz": dn["gpu"].get("sm_mhz"), "cudnn_bwd_power_w": dn["gpu"].get("power_w"),
         }
         if times:
             r["kernel_ms"] = times
@@ -162,15 +225,22 @@ def main():
         torch.cuda.empty_cache()
 
     hdr = (f"{'tokens':<10}{'G':>3} {'selection':<12}{'fwd ms':>8}{'TF/s':>6}{'bwd ms':>8}{'TF/s':>6}"
-           f"{'cuDNN f/b ms':>16}{'TF/s':>10}{'flash f/b ms':>16}{'x cuDNN':>9}{'tile fill':>10}")
+           f"{'cuDNN f/b ms':>16}{'TF/s':>10}{'flash f/b ms':>16}{'x cuDNN':>9}{'tile fill':>10}"
+           f"{'bwd MHz/W':>11}{'cuDNN bwd':>11}")
     print(hdr)
+
+    def clock(mhz, watts):
+        return f"{mhz:.0f}/{watts:.0f}" if mhz and watts else "n/a"
+
     for r in results:
         cd = f"{r['cudnn_fwd_ms']:.1f}/{r['cudnn_bwd_ms']:.1f}" if r["cudnn_fwd_ms"] else "n/a"
         cdt = f"{r['cudnn_fwd_tflops']:.0f}/{r['cudnn_bwd_tflops']:.0f}" if r["cudnn_fwd_ms"] else ""
         fl = f"{r['flash_fwd_ms']:.1f}/{r['flash_bwd_ms']:.1f}" if r["flash_fwd_ms"] else "n/a"
         sp = f"{r.get('speedup_vs_cudnn_fwd_bwd', 0):.2f}x"
+        ck = clock(r["bwd_sm_mhz"], r["bwd_power_w"]), clock(r["cudnn_bwd_sm_mhz"], r["cudnn_bwd_power_w"])
         print(f"{r['tokens']:<10}{r['G']:>3} {r['selection']:<12}{r['fwd_ms']:>8.1f}{r['fwd_tflops']:>6.0f}"
-              f"{r['bwd_ms']:>8.1f}{r['bwd_tflops']:>6.0f}{cd:>16}{cdt:>10}{fl:>16}{sp:>9}{r['tile_fill']:>10.2f}")
+              f"{r['bwd_ms']:>8.1f}{r['bwd_tflops']:>6.0f}{cd:>16}{cdt:>10}{fl:>16}{sp:>9}{r['tile_fill']:>10.2f}"
+              f"{ck[0]:>11}{ck[1]:>11}")
     for r in results:
         for call, times in r.get("kernel_ms", {}).items():
             listed = ", ".join(f"{name.removeprefix('infllmv2_')} {ms:.2f}" for name, ms in times.items())
