@@ -358,6 +358,21 @@ def _union_buffers(T_MAX, threads):
     )
 
 
+@T.macro
+def walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o,
+                    m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, stages):
+    """The forward of one tile over its union's n_it blocks, each K and V block loaded by the
+    tile itself (_fwd, and _fwd_pair's tiles that walk alone)."""
+    for it in T.Pipelined(n_it, num_stages=stages):
+        blk = ublk_s[it]
+        T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
+        T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
+        mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
+        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2)
+        T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+
 def _fwd_signature(dtype, D):
     accum = "float32"
     dyn = _dyn()
@@ -421,15 +436,8 @@ def _fwd(dtype, D, arch, tokens):
                 T.fill(acc_o, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, NEG_INF)
-                for it in T.Pipelined(n_it, num_stages=_stages(arch)):
-                    blk = ublk_s[it]
-                    T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
-                    T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
-                    mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
-                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe,
-                                 r_scale, r_sum, l_sum, scale_log2)
-                    T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
+                                acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, _stages(arch))
                 store_out(acc_o, l_sum, m_cur, O, LSE, q0 + t0, hk, n_tok, groups, scale_log2)
 
     return sparse_attn_fwd
@@ -576,16 +584,9 @@ def _fwd_pair(dtype, D):
                     tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
                                my_keep, my_mask, bm_s)
                     n_it = n_union[0]
-                    # pipelined like _fwd's loop: the next block's K/V load by cp.async during this one
-                    for it in T.Pipelined(n_it, num_stages=_stages("sm_90a")):
-                        blk = ublk_s[it]
-                        T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
-                        T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
-                        mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
-                        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum,
-                                     scale_log2)
-                        T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s,
+                                    acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2,
+                                    _stages("sm_90a"))
                     if n_tok > 0:
                         store_out(acc_o, l_sum, m_cur, O, LSE, q0 + t0, hk, n_tok, groups, scale_log2)
 

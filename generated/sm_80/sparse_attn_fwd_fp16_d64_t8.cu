@@ -277,30 +277,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     *(float2*)(l_sum + 0) = make_float2(broadcast_var_7, broadcast_var_7);
     float broadcast_var_8 = -CUDART_INF_F;
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
-    if (0 < n_it) {
-      if (0 < n_it) {
-        int blk = ((int*)ublk_s)[0];
-        __syncthreads();
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 4; ++i_8) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_8 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_8) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
-        }
+    int n_it_1 = n_it;
+    if (0 < n_it_1) {
+      int blk = ((int*)ublk_s)[0];
+      __syncthreads();
+      #pragma unroll
+      for (int i_8 = 0; i_8 < 4; ++i_8) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_8 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_8) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
     }
     __syncthreads();
-    if (0 < n_it) {
-      if (0 < n_it) {
-        int blk_1 = ((int*)ublk_s)[0];
-        __syncthreads();
-        #pragma unroll
-        for (int i_9 = 0; i_9 < 4; ++i_9) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_9 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_9) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
-        }
+    if (0 < n_it_1) {
+      int blk_1 = ((int*)ublk_s)[0];
+      __syncthreads();
+      #pragma unroll
+      for (int i_9 = 0; i_9 < 4; ++i_9) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_9 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_9) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_9 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
       }
       tl::cp_async_commit();
     }
-    for (int it = 0; it < (n_it - 1); ++it) {
+    for (int it = 0; it < (n_it_1 - 1); ++it) {
       __syncthreads();
       int blk_2 = ((int*)ublk_s)[it];
       int um = ((int*)umask_s)[it];
@@ -444,9 +441,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       tl::cp_async_commit();
     }
     __syncthreads();
-    if (1 <= n_it) {
-      int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-      int um_1 = ((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)];
+    if (1 <= n_it_1) {
+      int blk_5 = ((int*)ublk_s)[(n_it_1 - 1)];
+      int um_1 = ((int*)umask_s)[(n_it_1 - 1)];
       if ((um_1 == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
         for (int i_22 = 0; i_22 < 8; ++i_22) {
@@ -468,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     }
     tl::cp_async_wait<1>();
     __syncthreads();
-    if (1 <= n_it) {
+    if (1 <= n_it_1) {
       {
         half_t A_local_1[8];
         half_t B_local_2[32];
@@ -484,11 +481,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
           }
         }
       }
-    }
-    if (1 <= n_it) {
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_25 = 0; i_25 < 2; ++i_25) {
         m_cur_clear_1[i_25] = -CUDART_INF_F;
@@ -499,8 +492,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         m_cur_clear_1[i_25] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_25]);
         m_cur[i_25] = max(m_cur[i_25], m_cur_clear_1[i_25]);
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_26 = 0; i_26 < 2; ++i_26) {
         float condval_20;
@@ -512,8 +503,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         m_safe[i_26] = condval_20;
         r_scale[i_26] = exp2f(((m_prev[i_26] - m_safe[i_26]) * scale_log2));
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_27 = 0; i_27 < 16; ++i_27) {
         float2 __8;
@@ -530,8 +519,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         __8.y = exp2f(__9.y);
         *(float2*)(acc_s + (i_27 * 2)) = __8;
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_28 = 0; i_28 < 2; ++i_28) {
         r_sum[i_28] = 0x0p+0f/*0.000000e+00*/;
@@ -541,8 +528,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         }
         r_sum[i_28] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_28]);
       }
-    }
-    if (1 <= n_it) {
       float2 __11;
         float2 __12;
           float2 v__12 = *(float2*)(l_sum + 0);
@@ -553,8 +538,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         __11.x = (__12.x+v__14.x);
         __11.y = (__12.y+v__14.y);
       *(float2*)(l_sum + 0) = __11;
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_29 = 0; i_29 < 8; ++i_29) {
         uint2 __13;
@@ -563,8 +546,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         ((half2*)(&__13))[1] = __float22half2_rn(((float2*)(&v__15))[1]);
         *(uint2*)(acc_s_cast + (i_29 * 4)) = __13;
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_30 = 0; i_30 < 16; ++i_30) {
         float2 __14;
@@ -577,7 +558,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     }
     tl::cp_async_wait<0>();
     __syncthreads();
-    if (1 <= n_it) {
+    if (1 <= n_it_1) {
       {
         half_t B_local_3[32];
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {

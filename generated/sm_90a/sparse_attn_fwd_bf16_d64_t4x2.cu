@@ -799,30 +799,27 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       }
       __syncthreads();
       n_it = ((int*)n_union)[0];
-      if (0 < n_it) {
-        if (0 < n_it) {
-          int blk_1 = ((int*)ublk_s)[0];
-          __syncthreads();
-          #pragma unroll
-          for (int i_24 = 0; i_24 < 4; ++i_24) {
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[(((((i_24 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_24) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
-          }
+      int n_it_1 = n_it;
+      if (0 < n_it_1) {
+        int blk_1 = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_24 = 0; i_24 < 4; ++i_24) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[(((((i_24 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_24) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_24 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
         }
         tl::cp_async_commit();
       }
       __syncthreads();
-      if (0 < n_it) {
-        if (0 < n_it) {
-          int blk_2 = ((int*)ublk_s)[0];
-          __syncthreads();
-          #pragma unroll
-          for (int i_25 = 0; i_25 < 4; ++i_25) {
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[(((((i_25 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_2) * (int64_t)64) + (((int64_t)i_25) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
-          }
+      if (0 < n_it_1) {
+        int blk_2 = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_25 = 0; i_25 < 4; ++i_25) {
+          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[(((((i_25 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)blk_2) * (int64_t)64) + (((int64_t)i_25) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k)) && (0 <= ((((blk_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + k0))));
         }
         tl::cp_async_commit();
       }
-      for (int it_1 = 0; it_1 < (n_it - 1); ++it_1) {
+      for (int it_1 = 0; it_1 < (n_it_1 - 1); ++it_1) {
         __syncthreads();
         int blk_3 = ((int*)ublk_s)[it_1];
         int um_1 = ((int*)umask_s)[it_1];
@@ -970,9 +967,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         tl::cp_async_commit();
       }
       __syncthreads();
-      if (1 <= n_it) {
-        int blk_6 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-        int um_2 = ((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)];
+      if (1 <= n_it_1) {
+        int blk_6 = ((int*)ublk_s)[(n_it_1 - 1)];
+        int um_2 = ((int*)umask_s)[(n_it_1 - 1)];
         if ((um_2 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_6 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
           for (int i_36 = 0; i_36 < 8; ++i_36) {
@@ -994,7 +991,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       }
       tl::cp_async_wait<1>();
       __syncthreads();
-      if (1 <= n_it) {
+      if (1 <= n_it_1) {
         {
           tl::GmmaDescriptor desc_a_2;
           tl::GmmaDescriptor desc_b_4;
@@ -1011,11 +1008,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         }
-      }
-      if (1 <= n_it) {
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_38 = 0; i_38 < 2; ++i_38) {
           m_cur_clear_2[i_38] = -CUDART_INF_F;
@@ -1026,8 +1019,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           m_cur_clear_2[i_38] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_2[i_38]);
           m_cur[i_38] = max(m_cur[i_38], m_cur_clear_2[i_38]);
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_39 = 0; i_39 < 2; ++i_39) {
           float condval_32;
@@ -1039,8 +1030,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           m_safe[i_39] = condval_32;
           r_scale[i_39] = exp2f(((m_prev[i_39] - m_safe[i_39]) * scale_log2));
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_40 = 0; i_40 < 16; ++i_40) {
           float2 __22;
@@ -1057,8 +1046,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           __22.y = exp2f(__23.y);
           *(float2*)(acc_s + (i_40 * 2)) = __22;
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_41 = 0; i_41 < 2; ++i_41) {
           r_sum[i_41] = 0x0p+0f/*0.000000e+00*/;
@@ -1068,8 +1055,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           }
           r_sum[i_41] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_41]);
         }
-      }
-      if (1 <= n_it) {
         float2 __25;
           float2 __26;
             float2 v__29 = *(float2*)(l_sum + 0);
@@ -1080,8 +1065,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           __25.x = (__26.x+v__31.x);
           __25.y = (__26.y+v__31.y);
         *(float2*)(l_sum + 0) = __25;
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_42 = 0; i_42 < 8; ++i_42) {
           uint2 __27;
@@ -1090,8 +1073,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           (reinterpret_cast<__nv_bfloat162*>(&__27))[1] = __float22bfloat162_rn(((float2*)(&v__32))[1]);
           *(uint2*)(acc_s_cast + (i_42 * 4)) = __27;
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_43 = 0; i_43 < 16; ++i_43) {
           float2 __28;
@@ -1104,7 +1085,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       }
       tl::cp_async_wait<0>();
       __syncthreads();
-      if (1 <= n_it) {
+      if (1 <= n_it_1) {
         {
           tl::GmmaDescriptor desc_b_5;
           tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_5, (&(((bfloat16_t*)V_s)[0])));

@@ -279,30 +279,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     *(float2*)(l_sum + 0) = make_float2(broadcast_var_7, broadcast_var_7);
     float broadcast_var_8 = -CUDART_INF_F;
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
-    if (0 < n_it) {
-      if (0 < n_it) {
-        int blk = ((int*)ublk_s)[0];
-        __syncthreads();
-        #pragma unroll
-        for (int i_8 = 0; i_8 < 8; ++i_8) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_8) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-        }
+    int n_it_1 = n_it;
+    if (0 < n_it_1) {
+      int blk = ((int*)ublk_s)[0];
+      __syncthreads();
+      #pragma unroll
+      for (int i_8 = 0; i_8 < 8; ++i_8) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_8) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
     }
     __syncthreads();
-    if (0 < n_it) {
-      if (0 < n_it) {
-        int blk_1 = ((int*)ublk_s)[0];
-        __syncthreads();
-        #pragma unroll
-        for (int i_9 = 0; i_9 < 8; ++i_9) {
-          tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_9 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_9) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-        }
+    if (0 < n_it_1) {
+      int blk_1 = ((int*)ublk_s)[0];
+      __syncthreads();
+      #pragma unroll
+      for (int i_9 = 0; i_9 < 8; ++i_9) {
+        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_9 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_9) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
     }
-    for (int it = 0; it < (n_it - 1); ++it) {
+    for (int it = 0; it < (n_it_1 - 1); ++it) {
       __syncthreads();
       int blk_2 = ((int*)ublk_s)[it];
       int um = ((int*)umask_s)[it];
@@ -450,9 +447,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
       tl::cp_async_commit();
     }
     __syncthreads();
-    if (1 <= n_it) {
-      int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-      int um_1 = ((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)];
+    if (1 <= n_it_1) {
+      int blk_5 = ((int*)ublk_s)[(n_it_1 - 1)];
+      int um_1 = ((int*)umask_s)[(n_it_1 - 1)];
       if ((um_1 == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
         for (int i_20 = 0; i_20 < 8; ++i_20) {
@@ -474,7 +471,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     }
     tl::cp_async_wait<1>();
     __syncthreads();
-    if (1 <= n_it) {
+    if (1 <= n_it_1) {
       {
         tl::GmmaDescriptor desc_a_1;
         tl::GmmaDescriptor desc_b_2;
@@ -491,11 +488,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         tl::warpgroup_wait<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
       }
-    }
-    if (1 <= n_it) {
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_22 = 0; i_22 < 2; ++i_22) {
         m_cur_clear_1[i_22] = -CUDART_INF_F;
@@ -506,8 +499,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         m_cur_clear_1[i_22] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_22]);
         m_cur[i_22] = max(m_cur[i_22], m_cur_clear_1[i_22]);
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_23 = 0; i_23 < 2; ++i_23) {
         float condval_20;
@@ -519,8 +510,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         m_safe[i_23] = condval_20;
         r_scale[i_23] = exp2f(((m_prev[i_23] - m_safe[i_23]) * scale_log2));
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_24 = 0; i_24 < 16; ++i_24) {
         float2 __8;
@@ -537,8 +526,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         __8.y = exp2f(__9.y);
         *(float2*)(acc_s + (i_24 * 2)) = __8;
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_25 = 0; i_25 < 2; ++i_25) {
         r_sum[i_25] = 0x0p+0f/*0.000000e+00*/;
@@ -548,8 +535,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         }
         r_sum[i_25] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_25]);
       }
-    }
-    if (1 <= n_it) {
       float2 __11;
         float2 __12;
           float2 v__12 = *(float2*)(l_sum + 0);
@@ -560,8 +545,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         __11.x = (__12.x+v__14.x);
         __11.y = (__12.y+v__14.y);
       *(float2*)(l_sum + 0) = __11;
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_26 = 0; i_26 < 8; ++i_26) {
         uint2 __13;
@@ -570,8 +553,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
         ((half2*)(&__13))[1] = __float22half2_rn(((float2*)(&v__15))[1]);
         *(uint2*)(acc_s_cast + (i_26 * 4)) = __13;
       }
-    }
-    if (1 <= n_it) {
       #pragma unroll
       for (int i_27 = 0; i_27 < 32; ++i_27) {
         float2 __14;
@@ -584,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_fp
     }
     tl::cp_async_wait<0>();
     __syncthreads();
-    if (1 <= n_it) {
+    if (1 <= n_it_1) {
       {
         tl::GmmaDescriptor desc_b_3;
         tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((half_t*)V_s)[0])));

@@ -823,30 +823,27 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       }
       __syncthreads();
       n_it = ((int*)n_union)[0];
-      if (0 < n_it) {
-        if (0 < n_it) {
-          int blk_1 = ((int*)ublk_s)[0];
-          __syncthreads();
-          #pragma unroll
-          for (int i_32 = 0; i_32 < 8; ++i_32) {
-            tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_32 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_32) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-          }
+      int n_it_1 = n_it;
+      if (0 < n_it_1) {
+        int blk_1 = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_32 = 0; i_32 < 8; ++i_32) {
+          tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_32 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_32) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
         tl::cp_async_commit();
       }
       __syncthreads();
-      if (0 < n_it) {
-        if (0 < n_it) {
-          int blk_2 = ((int*)ublk_s)[0];
-          __syncthreads();
-          #pragma unroll
-          for (int i_33 = 0; i_33 < 8; ++i_33) {
-            tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_33 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_2) * (int64_t)64) + (((int64_t)i_33) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-          }
+      if (0 < n_it_1) {
+        int blk_2 = ((int*)ublk_s)[0];
+        __syncthreads();
+        #pragma unroll
+        for (int i_33 = 0; i_33 < 8; ++i_33) {
+          tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_33 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_2) * (int64_t)64) + (((int64_t)i_33) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
         }
         tl::cp_async_commit();
       }
-      for (int it_1 = 0; it_1 < (n_it - 1); ++it_1) {
+      for (int it_1 = 0; it_1 < (n_it_1 - 1); ++it_1) {
         __syncthreads();
         int blk_3 = ((int*)ublk_s)[it_1];
         int um_1 = ((int*)umask_s)[it_1];
@@ -994,9 +991,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         tl::cp_async_commit();
       }
       __syncthreads();
-      if (1 <= n_it) {
-        int blk_6 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-        int um_2 = ((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)];
+      if (1 <= n_it_1) {
+        int blk_6 = ((int*)ublk_s)[(n_it_1 - 1)];
+        int um_2 = ((int*)umask_s)[(n_it_1 - 1)];
         if ((um_2 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_6 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
           for (int i_44 = 0; i_44 < 8; ++i_44) {
@@ -1018,7 +1015,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       }
       tl::cp_async_wait<1>();
       __syncthreads();
-      if (1 <= n_it) {
+      if (1 <= n_it_1) {
         {
           tl::GmmaDescriptor desc_a_2;
           tl::GmmaDescriptor desc_b_4;
@@ -1035,11 +1032,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         }
-      }
-      if (1 <= n_it) {
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_46 = 0; i_46 < 2; ++i_46) {
           m_cur_clear_2[i_46] = -CUDART_INF_F;
@@ -1050,8 +1043,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           m_cur_clear_2[i_46] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_2[i_46]);
           m_cur[i_46] = max(m_cur[i_46], m_cur_clear_2[i_46]);
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_47 = 0; i_47 < 2; ++i_47) {
           float condval_32;
@@ -1063,8 +1054,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           m_safe[i_47] = condval_32;
           r_scale[i_47] = exp2f(((m_prev[i_47] - m_safe[i_47]) * scale_log2));
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_48 = 0; i_48 < 16; ++i_48) {
           float2 __22;
@@ -1081,8 +1070,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           __22.y = exp2f(__23.y);
           *(float2*)(acc_s + (i_48 * 2)) = __22;
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_49 = 0; i_49 < 2; ++i_49) {
           r_sum[i_49] = 0x0p+0f/*0.000000e+00*/;
@@ -1092,8 +1079,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           }
           r_sum[i_49] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_49]);
         }
-      }
-      if (1 <= n_it) {
         float2 __25;
           float2 __26;
             float2 v__29 = *(float2*)(l_sum + 0);
@@ -1104,8 +1089,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           __25.x = (__26.x+v__31.x);
           __25.y = (__26.y+v__31.y);
         *(float2*)(l_sum + 0) = __25;
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_50 = 0; i_50 < 8; ++i_50) {
           uint2 __27;
@@ -1114,8 +1097,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           ((half2*)(&__27))[1] = __float22half2_rn(((float2*)(&v__32))[1]);
           *(uint2*)(acc_s_cast + (i_50 * 4)) = __27;
         }
-      }
-      if (1 <= n_it) {
         #pragma unroll
         for (int i_51 = 0; i_51 < 32; ++i_51) {
           float2 __28;
@@ -1128,7 +1109,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       }
       tl::cp_async_wait<0>();
       __syncthreads();
-      if (1 <= n_it) {
+      if (1 <= n_it_1) {
         {
           tl::GmmaDescriptor desc_b_5;
           tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_5, (&(((half_t*)V_s)[0])));
