@@ -13,7 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .ops import _check_int, _check_offsets, _check_tensor3, _max_seqlen, dense_attn_varlen, select_blocks, sparse_attn_varlen
+from .ops import (_check_int, _check_offsets, _check_tensor3, _max_seqlen, _sparse_attn_varlen, dense_attn_varlen,
+                  select_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +141,9 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
         norm_kernel_stride=cfg.norm_kernel_stride, softmax_scale=softmax_scale, punct_mask=punct_mask,
         phsa_lambda=cfg.phsa_lambda, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
-    return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
-                              cfg.block_size, return_lse)
+    # select_blocks writes its rows ascending with -1 last, as the kernels read them
+    return _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               cfg.block_size, return_lse, rows_sorted=True)
 
 
 def attention_padded(q, k, v, config=None, softmax_scale=None, punct_mask=None, return_lse=False):
