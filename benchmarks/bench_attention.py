@@ -16,6 +16,8 @@ those of the selection it made, `testing.visible_pairs`): 4 * D flops per pair a
 forward, 2.5x that backward; dense causal counts S(S+1)/2 pairs per sequence and head.
 "tile fill": of the GEMM rows stage 2's forward and dQ compute, the share the selection made
 asks for (`bench_sparse_attn.tile_fill`; random data makes neighbouring tokens' picks unrelated).
+`--kernels` adds, for the sparse rows, each kernel's device time in one more forward + backward
+call (torch profiler; into the JSON as "kernels_ms", the five slowest printed).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_attn import bench, dense, tile_fill  # noqa: E402
+from bench_sparse_attn import bench, dense, kernel_times, tile_fill  # noqa: E402
 
 import infllmv2  # noqa: E402
 from infllmv2.testing import cu_seqlens, visible_pairs  # noqa: E402
@@ -45,7 +47,9 @@ def _inputs(seqlen, batch, seed=0):
     return q, k, v, cu_seqlens([seqlen] * batch, "cuda")
 
 
-def _fwd_and_fwd_bwd(call, q, k, v, reps):
+def _fwd_and_fwd_bwd(call, q, k, v, reps, kernels=False):
+    """Median ms of the forward and of forward + backward; with kernels, also each kernel's
+    device ms in one more forward + backward call."""
     fwd = bench(lambda: call(q, k, v), reps)
     dout = torch.randn_like(q)
 
@@ -53,16 +57,16 @@ def _fwd_and_fwd_bwd(call, q, k, v, reps):
         out = call(q, k, v)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    return fwd, bench(fwd_bwd, reps)
+    return fwd, bench(fwd_bwd, reps), (kernel_times(fwd_bwd) if kernels else None)
 
 
-def end_to_end(seqlen, batch, reps, cfg):
+def end_to_end(seqlen, batch, reps, cfg, kernels=False):
     q, k, v, cu = _inputs(seqlen, batch)
 
     def call(q, k, v):
         return infllmv2.attention(q, k, v, cu, cu, seqlen, seqlen, config=cfg)
 
-    fwd, fwd_bwd = _fwd_and_fwd_bwd(call, q, k, v, reps)
+    fwd, fwd_bwd, times = _fwd_and_fwd_bwd(call, q, k, v, reps, kernels)
     sel = bench(lambda: infllmv2.select_blocks(
         q, k, cu, cu, topk=cfg.num_selected, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
         approx_lse=cfg.approx_lse, max_seqlen_q=seqlen, max_seqlen_k=seqlen), reps)
@@ -74,7 +78,10 @@ def end_to_end(seqlen, batch, reps, cfg):
     fill = tile_fill(idx, lengths, HQ // HK)
     del q, k, v, idx
     torch.cuda.empty_cache()
-    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "selection_ms": sel, "visible_pairs": pairs, "tile_fill": fill}
+    r = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "selection_ms": sel, "visible_pairs": pairs, "tile_fill": fill}
+    if times is not None:
+        r["kernels_ms"] = times
+    return r
 
 
 def dense_path(seqlen, batch, reps):
@@ -83,7 +90,7 @@ def dense_path(seqlen, batch, reps):
     def call(q, k, v):
         return infllmv2.dense_attn_varlen(q, k, v, cu, cu, seqlen, seqlen)
 
-    fwd, fwd_bwd = _fwd_and_fwd_bwd(call, q, k, v, reps)
+    fwd, fwd_bwd, _ = _fwd_and_fwd_bwd(call, q, k, v, reps)
     del q, k, v
     torch.cuda.empty_cache()
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "visible_pairs": batch * HQ * seqlen * (seqlen + 1) // 2}
@@ -98,7 +105,8 @@ def run(args):
         rows = [rows[0], rows[3]]
     results = []
     for path, seqlen, batch in rows:
-        r = end_to_end(seqlen, batch, args.reps, cfg) if path == "sparse" else dense_path(seqlen, batch, args.reps)
+        r = (end_to_end(seqlen, batch, args.reps, cfg, args.kernels) if path == "sparse"
+             else dense_path(seqlen, batch, args.reps))
         r.update(path=path, tokens=f"{seqlen // 1024}K x {batch}", seqlen=seqlen, batch=batch)
         pairs = r["visible_pairs"]
         r["fwd_tflops"] = 4 * D * pairs / r["fwd_ms"] / 1e9
@@ -126,6 +134,11 @@ def run(args):
               f"{r['fwd_tflops']:>5.0f}/{r['fwd_bwd_tflops']:<5.0f}"
               f"{pair(r['cudnn_fwd_ms'], r['cudnn_fwd_bwd_ms']):>15}{pair(r['flash_fwd_ms'], r['flash_fwd_bwd_ms']):>16}"
               f"{sp:>16}{format(r['tile_fill'], '.2f') if 'tile_fill' in r else '-':>10}")
+    for r in results:
+        if "kernels_ms" in r:
+            # device kernels only: the profiler also lists the ops that launched them
+            top = [(n, ms) for n, ms in r["kernels_ms"].items() if n.endswith("_kernel") or n.startswith("void ")][:5]
+            print(f"  {r['tokens']} kernels of one fwd+bwd, ms: " + ", ".join(f"{name[:48]} {ms:.1f}" for name, ms in top))
     with open(args.json, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "config": cfg.to_dict(), "results": results}, f,
                   indent=1)
@@ -168,6 +181,8 @@ def main():
     ap.add_argument("--json", default="bench_attention.json")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="32K x 8 and the 4K dense row only")
+    ap.add_argument("--kernels", action="store_true",
+                    help="per-kernel device ms of one sparse forward + backward call (torch profiler)")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG from an earlier run's JSON (needs matplotlib)")
     ap.add_argument("--png", default="bench_attention.png")
     args = ap.parse_args()
