@@ -320,8 +320,8 @@ def sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen
 
 def _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
                         block_size, return_lse, rows_sorted):
-    """sparse_attn_varlen; rows_sorted for selections select_blocks wrote (rows ascending, -1
-    last), which skip the sort: at 32K x 8 with K = 96 it was a 2.9 ms radix sort and two
+    """sparse_attn_varlen; rows_sorted for selections select_blocks wrote (int32, contiguous, rows
+    ascending, -1 last), which skip the sort: at 32K x 8 with K = 96 it was a 2.9 ms radix sort and two
     where's per call (H100), and three (Hk, total_q, K) temporaries."""
     _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64):
@@ -339,8 +339,7 @@ def _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
             raise ValueError(f"topk_idx holds K={topk_idx.shape[2]} blocks per row; CUDA supports 1..{_KERNEL_MAX_TOPK}")
         max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
         max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
-        rows = topk_idx if rows_sorted and topk_idx.dtype == torch.int32 and topk_idx.is_contiguous() else sort_topk_idx(
-            topk_idx)
+        rows = topk_idx if rows_sorted else sort_topk_idx(topk_idx)
         out, lse = _sparse_attn_fwd_op(q, k, v, rows, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                        max_seqlen_k, _scale_or_zero(softmax_scale))
     else:
