@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_attn import bench, dense, kernel_times, tile_fill  # noqa: E402
 
 import infllmv2  # noqa: E402
-from infllmv2.testing import cu_seqlens, visible_pairs  # noqa: E402
+from infllmv2.testing import cu_seqlens, library_identity, visible_pairs  # noqa: E402
 
 D, HQ, HK = 128, 32, 2
 
@@ -142,8 +142,8 @@ def run(args):
             listed = ", ".join(f"{name.removeprefix('infllmv2_')[:60]} {ms:.2f}" for name, ms in top)
             print(f"{r['tokens']} fwd+bwd kernels (ms, one call): {listed}")
     with open(args.json, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "config": cfg.to_dict(), "results": results}, f,
-                  indent=1)
+        json.dump({"device": device, "torch": torch.__version__, "library": library_identity(), "config": cfg.to_dict(),
+                   "results": results}, f, indent=1)
     print(f"wrote {args.json}")
 
 

@@ -29,7 +29,7 @@ import torch
 import infllmv2
 from infllmv2 import reference
 from infllmv2.ops import sort_topk_idx
-from infllmv2.testing import cu_seqlens
+from infllmv2.testing import cu_seqlens, library_identity
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_attn import bench  # noqa: E402
@@ -121,7 +121,7 @@ def main():
                   f"{ref} {r['stage2_fwd_ms']:10.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": gpu, "torch": torch.version.__version__,
+            json.dump({"gpu": gpu, "torch": torch.version.__version__, "library": library_identity(),
                        "config": {"hq": HQ, "hk": HK, "head_dim": D, "topk": TOPK, "init_blocks": INIT,
                                   "local_blocks": LOCAL, "dtype": "bfloat16"}, "rows": rows}, f, indent=1)
 

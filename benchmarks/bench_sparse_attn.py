@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from infllmv2.ops import sort_topk_idx
-from infllmv2.testing import cu_seqlens, realistic_topk, tile_union_blocks, visible_pairs
+from infllmv2.testing import cu_seqlens, library_identity, realistic_topk, tile_union_blocks, visible_pairs
 
 import infllmv2  # noqa: F401  (registers the custom ops)
 
@@ -246,7 +246,8 @@ def main():
             listed = ", ".join(f"{name.removeprefix('infllmv2_')} {ms:.2f}" for name, ms in times.items())
             print(f"{r['tokens']} G={r['G']} {r['selection']} {call} kernels (ms, one call): {listed}")
     with open(args.json, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "results": results}, f, indent=1)
+        json.dump({"device": device, "torch": torch.__version__, "library": library_identity(), "results": results}, f,
+                  indent=1)
     print(f"wrote {args.json}")
 
 

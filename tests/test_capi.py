@@ -29,6 +29,17 @@ def test_build_info_lists_archs_and_kernels():
         assert len(names) == 8, (arch, names)  # {plain, phsa} x {bf16, fp16} x {64, 128}
 
 
+def test_library_identity_names_the_loaded_binary():
+    import hashlib
+
+    from infllmv2.testing import library_identity
+
+    ident = library_identity()
+    with open(_lib.library_path(), "rb") as f:
+        assert ident["sha256"] == hashlib.sha256(f.read()).hexdigest()
+    assert ident["archs"] == infllmv2.build_info()["archs"] and "kernels" not in ident
+
+
 def test_unknown_arch_override_is_refused():
     with pytest.raises(infllmv2.Infllmv2UnsupportedError, match="arch 'sm_75' is not compiled in; compiled archs: sm_"):
         infllmv2.set_arch_override("sm_75")

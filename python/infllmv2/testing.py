@@ -23,6 +23,23 @@ def max_seqlen(cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max())
 
 
+def library_identity() -> dict:
+    """What the benchmarks' JSON records of the kernel library they timed: its build info (version,
+    ABI, archs, TileLang) and the SHA-256 of the loaded file, so that a figure can be traced to the
+    exact binary (the build info carries no source revision)."""
+    import hashlib
+
+    from . import _lib
+
+    info = _lib.build_info()
+    info.pop("kernels", None)
+    path = _lib.library_path()
+    with open(path, "rb") as f:
+        info["sha256"] = hashlib.sha256(f.read()).hexdigest()
+    info["path"] = path
+    return info
+
+
 def random_tokens(lengths, heads, head_dim, dtype, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
     """(sum(lengths), heads, head_dim) normal random data (never zeros), reproducible by seed."""
     g = torch.Generator(device="cpu").manual_seed(seed)
