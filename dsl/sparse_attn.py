@@ -25,14 +25,13 @@ Kernels (one PrimFunc each):
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
   bwd_dq          dQ, tiles and union as fwd (sm_90a also  grid (tiles, batch, Hk)
                   has a unit of 4-token tiles for G >= 16)
-  bwd_block_map   which 64-row chunks of topk_idx list    grid (chunks of 64 rows, Hk)
-                  each block, as a bit map
-  bwd_dkdv        dK, dV per 64-key block, visiting the   grid (key blocks, Hk, batch)
-                  tokens that picked it: the map's chunks that list the block are compacted
-                  by prefix sum, their tokens checked by binary search in their sorted
-                  selection rows, `threads` x T_MAX at a time, the members compacted by prefix
-                  sum and taken BM // G at a time (BM = 64 rows), so
-                  rows of tokens that did not pick the block cost no work; the next group's
+  bwd_members     the inverse index of the selections:     grid (CHUNKS x windows, Hk, batch)
+                  each key block's member queries,
+                  ascending (counted with fill = 0, written with fill = 1)
+  bwd_members_scan  counts -> list offsets                grid (Hk)
+  bwd_dkdv        dK, dV per 64-key block, over the       grid (key blocks, Hk, batch)
+                  queries in its member list, BM // G at a time (BM = 64 rows), so rows of
+                  tokens that did not pick the block cost no work; the next group's
                   rows load by cp.async while the current one is computed (sm_90a; its unit
                   for G = 16 loads them as TMA boxes of one token's 16 heads instead); the
                   first SPLIT_BLOCKS blocks of long sequences in pieces of PIECE queries
@@ -61,8 +60,9 @@ BLOCK_M = 64  # GEMM rows per query tile: T tokens x G heads
 T_MAX_BY_ARCH = {"sm_90a": 16}  # tokens per query tile at most (G < 64 // T_MAX leaves rows idle);
 T_MAX_DEFAULT = 8  # 8 elsewhere, so the union buffers fit 99 KB of shared memory with the tiles
 K_MAX = 128  # selected blocks per token at most
-MAP_CHUNK = 64  # packed query rows per entry of bwd_block_map's map
-ROT = 32  # bwd_dkdv visits a key block's listed chunks from one whose index is a multiple of this
+CHUNKS = 64  # bwd_members: slices of a sequence's queries counted apart (so the counts are linear in keys)
+WINDOW = 4096  # bwd_members: key blocks a thread block counts (16 KB of shared memory)
+ROT_ROWS = 2048  # bwd_dkdv visits a key block's members from one in a packed row that is a multiple of this
 # bwd_dkdv: the first SPLIT_BLOCKS key blocks of a sequence of more than PIECE queries (the init
 # blocks every query picks) are shared among one thread block per PIECE packed query rows
 # (see _bwd_dkdv); bwd_dkdv_reduce sums their fp32 partial dK/dV.
@@ -73,7 +73,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_reduce")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_members", "bwd_members_scan", "bwd_dkdv", "bwd_dkdv_reduce")
 # fwd and bwd_dq come with a cap on their tiles' tokens; sm_90a also builds a 4-token unit of
 # each, for G >= 16: the forward's runs two tiles as a thread-block cluster (see _fwd_pair), dQ's
 # fits three tiles an SM (see _bwd_dq). The host takes, of an arch's units, the one with the
@@ -87,7 +87,7 @@ DKDV_BOXES = 16
 VARIANTS = [
     {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
     for kernel in KERNELS
-    if kernel not in TILED and kernel != "bwd_dkdv"
+    if kernel not in TILED and kernel not in ("bwd_dkdv", "bwd_members", "bwd_members_scan")
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
 ] + [
@@ -101,7 +101,7 @@ VARIANTS = [
     for tokens in sorted({SMALL_TOKENS, T_MAX_DEFAULT, *T_MAX_BY_ARCH.values()})
     for dtype in ("bfloat16", "float16")
     for head_dim in (64, 128)
-] + [{"kernel": "bwd_block_map"}]  # reads only selections: one unit per arch
+] + [{"kernel": "bwd_members"}, {"kernel": "bwd_members_scan"}]  # read only selections: one unit an arch
 
 
 def _tile_tokens(arch):
@@ -125,7 +125,13 @@ def pass_configs(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
     # (SIMT) union prologue, which then races (seen on an H100: wrong rows, non-determinism).
     from tilelang import PassConfigKey
 
-    return {PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True} if kernel in ("fwd", "bwd_dq") else {}
+    if kernel in ("fwd", "bwd_dq"):
+        return {PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    if kernel in ("bwd_members", "bwd_members_scan"):
+        # their barriers are placed by hand: the planner added two more to every row step of
+        # bwd_members, between a counter's read and its write by the same thread
+        return {PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    return {}
 
 
 def tile_tokens_max(arch):
@@ -144,8 +150,10 @@ def unit_constants(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0
                 "cluster": 2 if _is_pair(kernel, arch, tokens) else 1}
     if kernel == "bwd_dkdv":
         return {"block_m": BLOCK_M, "t_max": BLOCK_M, "split_blocks": SPLIT_BLOCKS, "piece": PIECE}
-    if kernel == "bwd_block_map":
-        return {"map_chunk": MAP_CHUNK}
+    if kernel == "bwd_members":
+        return {"chunks": CHUNKS, "window": WINDOW}
+    if kernel == "bwd_members_scan":
+        return {"chunks": CHUNKS}
     return {"block_m": BLOCK_M, "t_max": tile_tokens_max(arch)}
 
 
@@ -178,8 +186,10 @@ VEC = 8  # elements per 16-byte cp.async (2-byte dtypes)
 
 
 def program(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
-    if kernel == "bwd_block_map":
-        return _bwd_block_map()
+    if kernel == "bwd_members":
+        return _bwd_members()
+    if kernel == "bwd_members_scan":
+        return _bwd_members_scan()
     if kernel == "bwd_dkdv":
         return _bwd_dkdv(dtype, head_dim, arch, boxes)
     if kernel == "bwd_dq":
@@ -736,84 +746,165 @@ def _bwd_dq(dtype, D, arch, tokens):
     return sparse_attn_bwd_dq
 
 
-def _bwd_block_map():
-    """block_map[g, c, w] bit i set if a row of chunk c (packed rows c*64 .. c*64+63) lists block
-    32 w + i in topk_idx[g], so that bwd_dkdv searches only the rows of chunks that hold its
-    block. A chunk may straddle two sequences; the map is then a superset, which only costs
-    searches. Plain shared-memory stores of 1 (no atomics) mark the blocks, a window of UW
-    blocks at a time, and one thread packs each word: the map is deterministic."""
+def _listed(rows_s, r, tx, blk, t, kb0, n_win, shift):
+    """Whether entry tx (block blk) of query t's selection row, staged as rows_s[r], goes into a
+    list: a block of the window kb0 .. kb0 + n_win - 1 whose first key the query sees, not a
+    repeat of the entry before it in the sorted row. (T.And / T.Or: this runs as Python, where
+    `and` would drop a term.)"""
+    return T.And(T.And(blk >= kb0, blk < kb0 + n_win),
+                 T.And(blk * BLOCK_N <= shift + t, T.Or(tx == 0, rows_s[r, T.max(tx, 1) - 1] != blk)))
+
+
+def _bwd_members():
+    """The inverse index of the selections, for bwd_dkdv: for KV head g and key block kb of
+    sequence b, members[g, offsets[g, gb] .. offsets[g, gb + 1]] are the positions in the
+    sequence of the queries that picked the block and see its first key, ascending, where gb =
+    cu_seqlens_k[b] // 64 + b + kb (a sequence's blocks and one spare index after them: every
+    sequence gets an index range of its own without a prefix sum over the batch).
+
+    Built in three launches with no atomics, so the lists, and the gradient sums that follow
+    their order, are the same on every run: this kernel with fill = 0 counts, for each of the
+    CHUNKS slices of a sequence's queries (slice c: rows c * ceil(Lq / CHUNKS) ..), how many of
+    its queries picked each block, into cnt[g, c, gb]; bwd_members_scan turns the counts into
+    each slice's first slot in each list (and `offsets`); this kernel with fill = 1 writes the
+    positions. A thread block takes one slice and a window of WINDOW blocks, and walks its rows
+    in order, one row a step, a thread an entry: a row lists a block at most once (repeats are
+    skipped), so the step's counter updates never collide, and the barrier between steps orders
+    the queries of one list."""
     total_q = T.dynamic("total_q")
     heads_k = T.dynamic("heads_k")
     topk = T.dynamic("topk")
-    n_chunks = T.dynamic("n_chunks")
-    words = T.dynamic("words")
-    threads = 128
+    batch_plus_one = T.dynamic("batch_plus_one")
+    n_gb = T.dynamic("n_gb")
+    n_entries = T.dynamic("n_entries")
+    threads = K_MAX  # one thread an entry of a selection row
+    RB = 16  # rows loaded at a time
 
     @T.prim_func
-    def sparse_attn_bwd_block_map(
+    def sparse_attn_bwd_members(
         topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
-        block_map: T.Tensor([heads_k, n_chunks, words], "int32"),
+        cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        cnt: T.Tensor([heads_k, CHUNKS, n_gb], "int32"),
+        members: T.Tensor([heads_k, n_entries], "int32"),
+        batch: T.int32,
+        windows: T.int32,
+        fill: T.int32,
     ):
-        with T.Kernel(n_chunks, heads_k, threads=threads) as (c, hk):
-            flag_s = T.alloc_shared([UW], "int32")
-            acc = T.alloc_var("int32")
+        # windows: of WINDOW blocks, enough for the longest sequence's (the host passes it)
+        with T.Kernel(CHUNKS * windows, heads_k, batch, threads=threads) as (bx, hk, b):
+            cnt_s = T.alloc_shared([WINDOW], "int32")
+            rows_s = T.alloc_shared([RB, K_MAX], "int32")
+            blk = T.alloc_var("int32")
+            p = T.alloc_var("int32")
             tx = T.get_thread_binding()
-            for w in T.serial(T.ceildiv(words * 32, UW)):
-                for e in T.serial(UW // threads):
-                    flag_s[e * threads + tx] = 0
+            c = bx % CHUNKS
+            kb0 = (bx // CHUNKS) * WINDOW
+            q0 = cu_seqlens_q[b]
+            k0 = cu_seqlens_k[b]
+            len_q = T.max(T.min(cu_seqlens_q[b + 1], total_q) - q0, 0)  # clamped as bwd_dkdv does
+            shift = cu_seqlens_k[b + 1] - k0 - len_q
+            gbase = k0 // BLOCK_N + b
+            # this sequence's indices, its blocks and the spare one (clamped into cnt)
+            span = T.min(cu_seqlens_k[b + 1] // BLOCK_N + b + 1, n_gb) - gbase
+            n_win = T.if_then_else(gbase >= 0, T.max(T.min(span - kb0, WINDOW), 0), 0)
+            rows = T.ceildiv(len_q, CHUNKS)
+            r_lo = c * rows
+            r_hi = T.min(len_q, r_lo + rows)
+            for i in T.serial(WINDOW // threads):
+                e = i * threads + tx
+                cnt_s[e] = T.if_then_else(fill == 1 and e < n_win, cnt[hk, c, gbase + kb0 + T.min(e, n_win - 1)], 0)
+            T.sync_threads()
+            for rb in T.serial(T.ceildiv(T.if_then_else(n_win > 0, T.max(r_hi - r_lo, 0), 0), RB)):
+                for r in T.unroll(RB):
+                    rows_s[r, tx] = T.if_then_else(
+                        tx < topk and r_lo + rb * RB + r < r_hi,
+                        topk_idx[hk, q0 + T.min(r_lo + rb * RB + r, r_hi - 1), T.min(tx, topk - 1)], -1)
                 T.sync_threads()
-                for e in T.serial(T.ceildiv(MAP_CHUNK * topk, threads)):
-                    i = e * threads + tx  # consecutive threads read consecutive entries of a row
-                    if i < MAP_CHUNK * topk and c * MAP_CHUNK + i // topk < total_q:
-                        if topk_idx[hk, c * MAP_CHUNK + i // topk, i % topk] >= w * UW and topk_idx[
-                            hk, c * MAP_CHUNK + i // topk, i % topk
-                        ] < (w + 1) * UW:
-                            flag_s[topk_idx[hk, c * MAP_CHUNK + i // topk, i % topk] - w * UW] = 1
+                if fill == 0:
+                    # a count needs no order: the batch's entries at once
+                    for r in T.unroll(RB):
+                        if _listed(rows_s, r, tx, rows_s[r, tx], r_lo + rb * RB + r, kb0, n_win, shift):
+                            T.atomic_add(cnt_s[rows_s[r, tx] - kb0], 1)
+                    T.sync_threads()
+                else:
+                    for r in T.serial(RB):
+                        blk = rows_s[r, tx]
+                        if _listed(rows_s, r, tx, blk, r_lo + rb * RB + r, kb0, n_win, shift):
+                            p = cnt_s[blk - kb0]
+                            cnt_s[blk - kb0] = p + 1
+                            # cu_seqlens are trusted, but a caller's bad ones must not write outside the lists
+                            if p >= 0 and p < n_entries:
+                                members[hk, p] = r_lo + rb * RB + r
+                        T.sync_threads()
+            if fill == 0:
+                for i in T.serial(WINDOW // threads):
+                    e = i * threads + tx
+                    if e < n_win:
+                        cnt[hk, c, gbase + kb0 + e] = cnt_s[e]
+
+    return sparse_attn_bwd_members
+
+
+def _bwd_members_scan():
+    """bwd_members' counts cnt[g, c, gb] become the slots where slice c's queries go in list gb,
+    offsets[g, gb] + (the counts of slices before c), with offsets[g, gb] the first slot of list
+    gb: one thread block a KV head, `threads` lists at a time, in order, so the sums are fixed."""
+    heads_k = T.dynamic("heads_k")
+    n_gb = T.dynamic("n_gb")
+    batch_plus_one = T.dynamic("batch_plus_one")
+    threads = 256
+
+    @T.prim_func
+    def sparse_attn_bwd_members_scan(
+        cnt: T.Tensor([heads_k, CHUNKS, n_gb], "int32"),
+        offsets: T.Tensor([heads_k, n_gb + 1], "int32"),
+        cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
+        batch: T.int32,
+    ):
+        with T.Kernel(heads_k, threads=threads) as hk:
+            sum_s = T.alloc_shared([threads], "int32")
+            vals = T.alloc_local([CHUNKS], "int32")
+            tot = T.alloc_var("int32")
+            run = T.alloc_var("int32")
+            carry = T.alloc_var("int32")
+            tx = T.get_thread_binding()
+            # the indices the batch's sequences own (bwd_members writes every one of them)
+            n_used = T.min(cu_seqlens_k[batch] // BLOCK_N + batch, n_gb)
+            carry = 0
+            for it in T.serial(T.ceildiv(n_used, threads)):
+                gb = it * threads + tx
+                tot = 0
+                for c in T.unroll(CHUNKS):
+                    vals[c] = T.if_then_else(gb < n_used, cnt[hk, c, T.min(gb, n_gb - 1)], 0)
+                    tot = tot + vals[c]
+                sum_s[tx] = tot
                 T.sync_threads()
-                if tx < UW // 32 and w * (UW // 32) + tx < words:
-                    acc = 0
-                    for bit in T.serial(32):
-                        # rotated so that the 32 threads of a warp read 32 different banks
-                        acc = acc | (flag_s[tx * 32 + (bit + tx) % 32] << ((bit + tx) % 32))
-                    block_map[hk, c, w * (UW // 32) + tx] = acc
+                T.cumsum(src=sum_s, dst=sum_s, dim=0)
                 T.sync_threads()
+                run = carry + sum_s[tx] - tot
+                if gb < n_used:
+                    offsets[hk, gb] = run
+                    for c in T.unroll(CHUNKS):
+                        cnt[hk, c, gb] = run
+                        run = run + vals[c]
+                carry = carry + sum_s[threads - 1]
+                T.sync_threads()
+            if tx == 0:
+                offsets[hk, n_used] = carry
 
-    return sparse_attn_bwd_block_map
+    return sparse_attn_bwd_members_scan
 
 
-def _make_scan_tile(topk, SCAN_T):
-    """A macro: bit t of mask[0] set if token row0 + t (t < n) lists block kb in its sorted row.
-
-    A branchless lower bound (first k with not 0 <= row[k] < kb) per token, the SCAN_T tokens'
-    searches advanced together a step at a time, so their loads are in flight at once (one
-    token after another, each search a chain of dependent loads, was latency-bound: at G = 4
-    the scan of every tile for every key block of the 8 KV heads).
-
-    topk is closed over rather than passed: a dynamic shape var passed into a macro turns
-    into a new free parameter of the kernel."""
-
-    @T.macro
-    def scan_tile(topk_idx, hk, row0, n, kb, pos, val, mask):
-        # The loads are unconditional (indices clamped into the token's row, and tokens past n
-        # onto the last one) and each step's SCAN_T loads come before any use of them: under
-        # an `if`, ptxas issued each load after the previous token's compare, so a thread's 128
-        # loads ran one after another (H100, 32K x 8: 13% of the kernel's warp samples).
-        for t in T.unroll(SCAN_T):
-            pos[t] = 0
-        for s in T.unroll(LOG_K_MAX):
-            for t in T.unroll(SCAN_T):
-                # steps K_MAX/2 ... 1 reach K_MAX - 1; the first step, K_MAX, reaches K_MAX
-                val[t] = topk_idx[hk, row0 + T.min(t, n - 1), T.min(pos[t] + (K_MAX >> s), topk) - 1]
-            for t in T.unroll(SCAN_T):
-                pos[t] = pos[t] + T.if_then_else(
-                    pos[t] + (K_MAX >> s) <= topk and val[t] >= 0 and val[t] < kb, K_MAX >> s, 0)
-        for t in T.unroll(SCAN_T):
-            val[t] = topk_idx[hk, row0 + T.min(t, n - 1), T.min(pos[t], topk - 1)]
-        mask[0] = 0
-        for t in T.unroll(SCAN_T):
-            mask[0] = mask[0] | T.if_then_else(t < n and pos[t] < topk and val[t] == kb, 1 << t, 0)
-
-    return scan_tile
+@T.macro
+def lower_bound(members, hk, lo, hi, target, pos):
+    """pos[0] = the first index in lo .. hi - 1 whose entry of the ascending members[hk] is >=
+    target (hi if none): log2(hi - lo) dependent loads."""
+    pos[0] = lo
+    for s in T.serial(31):
+        if (1 << (30 - s)) <= hi - pos[0]:
+            if members[hk, pos[0] + (1 << (30 - s)) - 1] < target:
+                pos[0] = pos[0] + (1 << (30 - s))
 
 
 def _bwd_dkdv(dtype, D, arch, boxes=0):
@@ -821,8 +912,8 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
     dyn = _dyn()
     total_q, total_k, heads, heads_k, topk, batch_plus_one = (
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
-    n_chunks = T.dynamic("n_chunks")
-    words = T.dynamic("words")
+    n_off = T.dynamic("n_off")  # bwd_members_scan's n_gb + 1
+    n_entries = T.dynamic("n_entries")
     n_pieces = T.dynamic("n_pieces")
     # sm_90a: one warpgroup on 64-row groups, P^T and dS^T in its registers as the A operands
     # of the dV and dK wgmma (H100, 32K x 8, this kernel alone: 123 -> 108 ms at G = 16, 134 ->
@@ -830,16 +921,14 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
     # so both needed all of P^T and dS^T, which went through shared memory. Elsewhere eight
     # warps share the 64 rows and P^T, dS^T go through shared memory: with one warpgroup ptxas
     # needs all 255 registers (spilling on sm_80), and sm_89's 99 KB hold one block an SM.
-    # A group is BM // G member tokens, independent of the scan's tiles, so small G fill it.
+    # A group is BM // G member tokens, taken from the block's member list, so small G fill it.
     reg_operands = _prefetch(arch)
     # boxes: the unit for G = boxes, whose rows load as TMA boxes (see load_tile)
     assert not boxes or (reg_operands and BLOCK_M % boxes == 0), (arch, boxes)
     BOX_D = 64  # elements of a box row: 128 bytes, the 128-byte swizzle of the tiles
     threads = 128 if reg_operands else 256
     BM = BLOCK_M  # the rows of one warpgroup's wgmma on sm_90a
-    SCAN_T = tile_tokens_max(arch)  # tokens a scanning thread checks (bits of a mask)
-    QPC = MAP_CHUNK // SCAN_T  # scanning threads a map chunk
-    scan_tile = _make_scan_tile(topk, SCAN_T)
+    SLICE = 2048  # member tokens staged in shared memory at a time
     prefetch = _prefetch(arch)
     TPR = 4  # load_tile: threads a row
     VPT = D // VEC // TPR  # 16-byte vectors a thread copies of a row
@@ -975,8 +1064,8 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         dO: T.Tensor([total_q, heads, D], dtype),
         LSE: T.Tensor([heads, total_q], accum),
         Delta: T.Tensor([heads, total_q], accum),
-        topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
-        block_map: T.Tensor([heads_k, n_chunks, words], "int32"),
+        offsets: T.Tensor([heads_k, n_off], "int32"),
+        members: T.Tensor([heads_k, n_entries], "int32"),
         cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
         cu_seqlens_k: T.Tensor([batch_plus_one], "int32"),
         dK: T.Tensor([total_k, heads_k, D], dtype),
@@ -989,10 +1078,10 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         tile_tokens: T.int32,
         scale_log2: T.float32,
     ):
-        # key blocks innermost: the blocks of one sequence and KV head run side by side and scan
-        # the same selection rows, which then come from L2 (H100, 32K x 8, this kernel alone:
-        # 143.3 -> 134.4 ms at G = 16, 254.3 -> 164.6 ms at G = 4, whose 8 KV heads' rows are
-        # 537 MB).
+        # key blocks innermost: the blocks of one sequence and KV head run side by side and
+        # share most member queries, whose rows then come from L2 (H100, 32K x 8, this kernel
+        # alone, when it found its members by scanning the selection rows: 143.3 -> 134.4 ms at
+        # G = 16, 254.3 -> 164.6 ms at G = 4, whose 8 KV heads' rows are 537 MB).
         # The first SPLIT_BLOCKS blocks lead each sequence, each as `pieces` thread blocks: every
         # query picks its init block, so one thread block would take all of a long sequence's
         # queries in turn (H100, 128K x 2, this kernel alone: 168.8 ms, 108.8 without an init
@@ -1013,23 +1102,12 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             dO_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
             lse_s1 = T.alloc_shared([BM if prefetch else 1], accum)
             delta_s1 = T.alloc_shared([BM if prefetch else 1], accum)
-            flag_s = T.alloc_shared([threads], "int32")
-            cflag_s = T.alloc_shared([threads], "int32")
-            clist_s = T.alloc_shared([threads], "int32")  # the listed map chunks, ascending
-            n_hit = T.alloc_var("int32")
-            rot = T.alloc_var("int32")
-            c_hit = T.alloc_var("int32")
-            t_start = T.alloc_var("int32")
-            t_end = T.alloc_var("int32")
-            # the member tokens (positions in the sequence) of `threads` scanned tiles, in order;
-            # BM spare entries keep the last group's reads past the end in bounds
-            tok_s = T.alloc_shared([threads * SCAN_T + BM], "int32")
-            n_mem = T.alloc_shared([1], "int32")
-            my_mask = T.alloc_local([1], "int32")
-            my_cnt = T.alloc_var("int32")
-            n_put = T.alloc_var("int32")
-            pos = T.alloc_local([SCAN_T], "int32")
-            val = T.alloc_local([SCAN_T], "int32")
+            # a slice of the block's member tokens (positions in the sequence), in order; BM
+            # spare entries keep the last group's reads past the end in bounds
+            tok_s = T.alloc_shared([SLICE + BM], "int32")
+            m_a = T.alloc_local([1], "int32")
+            m_b = T.alloc_local([1], "int32")
+            m_rot = T.alloc_local([1], "int32")
             n_m = T.alloc_var("int32")
             n_toks = T.alloc_var("int32")
             # row r's token offset and head, computed once: as expressions they put run-time
@@ -1069,6 +1147,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             split = T.alloc_var("int32")
             t_a = T.alloc_var("int32")
             t_b = T.alloc_var("int32")
+            t_rot = T.alloc_var("int32")
             kb = bx
             j = 0
             if bx < SPLIT_BLOCKS * pieces:
@@ -1079,17 +1158,10 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             # pieces == 1: the host found no sequence longer than PIECE and allotted no partial slots
             split = T.if_then_else(bx < SPLIT_BLOCKS * pieces and len_q > PIECE and pieces > 1, 1, 0)
             piece = q0 // PIECE + j
-            # queries at positions before this block's first key cannot see it; of the rest, the
-            # rows t_a .. t_b - 1 (a piece's, if split) lie in the map chunks c_first ..
-            # c_first + n_cand - 1
-            tok_lo = T.max(kb * BLOCK_N - shift, 0)
-            t_a = tok_lo
-            t_b = len_q
-            if split == 1:
-                t_a = T.max(tok_lo, piece * PIECE - q0)
-                t_b = T.min(len_q, (piece + 1) * PIECE - q0)
-            c_first = (q0 + t_a) // MAP_CHUNK
-            n_cand = T.if_then_else(t_a < t_b, (q0 + t_b - 1) // MAP_CHUNK + 1 - c_first, 0)
+            # the block's member list (bwd_members), of a piece's queries t_a .. t_b - 1 if split
+            t_a = T.max(piece * PIECE - q0, 0)
+            t_b = T.min(len_q, (piece + 1) * PIECE - q0)
+            gb = k0 // BLOCK_N + b + kb
             # tile_tokens: member tokens a group, BM // G (the host passes it)
             full_rows = tile_tokens * groups
 
@@ -1104,120 +1176,92 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                 if boxes:
                     ph0 = 0
                     ph1 = 0
-                for outer in T.serial(T.ceildiv(n_cand, threads)):
-                    # which of the next `threads` map chunks hold a row that lists this block
-                    c_hit = 0
-                    if outer * threads + tx < n_cand:
-                        c_hit = (block_map[hk, c_first + outer * threads + tx, kb // 32] >> (kb % 32)) & 1
-                    cflag_s[tx] = c_hit
-                    T.sync_threads()
-                    T.cumsum(src=cflag_s, dst=cflag_s, dim=0)
-                    T.sync_threads()
-                    if c_hit == 1:
-                        clist_s[cflag_s[tx] - 1] = c_first + outer * threads + tx
-                    n_hit = cflag_s[threads - 1]
-                    T.sync_threads()
-                    # The listed chunks are visited from the first whose index is a multiple of
-                    # ROT, then from the start: every thread block of a sequence's key blocks
-                    # begins its local window (the first listed chunks) on the same chunks, so
-                    # neighbouring blocks, started close together, read the same member rows
-                    # close together and find them in L2. Each of the two segments ascends, so
-                    # a group's first token stays its earliest (compute's unmasked test).
-                    rot = 0
-                    if outer == 0 and n_hit > 0:
-                        rot = (ROT - clist_s[0] % ROT) % ROT
-                        if rot >= n_hit:
-                            rot = 0
-                    for seg in T.serial(2):
-                        seg0 = T.if_then_else(seg == 0, rot, 0)
-                        seg_len = T.if_then_else(seg == 0, n_hit - rot, rot)
-                        for chunk in T.serial(T.ceildiv(seg_len * QPC, threads)):
-                            # SCAN_T tokens of a listed chunk a thread: which of them picked this block
-                            e = chunk * threads + tx
-                            my_mask[0] = 0
-                            my_cnt = 0
-                            t_start = 0
-                            if e < seg_len * QPC:
-                                # the thread's SCAN_T rows of the chunk, clipped to t_a .. t_b
-                                t_start = T.max(clist_s[seg0 + e // QPC] * MAP_CHUNK - q0 + (e % QPC) * SCAN_T, t_a)
-                                t_end = T.min(clist_s[seg0 + e // QPC] * MAP_CHUNK - q0 + (e % QPC + 1) * SCAN_T, t_b)
-                                if t_end > t_start:
-                                    scan_tile(topk_idx, hk, q0 + t_start, t_end - t_start, kb, pos, val, my_mask)
-                                    for t in T.unroll(SCAN_T):
-                                        my_cnt = my_cnt + ((my_mask[0] >> t) & 1)
-                            # compact the member tokens: groups of BM // G of them are the GEMM tiles,
-                            # so rows of tokens that did not pick this block cost nothing
-                            flag_s[tx] = my_cnt
-                            T.sync_threads()
-                            T.cumsum(src=flag_s, dst=flag_s, dim=0)
-                            T.sync_threads()
-                            n_put = flag_s[tx] - my_cnt
-                            for t in T.serial(SCAN_T):
-                                if ((my_mask[0] >> t) & 1) == 1:
-                                    tok_s[n_put] = t_start + t
-                                    n_put = n_put + 1
-                            if tx == 0:
-                                n_mem[0] = flag_s[threads - 1]
-                            T.sync_threads()
-                            n_toks = n_mem[0]
-                            n_m = T.ceildiv(n_toks, tile_tokens)
-                            if n_m > 0:
-                                load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                          rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
-                                          rbar, 0, boxl)
-                                T.ptx_commit_group()
-                            for m in T.serial(n_m):
-                                if prefetch:
-                                    if m + 1 < n_m:
-                                        nb = (m + 1) * tile_tokens
-                                        if m % 2 == 0:
-                                            load_tile(Q, dO, LSE, Delta, q0, nb,
-                                                      T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                      rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl, hk,
-                                                      rbar, 1, boxl)
-                                        else:
-                                            load_tile(Q, dO, LSE, Delta, q0, nb,
-                                                      T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
-                                                      rbar, 0, boxl)
-                                        T.ptx_commit_group()
-                                        T.ptx_wait_group(1)
+                m_a[0] = offsets[hk, gb]
+                m_b[0] = offsets[hk, gb + 1]
+                if split == 1:
+                    lower_bound(members, hk, m_a[0], m_b[0], t_b, m_rot)
+                    m_b[0] = m_rot[0]
+                    lower_bound(members, hk, m_a[0], m_b[0], t_a, m_rot)
+                    m_a[0] = m_rot[0]
+                # The members are visited from the first in a ROT_ROWS-aligned row at or after
+                # the first member's, then from the start: every thread block of a sequence's
+                # key blocks begins its local window (the first members) on the same rows, so
+                # neighbouring blocks, started close together, read the same member rows close
+                # together and find them in L2. Each of the two segments ascends, so a group's
+                # first token stays its earliest (compute's unmasked test).
+                m_rot[0] = m_a[0]
+                if m_a[0] < m_b[0]:
+                    t_rot = T.ceildiv(q0 + members[hk, m_a[0]], ROT_ROWS) * ROT_ROWS - q0
+                    lower_bound(members, hk, m_a[0], m_b[0], t_rot, m_rot)
+                    if m_rot[0] == m_b[0]:
+                        m_rot[0] = m_a[0]
+                for seg in T.serial(2):
+                    seg0 = T.if_then_else(seg == 0, m_rot[0], m_a[0])
+                    seg_len = T.if_then_else(seg == 0, m_b[0] - m_rot[0], m_rot[0] - m_a[0])
+                    for sl in T.serial(T.ceildiv(seg_len, SLICE)):
+                        n_toks = T.min(SLICE, seg_len - sl * SLICE)
+                        for i in T.serial(SLICE // threads):
+                            if i * threads + tx < n_toks:
+                                tok_s[i * threads + tx] = members[hk, seg0 + sl * SLICE + i * threads + tx]
+                        T.sync_threads()
+                        n_m = T.ceildiv(n_toks, tile_tokens)
+                        if n_m > 0:
+                            load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
+                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
+                                      rbar, 0, boxl)
+                            T.ptx_commit_group()
+                        for m in T.serial(n_m):
+                            if prefetch:
+                                if m + 1 < n_m:
+                                    nb = (m + 1) * tile_tokens
+                                    if m % 2 == 0:
+                                        load_tile(Q, dO, LSE, Delta, q0, nb,
+                                                  T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
+                                                  rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl, hk,
+                                                  rbar, 1, boxl)
                                     else:
-                                        T.ptx_wait_group(0)
-                                    if boxes:
-                                        # this group's boxes; the phase flips with each use
-                                        if m % 2 == 0:
-                                            T.mbarrier_wait_parity(rbar[0], ph0)
-                                            ph0 = ph0 ^ 1
-                                        else:
-                                            T.mbarrier_wait_parity(rbar[1], ph1)
-                                            ph1 = ph1 ^ 1
-                                else:
-                                    if m > 0:
-                                        load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
-                                                  T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
+                                        load_tile(Q, dO, LSE, Delta, q0, nb,
+                                                  T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
                                                   rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
                                                   rbar, 0, boxl)
-                                        T.ptx_commit_group()
-                                    T.ptx_wait_group(0)
-                                T.sync_threads()
-                                base = m * tile_tokens
-                                n_rows = T.min(tile_tokens, n_toks - base) * groups
-                                if prefetch:
-                                    if m % 2 == 0:
-                                        compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                                pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
-                                                delta_s0)
-                                    else:
-                                        compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                                pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
-                                                delta_s1)
+                                    T.ptx_commit_group()
+                                    T.ptx_wait_group(1)
                                 else:
-                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
-                                            dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
-                                # the next step's prefetch overwrites this step's buffers
-                                T.sync_threads()
+                                    T.ptx_wait_group(0)
+                                if boxes:
+                                    # this group's boxes; the phase flips with each use
+                                    if m % 2 == 0:
+                                        T.mbarrier_wait_parity(rbar[0], ph0)
+                                        ph0 = ph0 ^ 1
+                                    else:
+                                        T.mbarrier_wait_parity(rbar[1], ph1)
+                                        ph1 = ph1 ^ 1
+                            else:
+                                if m > 0:
+                                    load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
+                                              T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
+                                              rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
+                                              rbar, 0, boxl)
+                                    T.ptx_commit_group()
+                                T.ptx_wait_group(0)
                             T.sync_threads()
+                            base = m * tile_tokens
+                            n_rows = T.min(tile_tokens, n_toks - base) * groups
+                            if prefetch:
+                                if m % 2 == 0:
+                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
+                                            delta_s0)
+                                else:
+                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
+                                            delta_s1)
+                            else:
+                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
+                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                            # the next step's prefetch overwrites this step's buffers
+                            T.sync_threads()
+                        T.sync_threads()
                 if split == 1:
                     for c, d in T.Parallel(BLOCK_N, D):
                         partial[kb, hk, piece, T.if_then_else(j == 0, 1, 0), 0, c, d] = acc_dk[c, d] * (

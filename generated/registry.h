@@ -965,43 +965,8 @@ static const infllmv2_select_blocks_unit infllmv2_select_blocks_units[] = {
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- sparse_attn_bwd_block_map: call(topk_idx, block_map, heads_k, total_q, topk, n_chunks, words, stream)
-typedef int (*infllmv2_sparse_attn_bwd_block_map_call_fn)(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
-struct infllmv2_sparse_attn_bwd_block_map_unit {
-  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
-  int map_chunk;
-  int (*init)(); infllmv2_sparse_attn_bwd_block_map_call_fn call; const char* (*last_error)();
-};
-#if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_sparse_attn_bwd_block_map_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_block_map_sm80_call(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_block_map_sm80_last_error();
-#endif
-#if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_sparse_attn_bwd_block_map_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_block_map_sm89_call(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_block_map_sm89_last_error();
-#endif
-#if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_sparse_attn_bwd_block_map_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_block_map_sm90a_call(void* topk_idx, void* block_map, int heads_k, int total_q, int topk, int n_chunks, int words, cudaStream_t stream);
-extern "C" const char* infllmv2_sparse_attn_bwd_block_map_sm90a_last_error();
-#endif
-static const infllmv2_sparse_attn_bwd_block_map_unit infllmv2_sparse_attn_bwd_block_map_units[] = {
-#if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_block_map", "sm_80", 80, 8192, 128, 64, infllmv2_sparse_attn_bwd_block_map_sm80_init, infllmv2_sparse_attn_bwd_block_map_sm80_call, infllmv2_sparse_attn_bwd_block_map_sm80_last_error},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_block_map", "sm_89", 89, 8192, 128, 64, infllmv2_sparse_attn_bwd_block_map_sm89_init, infllmv2_sparse_attn_bwd_block_map_sm89_call, infllmv2_sparse_attn_bwd_block_map_sm89_last_error},
-#endif
-#if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_block_map", "sm_90a", 90, 8192, 128, 64, infllmv2_sparse_attn_bwd_block_map_sm90a_init, infllmv2_sparse_attn_bwd_block_map_sm90a_call, infllmv2_sparse_attn_bwd_block_map_sm90a_last_error},
-#endif
-  {nullptr, nullptr, 0, 0, 0, 0, nullptr, nullptr, nullptr},
-};
-
-// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, topk_idx, block_map, cu_seqlens_q, cu_seqlens_k, dK, dV, partial, batch, max_kblocks, pieces, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, topk, n_chunks, words, batch_plus_one, n_pieces, stream)
-typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, offsets, members, cu_seqlens_q, cu_seqlens_k, dK, dV, partial, batch, max_kblocks, pieces, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, n_off, n_entries, batch_plus_one, n_pieces, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int boxes;
@@ -1015,132 +980,132 @@ struct infllmv2_sparse_attn_bwd_dkdv_unit {
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* topk_idx, void* block_map, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 94480, 256, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 80, 91392, 256, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 94480, 256, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 91392, 256, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 109840, 128, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 108288, 128, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 90, 109840, 128, 16, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 90, 108288, 128, 16, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 61712, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 58624, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 61712, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 58624, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 60688, 128, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 59392, 128, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 90, 60688, 128, 16, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 90, 59392, 128, 16, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 94480, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 91392, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 94480, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 91392, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 109840, 128, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 108288, 128, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 90, 109840, 128, 16, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 90, 108288, 128, 16, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 61712, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 58624, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 61712, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 58624, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 60688, 128, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 59392, 128, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 90, 60688, 128, 16, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 90, 59392, 128, 16, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -1398,6 +1363,77 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_89", 89, 40960, 128, 1, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_attn_bwd_members: call(topk_idx, cu_seqlens_q, cu_seqlens_k, cnt, members, batch, windows, fill, heads_k, total_q, topk, batch_plus_one, n_gb, n_entries, stream)
+typedef int (*infllmv2_sparse_attn_bwd_members_call_fn)(void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* cnt, void* members, int batch, int windows, int fill, int heads_k, int total_q, int topk, int batch_plus_one, int n_gb, int n_entries, cudaStream_t stream);
+struct infllmv2_sparse_attn_bwd_members_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int chunks;
+  int window;
+  int (*init)(); infllmv2_sparse_attn_bwd_members_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_members_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_members_sm80_call(void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* cnt, void* members, int batch, int windows, int fill, int heads_k, int total_q, int topk, int batch_plus_one, int n_gb, int n_entries, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_members_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_members_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_members_sm89_call(void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* cnt, void* members, int batch, int windows, int fill, int heads_k, int total_q, int topk, int batch_plus_one, int n_gb, int n_entries, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_members_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_members_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_members_sm90a_call(void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* cnt, void* members, int batch, int windows, int fill, int heads_k, int total_q, int topk, int batch_plus_one, int n_gb, int n_entries, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_members_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_bwd_members_unit infllmv2_sparse_attn_bwd_members_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_members", "sm_80", 80, 24576, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm80_init, infllmv2_sparse_attn_bwd_members_sm80_call, infllmv2_sparse_attn_bwd_members_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_members", "sm_89", 89, 24576, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm89_init, infllmv2_sparse_attn_bwd_members_sm89_call, infllmv2_sparse_attn_bwd_members_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_members", "sm_90a", 90, 24576, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm90a_init, infllmv2_sparse_attn_bwd_members_sm90a_call, infllmv2_sparse_attn_bwd_members_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_attn_bwd_members_scan: call(cnt, offsets, cu_seqlens_k, batch, heads_k, n_gb, batch_plus_one, stream)
+typedef int (*infllmv2_sparse_attn_bwd_members_scan_call_fn)(void* cnt, void* offsets, void* cu_seqlens_k, int batch, int heads_k, int n_gb, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_sparse_attn_bwd_members_scan_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int chunks;
+  int (*init)(); infllmv2_sparse_attn_bwd_members_scan_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_attn_bwd_members_scan_sm80_init();
+extern "C" int infllmv2_sparse_attn_bwd_members_scan_sm80_call(void* cnt, void* offsets, void* cu_seqlens_k, int batch, int heads_k, int n_gb, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_members_scan_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_attn_bwd_members_scan_sm89_init();
+extern "C" int infllmv2_sparse_attn_bwd_members_scan_sm89_call(void* cnt, void* offsets, void* cu_seqlens_k, int batch, int heads_k, int n_gb, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_members_scan_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_attn_bwd_members_scan_sm90a_init();
+extern "C" int infllmv2_sparse_attn_bwd_members_scan_sm90a_call(void* cnt, void* offsets, void* cu_seqlens_k, int batch, int heads_k, int n_gb, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_attn_bwd_members_scan_sm90a_last_error();
+#endif
+static const infllmv2_sparse_attn_bwd_members_scan_unit infllmv2_sparse_attn_bwd_members_scan_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_members_scan", "sm_80", 80, 1024, 256, 64, infllmv2_sparse_attn_bwd_members_scan_sm80_init, infllmv2_sparse_attn_bwd_members_scan_sm80_call, infllmv2_sparse_attn_bwd_members_scan_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_members_scan", "sm_89", 89, 1024, 256, 64, infllmv2_sparse_attn_bwd_members_scan_sm89_init, infllmv2_sparse_attn_bwd_members_scan_sm89_call, infllmv2_sparse_attn_bwd_members_scan_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_members_scan", "sm_90a", 90, 1024, 256, 64, infllmv2_sparse_attn_bwd_members_scan_sm90a_init, infllmv2_sparse_attn_bwd_members_scan_sm90a_call, infllmv2_sparse_attn_bwd_members_scan_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 // ---- sparse_attn_bwd_preprocess: call(O, dO, Delta, total_q, heads, stream)
@@ -1964,61 +2000,52 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 63488, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_block_map", "sparse_attn_bwd_block_map", "sm_80", 8192, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 91392, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_block_map", "sparse_attn_bwd_block_map", "sm_89", 8192, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 91392, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_block_map", "sparse_attn_bwd_block_map", "sm_90a", 8192, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 108288, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 108288, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 94480, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 58624, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 94480, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 58624, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 109840, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 59392, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 109840, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 59392, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 61712, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 91392, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 61712, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 91392, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 60688, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 108288, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 60688, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 108288, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 94480, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 58624, 256},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 94480, 256},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 58624, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 109840, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 59392, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 109840, 128},
-#endif
-#if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 61712, 256},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 61712, 256},
-#endif
-#if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 60688, 128},
-#endif
-#if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 60688, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 59392, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_80", 0, 128},
@@ -2103,6 +2130,24 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_89
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t8", "sm_89", 40960, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_80", 24576, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_89", 24576, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_90a", 24576, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_attn_bwd_members_scan", "sparse_attn_bwd_members_scan", "sm_80", 1024, 256},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_attn_bwd_members_scan", "sparse_attn_bwd_members_scan", "sm_89", 1024, 256},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_attn_bwd_members_scan", "sparse_attn_bwd_members_scan", "sm_90a", 1024, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 0, 128},

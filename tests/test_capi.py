@@ -152,15 +152,23 @@ def test_select_blocks_from_keys_workspace_size():
 
 def test_sparse_attn_bwd_workspace_size():
     size = _lib.lib().infllmv2_sparse_attn_bwd_workspace_size
-    # Delta (fp32 heads x total_q) to 256 bytes, the block map (heads_k x ceil(total_q / 64) x
-    # ceil(max_seqlen_k / 2048) words) and, past 8192 queries, at a 256-byte boundary the partial
-    # dK/dV of the first 4 key blocks: 4 x heads_k x ceil(total_q / 8192) pieces x 2 sides x
-    # (dK, dV) x 64 x 128 fp32
-    assert size(8192, 8, 2, 8192) == 8192 * 8 * 4 + 2 * 128 * 4 * 4
-    delta = -(-9000 * 8 * 4 // 256) * 256
-    mapped = -(-(delta + 2 * 141 * 5 * 4) // 256) * 256
-    assert size(9000, 8, 2, 9000) == mapped + 4 * 2 * 2 * 2 * 2 * 64 * 128 * 4
-    assert size(0, 8, 2, 9000) == 0
+    # (total_q, total_k, batch, heads, heads_k, topk). Regions at 256-byte boundaries: Delta
+    # (fp32 heads x total_q); the member index's counts (2 KV heads x 64 slices x n_gb key block
+    # indices, n_gb = total_k // 64 + batch), its offsets (2 x (n_gb + 1)) and its lists (2 x
+    # total_q x topk), all int32; past 8192 queries the partial dK/dV of the first 4 key blocks:
+    # 4 x heads_k x ceil(total_q / 8192) pieces x 2 sides x (dK, dV) x 64 x 128 fp32.
+    # 4096 + 2 * 64 * 3 * 4 -> 5632 + 2 * 4 * 4 -> 5888 + 2 * 128 * 4 * 4
+    assert size(128, 128, 1, 8, 2, 4) == 9984
+    # 4128 -> 4352 + 2 * 64 * 66 * 4 -> 38144 + 2 * 67 * 4 -> 38912 + 2 * 129 * 4 * 4
+    assert size(129, 4160, 1, 8, 2, 4) == 43040
+    # 3 sequences: n_gb = 4160 // 64 + 3, so 4352 + 34816 -> 39168 + 552 -> 39936 + 4128
+    assert size(129, 4160, 3, 8, 2, 4) == 44064
+    # 262144 + 2 * 64 * 129 * 4 -> 328192 + 2 * 130 * 4 -> 329472 + 2 * 8192 * 64 * 4: no partial
+    assert size(8192, 8192, 1, 8, 2, 64) == 329472 + 2 * 8192 * 64 * 4
+    # 262176 -> 262400 + 66048 -> 328448 + 1040 -> 329728 + 262176 -> 592128 + the partial
+    assert size(8193, 8193, 1, 8, 2, 4) == 592128 + 4 * 2 * 2 * 2 * 2 * 64 * 128 * 4
+    assert size(128, 0, 1, 8, 2, 4) == 4096  # no key block: Delta alone
+    assert size(0, 128, 1, 8, 2, 128) == 0
 
 
 @pytest.mark.gpu

@@ -44,7 +44,7 @@ def _fwd_poisoned(q, k, v, cu_q, cu_k, idx, scale=0.0):
 
 def _bwd_poisoned(q, k, v, out, lse, dout, cu_q, cu_k, idx, scale=0.0):
     dq, dk, dv = _nan_like(q), _nan_like(k), _nan_like(v)
-    ws = torch.full((sparse_attn_bwd_workspace_floats(q, k, max_seqlen(cu_k)),), float("nan"), device=q.device)
+    ws = torch.full((sparse_attn_bwd_workspace_floats(q, k, idx, cu_k),), float("nan"), device=q.device)
     sparse_attn_bwd_launch(dout, q, k, v, out, lse, sort_topk_idx(idx), cu_q, cu_k, max_seqlen(cu_q), max_seqlen(cu_k),
                            scale, dq, dk, dv, ws)
     return dq, dk, dv
@@ -115,10 +115,11 @@ def test_future_entries_are_dropped_per_token(G):
 @pytest.mark.gpu
 @pytest.mark.parametrize("G", [1, 3, 16, 64])
 def test_long_sequences_and_odd_groups(G):
-    # bwd_dkdv lists the 64-row chunks that hold a key block 256 at a time, checks their tokens
-    # 4096 at a time, and takes the members 128 // G (64 // G off sm_90a) at a time: 17000
-    # tokens need several of each, whose last groups are partial; the later sequences start
-    # inside a chunk; G = 3 leaves rows of every group unused. (At G = 64 the reference's
+    # bwd_members counts a sequence's queries in 64 slices (of 266 rows here, not a multiple of
+    # its 16-row loads); bwd_dkdv takes a key block's member list 2048 at a time, in two
+    # segments split at a 2048-row boundary, and the members 64 // G at a time: 17000 tokens
+    # need several of each, whose last groups are partial; G = 3 leaves rows of every group
+    # unused. (At G = 64 the reference's
     # scores of 17000 tokens would not fit an 80 GB GPU.)
     n = 17000 if G <= 16 else 5000
     lq, lk = [n, 70, 2100], [n, 70, 4500]
@@ -206,7 +207,7 @@ def test_backward_with_cu_seqlens_past_total_q_stays_in_its_workspace(lengths):
     bad_q = cu_q.clone()
     bad_q[-1] = 1_000_000
     mq = mk = max(lengths)
-    n = sparse_attn_bwd_workspace_floats(q, k, mk)
+    n = sparse_attn_bwd_workspace_floats(q, k, idx, cu_k)
     ws = torch.full((n + (1 << 20),), 7.0, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     sparse_attn_bwd_launch(torch.randn_like(q), q, k, v, out, lse, sort_topk_idx(idx), bad_q, cu_k, mq, mk, 0.0, dq,
@@ -307,18 +308,12 @@ def test_c_abi_errors():
     pb = [t.data_ptr() for t in (q, k, v, q, q, cu_q, idx, cu_q, cu_k, q, k, v, q)]
     st = lib.infllmv2_sparse_attn_bwd(*pb, 16, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
-    # Delta (8 heads x total_q rows, fp32) padded to 256 bytes, then the block map: 2 KV heads x
-    # ceil(total_q / 64) chunks x one 32-bit word per 32 key blocks (65 blocks of 4160 keys: 3)
-    assert lib.infllmv2_sparse_attn_bwd_workspace_size(128, 8, 2, 128) == 4096 + 2 * 2 * 1 * 4
-    assert lib.infllmv2_sparse_attn_bwd_workspace_size(129, 8, 2, 4160) == 4352 + 2 * 3 * 3 * 4
-    assert lib.infllmv2_sparse_attn_bwd_workspace_size(128, 8, 2, 0) == 4096
-    assert lib.infllmv2_sparse_attn_bwd_workspace_size(0, 8, 2, 128) == 0
     st = lib.infllmv2_sparse_attn_bwd(*pb, 4096, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
-    assert st == _lib.ERR_INVALID_ARGUMENT and "asks for 4112" in lib.infllmv2_last_error().decode()
-    ws = torch.empty(4112 // 4, device="cuda")
+    assert st == _lib.ERR_INVALID_ARGUMENT and "asks for 9984" in lib.infllmv2_last_error().decode()
+    ws = torch.empty(9984 // 4, device="cuda")
     pw = pb[:12] + [ws.data_ptr()]
     for i, name in ((4, "dout"), (10, "dk")):
-        st = lib.infllmv2_sparse_attn_bwd(*pw[:i], pw[i] + 2, *pw[i + 1 :], 4112, 1, 128, 128, 128, 128, 8, 2, 128, 4,
+        st = lib.infllmv2_sparse_attn_bwd(*pw[:i], pw[i] + 2, *pw[i + 1 :], 9984, 1, 128, 128, 128, 128, 8, 2, 128, 4,
                                           0, 0.0, None)
         assert st == _lib.ERR_INVALID_ARGUMENT and f"{name} must be 16-byte aligned" in lib.infllmv2_last_error().decode()
 

@@ -53,7 +53,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change of a signature or of a struct/enum value. */
-#define INFLLMV2_ABI_VERSION 2
+#define INFLLMV2_ABI_VERSION 3
 
 typedef enum {
   INFLLMV2_OK = 0,
@@ -171,15 +171,17 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
     int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
-/* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out), a bit
- * map of which 64-row chunks of topk_idx list each key block (heads_k x ceil(total_q / 64) x
- * ceil(max_seqlen_k / 2048) 32-bit words) and, when total_q > 8192, fp32 partial dK/dV of the
- * first 4 key blocks of sequences of more than 8192 queries (4 x heads_k x ceil(total_q / 8192)
- * x 2 x 2 x 64 x 128 floats; these blocks, which every query's init block lands in, are shared
- * among several thread blocks). 0 for a non-positive size. (ABI 2 added heads_k and
- * max_seqlen_k.) */
-INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads, int32_t heads_k,
-                                                            int32_t max_seqlen_k);
+/* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out), the
+ * inverse index of topk_idx that the dk/dv kernel walks (int32: per KV head, each key block's
+ * list of the queries that picked it, heads_k x total_q x topk entries; the lists' offsets,
+ * heads_k x (total_k / 64 + batch + 1); and the counts they are built from, heads_k x 64 x
+ * (total_k / 64 + batch)) and, when total_q > 8192, fp32 partial dK/dV of the first 4 key
+ * blocks of sequences of more than 8192 queries (4 x heads_k x ceil(total_q / 8192) x 2 x 2 x
+ * 64 x 128 floats; these blocks, which every query's init block lands in, are shared among
+ * several thread blocks). 0 for a non-positive size. (ABI 2 added heads_k and max_seqlen_k;
+ * ABI 3 replaced max_seqlen_k with total_k, batch and topk.) */
+INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int64_t total_k, int32_t batch,
+                                                            int32_t heads, int32_t heads_k, int32_t topk);
 
 /*
  * infllmv2_sparse_attn_bwd: gradients of infllmv2_sparse_attn_fwd with the selection held

@@ -1,4 +1,5 @@
 // infllmv2_sparse_attn_{fwd,bwd}: validation and dispatch over the generated sparse_attn units.
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -11,7 +12,7 @@ namespace {
 
 constexpr int kBlock = 64;   // keys per selected block
 constexpr int kMaxTopk = 128;  // entries per selection row the kernels hold in shared memory
-constexpr int kMapChunk = 64;  // selection rows per entry of the block map (dsl MAP_CHUNK)
+constexpr int kChunks = 64;  // slices of a sequence's queries counted apart by bwd_members (dsl CHUNKS)
 // bwd_dkdv shares the first kSplitBlocks key blocks of sequences of more than kPiece queries
 // among thread blocks of kPiece packed query rows each (dsl SPLIT_BLOCKS, PIECE)
 constexpr int kSplitBlocks = 4;
@@ -130,15 +131,13 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
 
 namespace {
 
-// Workspace: Delta (attn_delta_bytes), then at a 256-byte boundary the block map of
-// bwd_block_map, int32 (heads_k, chunks, words), then at a 256-byte boundary, where a sequence
-// may have more than kPiece queries, bwd_dkdv's partial dK/dV: fp32 (kSplitBlocks, heads_k,
-// pieces of the packed queries, 2 sides, dK/dV, kBlock, head_dim), sized for head_dim 128.
-int64_t map_chunks(int64_t total_q, int map_chunk) { return (total_q + map_chunk - 1) / map_chunk; }
-int64_t map_words(int32_t max_seqlen_k) { return ((int64_t)max_seqlen_k + kBlock * 32 - 1) / (kBlock * 32); }
-size_t map_bytes(int64_t total_q, int32_t heads_k, int32_t max_seqlen_k) {
-  return (size_t)heads_k * (size_t)map_chunks(total_q, kMapChunk) * (size_t)map_words(max_seqlen_k) * sizeof(int32_t);
-}
+// Workspace, each region at a 256-byte boundary: Delta (attn_delta_bytes); bwd_members' int32
+// counts (heads_k, kChunks, n_gb), the lists' offsets (heads_k, n_gb + 1) and the lists
+// (heads_k, total_q * topk), where n_gb = total_k / kBlock + batch indexes every sequence's
+// key blocks and one spare (see dsl bwd_members); then, where a sequence may have more than
+// kPiece queries, bwd_dkdv's partial dK/dV: fp32 (kSplitBlocks, heads_k, pieces of the packed
+// queries, 2 sides, dK/dV, kBlock, head_dim), sized for head_dim 128.
+int64_t key_block_indices(int64_t total_k, int32_t batch) { return total_k / kBlock + batch; }
 int64_t packed_pieces(int64_t total_q) { return (total_q + kPiece - 1) / kPiece; }
 size_t partial_bytes(int64_t total_q, int32_t heads_k) {
   if (total_q <= kPiece) return 0;  // no sequence is long enough to be split
@@ -147,25 +146,29 @@ size_t partial_bytes(int64_t total_q, int32_t heads_k) {
 
 // Byte offsets of the regions above (partial 0 when there is none) and the total.
 struct BwdLayout {
-  size_t map, partial, total;
+  size_t counts, offsets, members, partial, total;
 };
-BwdLayout bwd_layout(int64_t total_q, int32_t heads, int32_t heads_k, int32_t max_seqlen_k) {
+BwdLayout bwd_layout(int64_t total_q, int64_t total_k, int32_t batch, int32_t heads, int32_t heads_k, int32_t topk) {
   BwdLayout l;
-  l.map = align256(attn_delta_bytes(total_q, heads));
-  const size_t map_end = l.map + map_bytes(total_q, heads_k, max_seqlen_k);
+  const size_t n_gb = (size_t)key_block_indices(total_k, batch);
+  l.counts = align256(attn_delta_bytes(total_q, heads));
+  l.offsets = align256(l.counts + (size_t)heads_k * kChunks * n_gb * sizeof(int32_t));
+  l.members = align256(l.offsets + (size_t)heads_k * (n_gb + 1) * sizeof(int32_t));
+  const size_t members_end = l.members + (size_t)heads_k * (size_t)total_q * (size_t)topk * sizeof(int32_t);
   const size_t partial = partial_bytes(total_q, heads_k);
-  l.partial = partial ? align256(map_end) : 0;
-  l.total = partial ? l.partial + partial : map_end;
+  l.partial = partial ? align256(members_end) : 0;
+  l.total = partial ? l.partial + partial : members_end;
   return l;
 }
 
 }  // namespace
 
-extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int32_t heads, int32_t heads_k,
-                                                                       int32_t max_seqlen_k) {
+extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int64_t total_k, int32_t batch,
+                                                                       int32_t heads, int32_t heads_k, int32_t topk) {
   if (total_q <= 0 || heads <= 0) return 0;
-  if (heads_k <= 0 || max_seqlen_k <= 0) return attn_delta_bytes(total_q, heads);  // no key block: no map
-  return bwd_layout(total_q, heads, heads_k, max_seqlen_k).total;
+  // no key block or no selection: no index
+  if (heads_k <= 0 || total_k <= 0 || batch <= 0 || topk <= 0) return attn_delta_bytes(total_q, heads);
+  return bwd_layout(total_q, total_k, batch, heads, heads_k, topk).total;
 }
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
@@ -179,7 +182,11 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   Shape s{batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk, dtype, softmax_scale};
   infllmv2_status st = check_shape(op, s);
   if (st != INFLLMV2_OK) return st;
-  const size_t need = infllmv2_sparse_attn_bwd_workspace_size(total_q, heads, heads_k, max_seqlen_k);
+  // the index's list positions are int32
+  if (total_q * (int64_t)topk > INT32_MAX)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: total_q * topk must be at most %d, got %lld", op, INT32_MAX,
+                (long long)(total_q * (int64_t)topk));
+  const size_t need = infllmv2_sparse_attn_bwd_workspace_size(total_q, total_k, batch, heads, heads_k, topk);
   if (workspace_size < need)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
                 "%s: workspace_size is %zu bytes, infllmv2_sparse_attn_bwd_workspace_size() asks for %zu", op,
@@ -201,10 +208,14 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   const infllmv2_sparse_attn_bwd_preprocess_unit* pre = nullptr;
   const infllmv2_sparse_attn_bwd_dq_unit* udq = nullptr;
   const infllmv2_sparse_attn_bwd_dkdv_unit* udkdv = nullptr;
-  const infllmv2_sparse_attn_bwd_block_map_unit* umap = nullptr;
+  const infllmv2_sparse_attn_bwd_members_unit* umem = nullptr;
+  const infllmv2_sparse_attn_bwd_members_scan_unit* uscan = nullptr;
   const infllmv2_sparse_attn_bwd_dkdv_reduce_unit* ured = nullptr;
-  if ((st = pick_unit(op, infllmv2_sparse_attn_bwd_block_map_units, dev,
-                      [](const infllmv2_sparse_attn_bwd_block_map_unit&) { return true; }, "block map", &umap)) !=
+  if ((st = pick_unit(op, infllmv2_sparse_attn_bwd_members_units, dev,
+                      [](const infllmv2_sparse_attn_bwd_members_unit&) { return true; }, "member index", &umem)) !=
+          INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_attn_bwd_members_scan_units, dev,
+                      [](const infllmv2_sparse_attn_bwd_members_scan_unit&) { return true; }, "member index", &uscan)) !=
           INFLLMV2_OK ||
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_preprocess_units, dev,
                       matcher<infllmv2_sparse_attn_bwd_preprocess_unit>(s), desc(s), &pre)) != INFLLMV2_OK ||
@@ -215,9 +226,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
       (st = pick_unit(op, infllmv2_sparse_attn_bwd_dkdv_reduce_units, dev,
                       matcher<infllmv2_sparse_attn_bwd_dkdv_reduce_unit>(s), desc(s), &ured)) != INFLLMV2_OK)
     return st;
-  if (umap->map_chunk != kMapChunk)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s maps %d rows a chunk, this library expects %d", op, umap->name,
-                umap->map_chunk, kMapChunk);
+  if (umem->chunks != kChunks || uscan->chunks != kChunks)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s / %s count %d / %d slices a sequence, this library expects %d", op,
+                umem->name, uscan->name, umem->chunks, uscan->chunks, kChunks);
   if (udkdv->split_blocks != kSplitBlocks || udkdv->piece != kPiece)
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s splits %d key blocks in pieces of %d queries, this library expects %d, %d",
                 op, udkdv->name, udkdv->split_blocks, udkdv->piece, kSplitBlocks, kPiece);
@@ -242,11 +253,25 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                  (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
   if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
   if (total_k == 0 || max_seqlen_k == 0) return INFLLMV2_OK;
-  const BwdLayout l = bwd_layout(total_q, heads, heads_k, max_seqlen_k);
-  int32_t* map = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + l.map);
-  const int chunks = (int)map_chunks(total_q, kMapChunk), words = (int)map_words(max_seqlen_k);
-  rc = umap->call(const_cast<int32_t*>(topk_idx), map, heads_k, (int)total_q, topk, chunks, words, stream);
-  if ((st = launch_result(op, umap->name, rc, umap->last_error)) != INFLLMV2_OK) return st;
+  const BwdLayout l = bwd_layout(total_q, total_k, batch, heads, heads_k, topk);
+  char* ws = static_cast<char*>(workspace);
+  int32_t* counts = reinterpret_cast<int32_t*>(ws + l.counts);
+  int32_t* offsets = reinterpret_cast<int32_t*>(ws + l.offsets);
+  int32_t* members = reinterpret_cast<int32_t*>(ws + l.members);
+  const int n_gb = (int)key_block_indices(total_k, batch), n_entries = (int)(total_q * topk);
+  const int max_kblocks = (max_seqlen_k + kBlock - 1) / kBlock;
+  // a sequence owns its key blocks' indices and one spare
+  const int windows = (max_kblocks + 1 + umem->window - 1) / umem->window;
+  // count (fill 0), turn the counts into list slots, write the lists (fill 1)
+  auto members_pass = [&](int fill) {
+    return umem->call(const_cast<int32_t*>(topk_idx), const_cast<int32_t*>(cu_seqlens_q),
+                      const_cast<int32_t*>(cu_seqlens_k), counts, members, batch, windows, fill, heads_k, (int)total_q,
+                      topk, batch + 1, n_gb, n_entries, stream);
+  };
+  if ((st = launch_result(op, umem->name, members_pass(0), umem->last_error)) != INFLLMV2_OK) return st;
+  rc = uscan->call(counts, offsets, const_cast<int32_t*>(cu_seqlens_k), batch, heads_k, n_gb, batch + 1, stream);
+  if ((st = launch_result(op, uscan->name, rc, uscan->last_error)) != INFLLMV2_OK) return st;
+  if ((st = launch_result(op, umem->name, members_pass(1), umem->last_error)) != INFLLMV2_OK) return st;
   T = tile_tokens(udkdv->block_m, udkdv->t_max, groups);
   // a sequence of L > kPiece queries overlaps at most ceil(L / kPiece) + 1 pieces
   const bool split = max_seqlen_q > kPiece && total_q > kPiece;
@@ -256,10 +281,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                          : delta;  // never indexed: with pieces == 1 the kernel splits nothing
   const int n_pieces = split ? (int)packed_pieces(total_q) : 1;
   rc = udkdv->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
-                   const_cast<float*>(lse), delta, const_cast<int32_t*>(topk_idx), map,
-                   const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), dk, dv, partial, batch,
-                   (max_seqlen_k + kBlock - 1) / kBlock, pieces, groups, T, sl2, (int)total_q, heads, (int)total_k,
-                   heads_k, topk, chunks, words, batch + 1, n_pieces, stream);
+                   const_cast<float*>(lse), delta, offsets, members, const_cast<int32_t*>(cu_seqlens_q),
+                   const_cast<int32_t*>(cu_seqlens_k), dk, dv, partial, batch, max_kblocks, pieces, groups, T, sl2,
+                   (int)total_q, heads, (int)total_k, heads_k, n_gb + 1, n_entries, batch + 1, n_pieces, stream);
   if ((st = launch_result(op, udkdv->name, rc, udkdv->last_error)) != INFLLMV2_OK || !split) return st;
   rc = ured->call(partial, const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), dk, dv, batch,
                   (int)total_q, heads_k, n_pieces, batch + 1, (int)total_k, stream);

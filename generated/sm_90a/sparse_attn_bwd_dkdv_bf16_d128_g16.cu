@@ -21,12 +21,13 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, float* __restrict__ partial, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, int n_pieces, int pieces, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, const bfloat16_t* __restrict__ V, const int* __restrict__ block_map, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, float* __restrict__ partial, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_chunks, int n_pieces, int pieces, float scale_log2, int tile_tokens, int topk, int total_k, int total_q, int words) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
-  void* cflag_s = ((void*)((char*)buf_dyn_shmem + 512));
+  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 512));
+  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 768));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 1024));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 17408));
   void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 33792));
@@ -34,13 +35,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 66560));
   void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 82944));
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 99328));
-  void* clist_s = ((void*)((char*)buf_dyn_shmem + 107776));
-  void* flag_s = ((void*)((char*)buf_dyn_shmem + 108288));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 108800));
-  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 109056));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 109312));
-  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 109568));
-  void* n_mem = ((void*)((char*)buf_dyn_shmem + 109824));
+  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 107776));
+  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 108032));
   __shared__ __align__(16) uint64_t rbar_mem[2];
   auto rbar = reinterpret_cast<Barrier*>(rbar_mem);
   int kb = 0;
@@ -52,16 +48,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   float acc_dv[64];
   int ph0 = 0;
   int ph1 = 0;
-  int c_hit = 0;
-  int n_hit = 0;
-  int rot = 0;
-  int my_mask[1];
-  int my_cnt = 0;
-  int t_start = 0;
-  int t_end = 0;
-  int pos[16];
-  int val[16];
-  int n_put = 0;
+  int m_a[1];
+  int m_b[1];
+  int m_rot[1];
+  int t_rot = 0;
   int n_toks = 0;
   int n_m = 0;
   int rowl[3];
@@ -128,23 +118,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   }
   split = condval_4;
   int piece = ((q0 >> 13) + j);
-  int tok_lo = max((((kb * 64) + len_q) - len_k), 0);
-  t_a = tok_lo;
-  t_b = len_q;
-  if (split == 1) {
-    t_a = max(tok_lo, ((piece * 8192) - q0));
-  }
-  if (split == 1) {
-    t_b = min(len_q, (((piece * 8192) + 8192) - q0));
-  }
-  int c_first = ((q0 + t_a) >> 6);
-  int condval_5;
-  if ((t_a < t_b)) {
-    condval_5 = (((((q0 + t_b) - 1) >> 6) + 1) - c_first);
-  } else {
-    condval_5 = 0;
-  }
-  int n_cand = condval_5;
+  t_a = max(((piece * 8192) - q0), 0);
+  t_b = min(len_q, (((piece * 8192) + 8192) - q0));
+  int gb = (((k0 >> 6) + ((int)blockIdx.z)) + kb);
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (((int)threadIdx.x) < 64) {
       int rmod_2 = (((int)threadIdx.x) % groups);
@@ -158,26 +134,26 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     #pragma unroll
     for (int i = 0; i < 8; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_6;
+      uint4 condval_5;
       if (((((((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (0 <= ((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((kb * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k))) {
-        condval_6 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
     }
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_1 = 0; i_1 < 8; ++i_1) {
       bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_7;
+      uint4 condval_6;
       if (((((((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (0 <= ((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((kb * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k))) {
-        condval_7 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)128) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+        condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
+      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
     }
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
@@ -201,647 +177,630 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     ph1 = 0;
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
-    for (int outer = 0; outer < ((n_cand + 127) >> 7); ++outer) {
-      c_hit = 0;
-      if (((outer * 128) + ((int)threadIdx.x)) < n_cand) {
-        int condval_8;
-        if (((((0 <= kb) && ((kb >> 5) < words)) && (0 <= (((outer * 128) + c_first) + ((int)threadIdx.x)))) && ((((outer * 128) + c_first) + ((int)threadIdx.x)) < n_chunks))) {
-          condval_8 = block_map[(((((int64_t)kb) >> (int64_t)5) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)words)) * ((int64_t)n_chunks))) + ((((((int64_t)outer) * (int64_t)128) + ((int64_t)c_first)) + ((int64_t)((int)threadIdx.x))) * ((int64_t)words)))];
-        } else {
-          condval_8 = 0;
+    int condval_7;
+    if (((gb < n_off) && (0 <= gb))) {
+      condval_7 = offsets[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_off)) + ((int64_t)gb))];
+    } else {
+      condval_7 = 0;
+    }
+    m_a[0] = condval_7;
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    int condval_8;
+    if ((((gb + 1) < n_off) && (-1 <= gb))) {
+      condval_8 = offsets[(((((int64_t)((int)blockIdx.y)) * ((int64_t)n_off)) + ((int64_t)gb)) + (int64_t)1)];
+    } else {
+      condval_8 = 0;
+    }
+    m_b[0] = condval_8;
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    if (split == 1) {
+      int lo = m_a[0];
+      int hi = m_b[0];
+      int target = t_b;
+      m_rot[0] = lo;
+      for (int s = 0; s < 31; ++s) {
+        if ((1 << (30 - s)) <= (hi - m_rot[0])) {
+          int condval_9;
+          if (((1 <= (m_rot[0] + (1 << (30 - s)))) && ((m_rot[0] + (1 << (30 - s))) <= n_entries))) {
+            condval_9 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s)))) - (int64_t)1)];
+          } else {
+            condval_9 = 0;
+          }
+          if (condval_9 < target) {
+            m_rot[0] = (m_rot[0] + (1 << (30 - s)));
+          }
         }
-        c_hit = ((condval_8 >> (kb & 31)) & 1);
       }
-      ((int*)cflag_s)[((int)threadIdx.x)] = c_hit;
-      __syncthreads();
-      tl::CumSum1D<128, false>::run((&(((int*)cflag_s)[0])), (&(((int*)cflag_s)[0])), 128);
-      __syncthreads();
-      if (c_hit == 1) {
-        ((int*)clist_s)[(((int64_t)((int*)cflag_s)[((int64_t)((int)threadIdx.x))]) - (int64_t)1)] = (((outer * 128) + c_first) + ((int)threadIdx.x));
-      }
-      __syncthreads();
-      n_hit = ((int*)cflag_s)[127];
-      __syncthreads();
-      rot = 0;
-      if ((outer == 0) && (0 < n_hit)) {
-        int rmod_4 = (((int*)clist_s)[0] % 32);
-        rot = (((rmod_4 <= 0) ? rmod_4 : (rmod_4 - 32)) * -1);
-      }
-      if ((outer == 0) && (0 < n_hit)) {
-        if (n_hit <= rot) {
-          rot = 0;
+      m_b[0] = m_rot[0];
+      int lo_1 = m_a[0];
+      int hi_1 = m_b[0];
+      int target_1 = t_a;
+      m_rot[0] = lo_1;
+      for (int s_1 = 0; s_1 < 31; ++s_1) {
+        if ((1 << (30 - s_1)) <= (hi_1 - m_rot[0])) {
+          int condval_10;
+          if (((1 <= (m_rot[0] + (1 << (30 - s_1)))) && ((m_rot[0] + (1 << (30 - s_1))) <= n_entries))) {
+            condval_10 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s_1)))) - (int64_t)1)];
+          } else {
+            condval_10 = 0;
+          }
+          if (condval_10 < target_1) {
+            m_rot[0] = (m_rot[0] + (1 << (30 - s_1)));
+          }
         }
       }
-      for (int seg = 0; seg < 2; ++seg) {
-        int condval_9;
-        if ((seg == 0)) {
-          condval_9 = rot;
-        } else {
-          condval_9 = 0;
+      m_a[0] = m_rot[0];
+    }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    m_rot[0] = m_a[0];
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    if (m_a[0] < m_b[0]) {
+      int condval_11;
+      if (((0 <= m_a[0]) && (m_a[0] < n_entries))) {
+        condval_11 = members[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_a[(int64_t)0]))];
+      } else {
+        condval_11 = 0;
+      }
+      t_rot = (((((q0 + condval_11) + 2047) >> 11) * 2048) - q0);
+    }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    if (m_a[0] < m_b[0]) {
+      int target_2 = t_rot;
+      m_rot[0] = m_a[0];
+      for (int s_2 = 0; s_2 < 31; ++s_2) {
+        if ((1 << (30 - s_2)) <= (m_b[0] - m_rot[0])) {
+          int condval_12;
+          if (((1 <= (m_rot[0] + (1 << (30 - s_2)))) && ((m_rot[0] + (1 << (30 - s_2))) <= n_entries))) {
+            condval_12 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s_2)))) - (int64_t)1)];
+          } else {
+            condval_12 = 0;
+          }
+          if (condval_12 < target_2) {
+            m_rot[0] = (m_rot[0] + (1 << (30 - s_2)));
+          }
         }
-        int seg0 = condval_9;
-        int condval_10;
-        if ((seg == 0)) {
-          condval_10 = (n_hit - rot);
-        } else {
-          condval_10 = rot;
-        }
-        int seg_len = condval_10;
-        for (int chunk = 0; chunk < ((seg_len + 31) >> 5); ++chunk) {
-          my_mask[0] = 0;
-          my_cnt = 0;
-          t_start = 0;
-          if (((chunk * 128) + ((int)threadIdx.x)) < (seg_len * 4)) {
-            t_start = max((((((int*)clist_s)[(((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2)) + ((int64_t)seg0))] * 64) + ((((int)threadIdx.x) & 3) * 16)) - q0), t_a);
-            t_end = min(((((((int*)clist_s)[(((((int64_t)chunk) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2)) + ((int64_t)seg0))] * 64) + ((((int)threadIdx.x) & 3) * 16)) + 16) - q0), t_b);
-            if (t_start < t_end) {
-              #pragma unroll
-              for (int t = 0; t < 16; ++t) {
-                pos[t] = 0;
-              }
-            }
-            if (t_start < t_end) {
-              #pragma unroll
-              for (int s = 0; s < 8; ++s) {
-                #pragma unroll
-                for (int t_1 = 0; t_1 < 16; ++t_1) {
-                  int condval_11;
-                  if (((((1 <= (pos[t_1] + (128 >> s))) && (1 <= topk)) && (0 <= ((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_1, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
-                    condval_11 = topk_idx[(((min((((int64_t)pos[((int64_t)t_1)]) + ((int64_t)128 >> ((int64_t)s))), ((int64_t)topk)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_1), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk))) - (int64_t)1)];
-                  } else {
-                    condval_11 = 0;
-                  }
-                  val[t_1] = condval_11;
-                }
-                #pragma unroll
-                for (int t_2 = 0; t_2 < 16; ++t_2) {
-                  int condval_12;
-                  if (((((pos[t_2] + (128 >> s)) <= topk) && (0 <= val[t_2])) && (val[t_2] < kb))) {
-                    condval_12 = (128 >> s);
-                  } else {
-                    condval_12 = 0;
-                  }
-                  pos[t_2] = (pos[t_2] + condval_12);
-                }
-              }
-            }
-            if (t_start < t_end) {
-              #pragma unroll
-              for (int t_3 = 0; t_3 < 16; ++t_3) {
-                int condval_13;
-                if (((((0 <= pos[t_3]) && (1 <= topk)) && (0 <= ((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start))) && (((min(t_3, ((t_end - t_start) - 1)) + q0) + t_start) < total_q))) {
-                  condval_13 = topk_idx[((min(((int64_t)pos[((int64_t)t_3)]), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((min(((int64_t)t_3), ((((int64_t)t_end) - ((int64_t)t_start)) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t_start)) * ((int64_t)topk)))];
-                } else {
-                  condval_13 = 0;
-                }
-                val[t_3] = condval_13;
-              }
-            }
-            if (t_start < t_end) {
-              my_mask[0] = 0;
-            }
-            if (t_start < t_end) {
-              #pragma unroll
-              for (int t_4 = 0; t_4 < 16; ++t_4) {
-                int condval_14;
-                if ((((t_4 < (t_end - t_start)) && (pos[t_4] < topk)) && (val[t_4] == kb))) {
-                  condval_14 = (1 << t_4);
-                } else {
-                  condval_14 = 0;
-                }
-                my_mask[0] = (my_mask[0] | condval_14);
-              }
-            }
-            if (t_start < t_end) {
-              #pragma unroll
-              for (int t_5 = 0; t_5 < 16; ++t_5) {
-                my_cnt = (my_cnt + ((my_mask[0] >> t_5) & 1));
-              }
-            }
-          }
-          __syncthreads();
-          ((int*)flag_s)[((int)threadIdx.x)] = my_cnt;
-          __syncthreads();
-          tl::CumSum1D<128, false>::run((&(((int*)flag_s)[0])), (&(((int*)flag_s)[0])), 128);
-          __syncthreads();
-          n_put = (((int*)flag_s)[((int)threadIdx.x)] - my_cnt);
-          __syncthreads();
-          for (int t_6 = 0; t_6 < 16; ++t_6) {
-            if (((my_mask[0] >> t_6) & 1) == 1) {
-              ((int*)tok_s)[n_put] = (t_start + t_6);
-            }
-            if (((my_mask[0] >> t_6) & 1) == 1) {
-              n_put = (n_put + 1);
-            }
-          }
-          __syncthreads();
-          if (((int)threadIdx.x) == 0) {
-            ((int*)n_mem)[0] = ((int*)flag_s)[127];
-          }
-          __syncthreads();
-          n_toks = ((int*)n_mem)[0];
-          int rmod_5 = (((n_toks + tile_tokens) - 1) % tile_tokens);
-          int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
-          n_m = ((((0 <= tile_tokens) && (0 <= rmod_5)) || ((tile_tokens < 0) && (rmod_5 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
-          if (0 < n_m) {
-            if (((int)threadIdx.x) < 64) {
-              int condval_15;
-              if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-                condval_15 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
-              } else {
-                condval_15 = 0;
-              }
-              rowl[2] = (q0 + condval_15);
-            }
-          }
-          if (0 < n_m) {
-            if (((int)threadIdx.x) < 64) {
-              headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
-            }
-          }
-          if (0 < n_m) {
-            #pragma unroll
-            for (int j_1 = 0; j_1 < 4; ++j_1) {
-              int condval_16;
-              if (((j_1 * 16) < (min(tile_tokens, n_toks) * groups))) {
-                condval_16 = (q0 + ((int*)tok_s)[j_1]);
-              } else {
-                condval_16 = total_q;
-              }
-              boxl[j_1] = condval_16;
-            }
-          }
-          __syncthreads();
-          if (0 < n_m) {
-            if (tl::tl_shuffle_elect<128>()) {
-              tl::fence_proxy_async();
-              #pragma unroll
-              for (int j_2 = 0; j_2 < 4; ++j_2) {
-                #pragma unroll
-                for (int hf = 0; hf < 2; ++hf) {
-                  rbar[0].expect_transaction(2048);
-                  tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
-                  rbar[0].expect_transaction(2048);
-                  tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
-                }
-              }
-            }
-          }
-          if (0 < n_m) {
-            rbar[0].arrive();
-          }
-          if (0 < n_m) {
-            if (((int)threadIdx.x) < 64) {
-              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-            }
-          }
-          if (0 < n_m) {
-            if (((int)threadIdx.x) < 64) {
-              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-            }
-          }
-          if (0 < n_m) {
-            tl::cp_async_commit();
-          }
-          __syncthreads();
-          for (int m = 0; m < n_m; ++m) {
-            if ((m + 1) < n_m) {
-              if ((m % 2) == 0) {
-                int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
-                if (((int)threadIdx.x) < 64) {
-                  int condval_17;
-                  if ((((int)threadIdx.x) < n_rows)) {
-                    condval_17 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-                  } else {
-                    condval_17 = 0;
-                  }
-                  rowl[2] = (q0 + condval_17);
-                  headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
-                }
-                #pragma unroll
-                for (int j_3 = 0; j_3 < 4; ++j_3) {
-                  int condval_18;
-                  if (((j_3 * 16) < n_rows)) {
-                    condval_18 = (q0 + ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)j_3))]);
-                  } else {
-                    condval_18 = total_q;
-                  }
-                  boxl[j_3] = condval_18;
-                }
-                __syncthreads();
-                if (tl::tl_shuffle_elect<128>()) {
-                  tl::fence_proxy_async();
-                  #pragma unroll
-                  for (int j_4 = 0; j_4 < 4; ++j_4) {
-                    #pragma unroll
-                    for (int hf_1 = 0; hf_1 < 2; ++hf_1) {
-                      rbar[1].expect_transaction(2048);
-                      tl::tma_load(Q_desc, rbar[1], (&(((bfloat16_t*)Q_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
-                      rbar[1].expect_transaction(2048);
-                      tl::tma_load(dO_desc, rbar[1], (&(((bfloat16_t*)dO_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
-                    }
-                  }
-                }
-                rbar[1].arrive();
-                if (((int)threadIdx.x) < 64) {
-                  tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                  tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                }
-              } else {
-                int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
-                if (((int)threadIdx.x) < 64) {
-                  int condval_19;
-                  if ((((int)threadIdx.x) < n_rows_1)) {
-                    condval_19 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
-                  } else {
-                    condval_19 = 0;
-                  }
-                  rowl[2] = (q0 + condval_19);
-                  headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
-                }
-                #pragma unroll
-                for (int j_5 = 0; j_5 < 4; ++j_5) {
-                  int condval_20;
-                  if (((j_5 * 16) < n_rows_1)) {
-                    condval_20 = (q0 + ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)j_5))]);
-                  } else {
-                    condval_20 = total_q;
-                  }
-                  boxl[j_5] = condval_20;
-                }
-                __syncthreads();
-                if (tl::tl_shuffle_elect<128>()) {
-                  tl::fence_proxy_async();
-                  #pragma unroll
-                  for (int j_6 = 0; j_6 < 4; ++j_6) {
-                    #pragma unroll
-                    for (int hf_2 = 0; hf_2 < 2; ++hf_2) {
-                      rbar[0].expect_transaction(2048);
-                      tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
-                      rbar[0].expect_transaction(2048);
-                      tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
-                    }
-                  }
-                }
-                rbar[0].arrive();
-                if (((int)threadIdx.x) < 64) {
-                  tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                  tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                }
-              }
-              tl::cp_async_commit();
-              tl::cp_async_wait<1>();
-              __syncthreads();
+      }
+      if (m_rot[0] == m_b[0]) {
+        m_rot[0] = m_a[0];
+      }
+    }
+  }
+  if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
+    for (int seg = 0; seg < 2; ++seg) {
+      int condval_13;
+      if ((seg == 0)) {
+        condval_13 = m_rot[0];
+      } else {
+        condval_13 = m_a[0];
+      }
+      int seg0 = condval_13;
+      int condval_14;
+      if ((seg == 0)) {
+        condval_14 = (m_b[0] - m_rot[0]);
+      } else {
+        condval_14 = (m_rot[0] - m_a[0]);
+      }
+      int seg_len = condval_14;
+      for (int sl = 0; sl < ((seg_len + 2047) >> 11); ++sl) {
+        n_toks = min(2048, (seg_len - (sl * 2048)));
+        for (int i_4 = 0; i_4 < 16; ++i_4) {
+          if (((i_4 * 128) + ((int)threadIdx.x)) < n_toks) {
+            int condval_15;
+            if (((((((sl * 2048) + (i_4 * 128)) + seg0) + ((int)threadIdx.x)) < n_entries) && (0 <= ((((sl * 2048) + (i_4 * 128)) + seg0) + ((int)threadIdx.x))))) {
+              condval_15 = members[(((((((int64_t)sl) * (int64_t)2048) + (((int64_t)i_4) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries))) + ((int64_t)seg0)) + ((int64_t)((int)threadIdx.x)))];
             } else {
-              tl::cp_async_wait<0>();
+              condval_15 = 0;
             }
-            if ((m % 2) == 0) {
-              rbar[0].wait(ph0);
-              ph0 = (ph0 ^ 1);
+            ((int*)tok_s)[((i_4 * 128) + ((int)threadIdx.x))] = condval_15;
+          }
+        }
+        __syncthreads();
+        int rmod_4 = (((n_toks + tile_tokens) - 1) % tile_tokens);
+        int rdiv_2 = (((n_toks + tile_tokens) - 1) / tile_tokens);
+        n_m = ((((0 <= tile_tokens) && (0 <= rmod_4)) || ((tile_tokens < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1));
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            int condval_16;
+            if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
+              condval_16 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
             } else {
-              rbar[1].wait(ph1);
-              ph1 = (ph1 ^ 1);
+              condval_16 = 0;
             }
-            __syncthreads();
-            int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+            rowl[2] = (q0 + condval_16);
+          }
+        }
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
+          }
+        }
+        if (0 < n_m) {
+          #pragma unroll
+          for (int j_1 = 0; j_1 < 4; ++j_1) {
+            int condval_17;
+            if (((j_1 * 16) < (min(tile_tokens, n_toks) * groups))) {
+              condval_17 = (q0 + ((int*)tok_s)[j_1]);
+            } else {
+              condval_17 = total_q;
+            }
+            boxl[j_1] = condval_17;
+          }
+        }
+        __syncthreads();
+        if (0 < n_m) {
+          if (tl::tl_shuffle_elect<128>()) {
             tl::fence_proxy_async();
-            if ((m % 2) == 0) {
-              int kb_1 = kb;
-              {
-                tl::GmmaDescriptor desc_a;
-                tl::GmmaDescriptor desc_b;
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki = 0; ki < 8; ++ki) {
-                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki) ? 1 : 0));
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              }
-              {
-                tl::GmmaDescriptor desc_a_1;
-                tl::GmmaDescriptor desc_b_1;
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_1) ? 1 : 0));
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              }
-              tl::wait_wgmma<1>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-                #pragma unroll
-                for (int i_4 = 0; i_4 < 16; ++i_4) {
-                  float broadcast_var_4 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                  float2 __1;
-                  float2 __2;
-                    float2 __3;
-                      float2 v_ = *(float2*)(acc_sT + (i_4 * 2));
-                      float2 v__1 = make_float2(scale_log2, scale_log2);
-                      __3.x = (v_.x*v__1.x);
-                      __3.y = (v_.y*v__1.y);
-                    float2 __4;
-                      float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_4 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                      float2 v__3 = make_float2(broadcast_var_4, broadcast_var_4);
-                      __4.x = (v__2.x*v__3.x);
-                      __4.y = (v__2.y*v__3.y);
-                    __2.x = (__3.x-__4.x);
-                    __2.y = (__3.y-__4.y);
-                  __1.x = exp2f(__2.x);
-                  __1.y = exp2f(__2.y);
-                  *(float2*)(acc_sT + (i_4 * 2)) = __1;
-                }
-              } else {
-                #pragma unroll
-                for (int i_5 = 0; i_5 < 32; ++i_5) {
-                  float condval_21;
-                  if ((((((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_5) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_5) & (int64_t)1))]))]) - len_q)))) {
-                    condval_21 = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)lse_s0)[((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                  } else {
-                    condval_21 = 0x0p+0f/*0.000000e+00*/;
-                  }
-                  acc_sT[i_5] = condval_21;
-                }
-              }
+            #pragma unroll
+            for (int j_2 = 0; j_2 < 4; ++j_2) {
               #pragma unroll
-              for (int i_6 = 0; i_6 < 8; ++i_6) {
-                uint2 __5;
-                float4 v__4 = *(float4*)(acc_sT + (i_6 * 4));
-                (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
-                (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
-                *(uint2*)(pT + (i_6 * 4)) = __5;
+              for (int hf = 0; hf < 2; ++hf) {
+                rbar[0].expect_transaction(2048);
+                tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
+                rbar[0].expect_transaction(2048);
+                tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
               }
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              {
-                tl::GmmaDescriptor desc_b_2;
-                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-              }
-              tl::wait_wgmma<1>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              #pragma unroll
-              for (int i_7 = 0; i_7 < 16; ++i_7) {
-                float delta_s0_local_cast[2];
-                *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_7 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                uint1 __6;
-                float2 __7;
-                  float2 v__5 = *(float2*)(acc_sT + (i_7 * 2));
-                  float2 __8;
-                    float2 v__6 = *(float2*)(acc_dpT + (i_7 * 2));
-                    float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
-                    __8.x = (v__6.x-v__7.x);
-                    __8.y = (v__6.y-v__7.y);
-                  __7.x = (v__5.x*__8.x);
-                  __7.y = (v__5.y*__8.y);
-                (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-                *(uint1*)(dsT + (i_7 * 2)) = __6;
-              }
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              {
-                tl::GmmaDescriptor desc_b_3;
-                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-              }
-              tl::wait_wgmma<0>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-            } else {
-              int kb_2 = kb;
-              {
-                tl::GmmaDescriptor desc_a_2;
-                tl::GmmaDescriptor desc_b_4;
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)K_s)[0])));
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki_4) ? 1 : 0));
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              }
-              {
-                tl::GmmaDescriptor desc_a_3;
-                tl::GmmaDescriptor desc_b_5;
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)V_s)[0])));
-                tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki_5 = 0; ki_5 < 8; ++ki_5) {
-                  tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), uint64_t(desc_b_5 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_5) ? 1 : 0));
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              }
-              tl::wait_wgmma<1>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-                #pragma unroll
-                for (int i_8 = 0; i_8 < 16; ++i_8) {
-                  float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                  float2 __9;
-                  float2 __10;
-                    float2 __11;
-                      float2 v__8 = *(float2*)(acc_sT + (i_8 * 2));
-                      float2 v__9 = make_float2(scale_log2, scale_log2);
-                      __11.x = (v__8.x*v__9.x);
-                      __11.y = (v__8.y*v__9.y);
-                    float2 __12;
-                      float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_8 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                      float2 v__11 = make_float2(broadcast_var_5, broadcast_var_5);
-                      __12.x = (v__10.x*v__11.x);
-                      __12.y = (v__10.y*v__11.y);
-                    __10.x = (__11.x-__12.x);
-                    __10.y = (__11.y-__12.y);
-                  __9.x = exp2f(__10.x);
-                  __9.y = exp2f(__10.y);
-                  *(float2*)(acc_sT + (i_8 * 2)) = __9;
-                }
-              } else {
-                #pragma unroll
-                for (int i_9 = 0; i_9 < 32; ++i_9) {
-                  float condval_22;
-                  if ((((((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_9) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_9) & (int64_t)1))]))]) - len_q)))) {
-                    condval_22 = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)lse_s1)[((((i_9 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                  } else {
-                    condval_22 = 0x0p+0f/*0.000000e+00*/;
-                  }
-                  acc_sT[i_9] = condval_22;
-                }
-              }
-              #pragma unroll
-              for (int i_10 = 0; i_10 < 8; ++i_10) {
-                uint2 __13;
-                float4 v__12 = *(float4*)(acc_sT + (i_10 * 4));
-                (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
-                (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
-                *(uint2*)(pT + (i_10 * 4)) = __13;
-              }
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              {
-                tl::GmmaDescriptor desc_b_6;
-                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
-                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_6 * 8)), uint64_t(desc_b_6 + ((ki_6 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-              }
-              tl::wait_wgmma<1>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              #pragma unroll
-              for (int i_11 = 0; i_11 < 16; ++i_11) {
-                float delta_s1_local_cast_1[2];
-                *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_11 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                uint1 __14;
-                float2 __15;
-                  float2 v__13 = *(float2*)(acc_sT + (i_11 * 2));
-                  float2 __16;
-                    float2 v__14 = *(float2*)(acc_dpT + (i_11 * 2));
-                    float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
-                    __16.x = (v__14.x-v__15.x);
-                    __16.y = (v__14.y-v__15.y);
-                  __15.x = (v__13.x*__16.x);
-                  __15.y = (v__13.y*__16.y);
-                (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
-                *(uint1*)(dsT + (i_11 * 2)) = __14;
-              }
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              {
-                tl::GmmaDescriptor desc_b_7;
-                tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-                tl::warpgroup_arrive();
-                #pragma unroll
-                for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
-                  tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_7 * 8)), uint64_t(desc_b_7 + ((ki_7 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
-                }
-                tl::warpgroup_commit_batch();
-                tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-                tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-              }
-              tl::wait_wgmma<0>();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
             }
+          }
+        }
+        if (0 < n_m) {
+          rbar[0].arrive();
+        }
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+          }
+        }
+        if (0 < n_m) {
+          if (((int)threadIdx.x) < 64) {
+            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+          }
+        }
+        if (0 < n_m) {
+          tl::cp_async_commit();
+        }
+        __syncthreads();
+        for (int m = 0; m < n_m; ++m) {
+          if ((m + 1) < n_m) {
+            if ((m % 2) == 0) {
+              int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
+              if (((int)threadIdx.x) < 64) {
+                int condval_18;
+                if ((((int)threadIdx.x) < n_rows)) {
+                  condval_18 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                } else {
+                  condval_18 = 0;
+                }
+                rowl[2] = (q0 + condval_18);
+                headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
+              }
+              #pragma unroll
+              for (int j_3 = 0; j_3 < 4; ++j_3) {
+                int condval_19;
+                if (((j_3 * 16) < n_rows)) {
+                  condval_19 = (q0 + ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)j_3))]);
+                } else {
+                  condval_19 = total_q;
+                }
+                boxl[j_3] = condval_19;
+              }
+              __syncthreads();
+              if (tl::tl_shuffle_elect<128>()) {
+                tl::fence_proxy_async();
+                #pragma unroll
+                for (int j_4 = 0; j_4 < 4; ++j_4) {
+                  #pragma unroll
+                  for (int hf_1 = 0; hf_1 < 2; ++hf_1) {
+                    rbar[1].expect_transaction(2048);
+                    tl::tma_load(Q_desc, rbar[1], (&(((bfloat16_t*)Q_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
+                    rbar[1].expect_transaction(2048);
+                    tl::tma_load(dO_desc, rbar[1], (&(((bfloat16_t*)dO_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
+                  }
+                }
+              }
+              rbar[1].arrive();
+              if (((int)threadIdx.x) < 64) {
+                tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+              }
+            } else {
+              int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
+              if (((int)threadIdx.x) < 64) {
+                int condval_20;
+                if ((((int)threadIdx.x) < n_rows_1)) {
+                  condval_20 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                } else {
+                  condval_20 = 0;
+                }
+                rowl[2] = (q0 + condval_20);
+                headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
+              }
+              #pragma unroll
+              for (int j_5 = 0; j_5 < 4; ++j_5) {
+                int condval_21;
+                if (((j_5 * 16) < n_rows_1)) {
+                  condval_21 = (q0 + ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)j_5))]);
+                } else {
+                  condval_21 = total_q;
+                }
+                boxl[j_5] = condval_21;
+              }
+              __syncthreads();
+              if (tl::tl_shuffle_elect<128>()) {
+                tl::fence_proxy_async();
+                #pragma unroll
+                for (int j_6 = 0; j_6 < 4; ++j_6) {
+                  #pragma unroll
+                  for (int hf_2 = 0; hf_2 < 2; ++hf_2) {
+                    rbar[0].expect_transaction(2048);
+                    tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
+                    rbar[0].expect_transaction(2048);
+                    tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
+                  }
+                }
+              }
+              rbar[0].arrive();
+              if (((int)threadIdx.x) < 64) {
+                tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+              }
+            }
+            tl::cp_async_commit();
+            tl::cp_async_wait<1>();
             __syncthreads();
+          } else {
+            tl::cp_async_wait<0>();
+          }
+          if ((m % 2) == 0) {
+            rbar[0].wait(ph0);
+            ph0 = (ph0 ^ 1);
+          } else {
+            rbar[1].wait(ph1);
+            ph1 = (ph1 ^ 1);
+          }
+          __syncthreads();
+          int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
+          tl::fence_proxy_async();
+          if ((m % 2) == 0) {
+            int kb_1 = kb;
+            {
+              tl::GmmaDescriptor desc_a;
+              tl::GmmaDescriptor desc_b;
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki = 0; ki < 8; ++ki) {
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki) ? 1 : 0));
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            }
+            {
+              tl::GmmaDescriptor desc_a_1;
+              tl::GmmaDescriptor desc_b_1;
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_1) ? 1 : 0));
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+              #pragma unroll
+              for (int i_5 = 0; i_5 < 16; ++i_5) {
+                float broadcast_var_4 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+                float2 __1;
+                float2 __2;
+                  float2 __3;
+                    float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
+                    float2 v__1 = make_float2(scale_log2, scale_log2);
+                    __3.x = (v_.x*v__1.x);
+                    __3.y = (v_.y*v__1.y);
+                  float2 __4;
+                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_5 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__3 = make_float2(broadcast_var_4, broadcast_var_4);
+                    __4.x = (v__2.x*v__3.x);
+                    __4.y = (v__2.y*v__3.y);
+                  __2.x = (__3.x-__4.x);
+                  __2.y = (__3.y-__4.y);
+                __1.x = exp2f(__2.x);
+                __1.y = exp2f(__2.y);
+                *(float2*)(acc_sT + (i_5 * 2)) = __1;
+              }
+            } else {
+              #pragma unroll
+              for (int i_6 = 0; i_6 < 32; ++i_6) {
+                float condval_22;
+                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
+                  condval_22 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                } else {
+                  condval_22 = 0x0p+0f/*0.000000e+00*/;
+                }
+                acc_sT[i_6] = condval_22;
+              }
+            }
+            #pragma unroll
+            for (int i_7 = 0; i_7 < 8; ++i_7) {
+              uint2 __5;
+              float4 v__4 = *(float4*)(acc_sT + (i_7 * 4));
+              (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
+              (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
+              *(uint2*)(pT + (i_7 * 4)) = __5;
+            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+            {
+              tl::GmmaDescriptor desc_b_2;
+              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+            }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            #pragma unroll
+            for (int i_8 = 0; i_8 < 16; ++i_8) {
+              float delta_s0_local_cast[2];
+              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_8 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              uint1 __6;
+              float2 __7;
+                float2 v__5 = *(float2*)(acc_sT + (i_8 * 2));
+                float2 __8;
+                  float2 v__6 = *(float2*)(acc_dpT + (i_8 * 2));
+                  float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
+                  __8.x = (v__6.x-v__7.x);
+                  __8.y = (v__6.y-v__7.y);
+                __7.x = (v__5.x*__8.x);
+                __7.y = (v__5.y*__8.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+              *(uint1*)(dsT + (i_8 * 2)) = __6;
+            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+            {
+              tl::GmmaDescriptor desc_b_3;
+              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+            }
+            tl::wait_wgmma<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+          } else {
+            int kb_2 = kb;
+            {
+              tl::GmmaDescriptor desc_a_2;
+              tl::GmmaDescriptor desc_b_4;
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)K_s)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki_4) ? 1 : 0));
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            }
+            {
+              tl::GmmaDescriptor desc_a_3;
+              tl::GmmaDescriptor desc_b_5;
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)V_s)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki_5 = 0; ki_5 < 8; ++ki_5) {
+                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), uint64_t(desc_b_5 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_5) ? 1 : 0));
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
+              #pragma unroll
+              for (int i_9 = 0; i_9 < 16; ++i_9) {
+                float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
+                float2 __9;
+                float2 __10;
+                  float2 __11;
+                    float2 v__8 = *(float2*)(acc_sT + (i_9 * 2));
+                    float2 v__9 = make_float2(scale_log2, scale_log2);
+                    __11.x = (v__8.x*v__9.x);
+                    __11.y = (v__8.y*v__9.y);
+                  float2 __12;
+                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_9 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+                    float2 v__11 = make_float2(broadcast_var_5, broadcast_var_5);
+                    __12.x = (v__10.x*v__11.x);
+                    __12.y = (v__10.y*v__11.y);
+                  __10.x = (__11.x-__12.x);
+                  __10.y = (__11.y-__12.y);
+                __9.x = exp2f(__10.x);
+                __9.y = exp2f(__10.y);
+                *(float2*)(acc_sT + (i_9 * 2)) = __9;
+              }
+            } else {
+              #pragma unroll
+              for (int i_10 = 0; i_10 < 32; ++i_10) {
+                float condval_23;
+                if ((((((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_10) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_10) & (int64_t)1))]))]) - len_q)))) {
+                  condval_23 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)lse_s1)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                } else {
+                  condval_23 = 0x0p+0f/*0.000000e+00*/;
+                }
+                acc_sT[i_10] = condval_23;
+              }
+            }
+            #pragma unroll
+            for (int i_11 = 0; i_11 < 8; ++i_11) {
+              uint2 __13;
+              float4 v__12 = *(float4*)(acc_sT + (i_11 * 4));
+              (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
+              (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
+              *(uint2*)(pT + (i_11 * 4)) = __13;
+            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+            {
+              tl::GmmaDescriptor desc_b_6;
+              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_6 * 8)), uint64_t(desc_b_6 + ((ki_6 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+            }
+            tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            #pragma unroll
+            for (int i_12 = 0; i_12 < 16; ++i_12) {
+              float delta_s1_local_cast_1[2];
+              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_12 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
+              uint1 __14;
+              float2 __15;
+                float2 v__13 = *(float2*)(acc_sT + (i_12 * 2));
+                float2 __16;
+                  float2 v__14 = *(float2*)(acc_dpT + (i_12 * 2));
+                  float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
+                  __16.x = (v__14.x-v__15.x);
+                  __16.y = (v__14.y-v__15.y);
+                __15.x = (v__13.x*__16.x);
+                __15.y = (v__13.y*__16.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
+              *(uint1*)(dsT + (i_12 * 2)) = __14;
+            }
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+            {
+              tl::GmmaDescriptor desc_b_7;
+              tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+              tl::warpgroup_arrive();
+              #pragma unroll
+              for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
+                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_7 * 8)), uint64_t(desc_b_7 + ((ki_7 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
+              }
+              tl::warpgroup_commit_batch();
+              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+            }
+            tl::wait_wgmma<0>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           }
           __syncthreads();
         }
+        __syncthreads();
       }
     }
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
       #pragma unroll
-      for (int i_12 = 0; i_12 < 32; ++i_12) {
-        int condval_23;
+      for (int i_13 = 0; i_13 < 32; ++i_13) {
+        int condval_24;
         if ((j == 0)) {
-          condval_23 = 1;
+          condval_24 = 1;
         } else {
-          condval_23 = 0;
+          condval_24 = 0;
         }
-        if (0 <= condval_23) {
-          int condval_24;
+        if (0 <= condval_24) {
+          int condval_25;
           if ((j == 0)) {
-            condval_24 = 1;
+            condval_25 = 1;
           } else {
-            condval_24 = 0;
+            condval_25 = 0;
           }
-          if (condval_24 < 2) {
+          if (condval_25 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
                     float2 __17;
-                      float2 v__16 = *(float2*)(acc_dk + (i_12 * 2));
+                      float2 v__16 = *(float2*)(acc_dk + (i_13 * 2));
                       float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                       __17.x = (v__16.x*v__17.x);
                       __17.y = (v__16.y*v__17.y);
-                    int64_t condval_25;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_25 = (int64_t)1;
-                    } else {
-                      condval_25 = (int64_t)0;
-                    }
                     int64_t condval_26;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_26 = (int64_t)1;
                     } else {
                       condval_26 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_26 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+                    int64_t condval_27;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_27 = (int64_t)1;
+                    } else {
+                      condval_27 = (int64_t)0;
+                    }
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_27 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
                   }
                 }
               }
             }
           }
         }
-        int condval_27;
+        int condval_28;
         if ((j == 0)) {
-          condval_27 = 1;
+          condval_28 = 1;
         } else {
-          condval_27 = 0;
+          condval_28 = 0;
         }
-        if (0 <= condval_27) {
-          int condval_28;
+        if (0 <= condval_28) {
+          int condval_29;
           if ((j == 0)) {
-            condval_28 = 1;
+            condval_29 = 1;
           } else {
-            condval_28 = 0;
+            condval_29 = 0;
           }
-          if (condval_28 < 2) {
+          if (condval_29 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    int64_t condval_29;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_29 = (int64_t)1;
-                    } else {
-                      condval_29 = (int64_t)0;
-                    }
                     int64_t condval_30;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_30 = (int64_t)1;
                     } else {
                       condval_30 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_30 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_12) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_12) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_12 * 2));
+                    int64_t condval_31;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_31 = (int64_t)1;
+                    } else {
+                      condval_31 = (int64_t)0;
+                    }
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_31 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_13 * 2));
                   }
                 }
               }
@@ -851,28 +810,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       }
     } else {
       #pragma unroll
-      for (int i_13 = 0; i_13 < 32; ++i_13) {
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+      for (int i_14 = 0; i_14 < 32; ++i_14) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __18;
               float2 __19;
-                float2 v__18 = *(float2*)(acc_dk + (i_13 * 2));
+                float2 v__18 = *(float2*)(acc_dk + (i_14 * 2));
                 float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                 __19.x = (v__18.x*v__19.x);
                 __19.y = (v__18.y*v__19.y);
               (reinterpret_cast<__nv_bfloat162*>(&__18))[0] = __float22bfloat162_rn(((float2*)(&__19))[0]);
-              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
+              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
             }
           }
         }
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_13 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
               uint1 __20;
-              float2 v__20 = *(float2*)(acc_dv + (i_13 * 2));
+              float2 v__20 = *(float2*)(acc_dv + (i_14 * 2));
               (reinterpret_cast<__nv_bfloat162*>(&__20))[0] = __float22bfloat162_rn(((float2*)(&v__20))[0]);
-              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
+              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
             }
           }
         }
@@ -899,16 +858,16 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_er
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 109840);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 108288);
     if (result_infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 109840, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 108288, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel));
         return -1;
     }
 
     return 0;
 }
 
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ block_map, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int n_chunks, int words, int batch_plus_one, int n_pieces, cudaStream_t stream) {
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ offsets, int* __restrict__ members, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream) {
 
 	CUtensorMap Q_desc;
 	CUtensorMapDataType Q_desc_type= (CUtensorMapDataType)9;
@@ -962,8 +921,8 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(bfloat16_t
 		config.stream = stream;
 		config.gridDim = dim3(pieces * 4 + max_kblocks - 4, heads_k, batch);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 109840;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel, Delta, K, LSE, Q_desc, V, block_map, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dV, partial, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_chunks, n_pieces, pieces, scale_log2, tile_tokens, topk, total_k, total_q, words);
+		config.dynamicSmemBytes = 108288;
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel, Delta, K, LSE, Q_desc, V, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_kernel");
 

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 OK = 0
 ERR_INVALID_ARGUMENT = 1
@@ -74,7 +74,8 @@ _SIGNATURES = {
         [_c.c_void_p] * 8 + [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int32,
                              _c.c_int32, _c.c_int, _c.c_float, _c.c_void_p],
     ),
-    "infllmv2_sparse_attn_bwd_workspace_size": (_c.c_size_t, [_c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32]),
+    "infllmv2_sparse_attn_bwd_workspace_size": (_c.c_size_t, [_c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32,
+                                                              _c.c_int32]),
     "infllmv2_sparse_attn_bwd": (
         _c.c_int,
         [_c.c_void_p] * 13 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32,

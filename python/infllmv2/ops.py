@@ -168,9 +168,10 @@ def _floats(nbytes) -> int:
     return (max(nbytes, 4) + 3) // 4
 
 
-def sparse_attn_bwd_workspace_floats(q, k, max_seqlen_k) -> int:
-    """fp32 elements of workspace the backward of a call with this q, k needs (at least one)."""
-    return _floats(_lib.lib().infllmv2_sparse_attn_bwd_workspace_size(q.shape[0], q.shape[1], k.shape[1], max_seqlen_k))
+def sparse_attn_bwd_workspace_floats(q, k, topk_idx, cu_seqlens_k) -> int:
+    """fp32 elements of workspace the backward of a call with these tensors needs (at least one)."""
+    return _floats(_lib.lib().infllmv2_sparse_attn_bwd_workspace_size(
+        q.shape[0], k.shape[0], cu_seqlens_k.shape[0] - 1, q.shape[1], k.shape[1], topk_idx.shape[2]))
 
 
 def dense_attn_bwd_workspace_floats(q) -> int:
@@ -224,7 +225,7 @@ def _sparse_attn_bwd_op(
         _, vjp = torch.func.vjp(fwd, q, k, v)
         return tuple(g.contiguous() for g in vjp(dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q, k, max_seqlen_k), dtype=torch.float32, device=q.device)
+    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q, k, topk_idx, cu_seqlens_k), dtype=torch.float32, device=q.device)
     sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale, dq, dk, dv, workspace)
     return dq, dk, dv
