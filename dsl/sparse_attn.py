@@ -68,7 +68,6 @@ ROT_ROWS = 2048  # bwd_dkdv visits a key block's members from one in a packed ro
 # (see _bwd_dkdv); bwd_dkdv_reduce sums their fp32 partial dK/dV.
 SPLIT_BLOCKS = 4
 PIECE = 8192
-LOG_K_MAX = 8  # binary-search steps over a row of K_MAX entries (ceil(log2(K_MAX + 1)))
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
@@ -762,15 +761,16 @@ def _bwd_members():
     cu_seqlens_k[b] // 64 + b + kb (a sequence's blocks and one spare index after them: every
     sequence gets an index range of its own without a prefix sum over the batch).
 
-    Built in three launches with no atomics, so the lists, and the gradient sums that follow
-    their order, are the same on every run: this kernel with fill = 0 counts, for each of the
-    CHUNKS slices of a sequence's queries (slice c: rows c * ceil(Lq / CHUNKS) ..), how many of
-    its queries picked each block, into cnt[g, c, gb]; bwd_members_scan turns the counts into
-    each slice's first slot in each list (and `offsets`); this kernel with fill = 1 writes the
-    positions. A thread block takes one slice and a window of WINDOW blocks, and walks its rows
-    in order, one row a step, a thread an entry: a row lists a block at most once (repeats are
-    skipped), so the step's counter updates never collide, and the barrier between steps orders
-    the queries of one list."""
+    Built in three launches in which no atomic decides an order, so the lists, and the gradient
+    sums that follow their order, are the same on every run: this kernel with fill = 0 counts
+    (shared-memory atomic adds, whose sum is the same in any order), for each of the CHUNKS
+    slices of a sequence's queries (slice c: rows c * ceil(Lq / CHUNKS) ..), how many of its
+    queries picked each block, into cnt[g, c, gb]; bwd_members_scan turns the counts into each
+    slice's first slot in each list (and `offsets`); this kernel with fill = 1 writes the
+    positions. A thread block takes one slice and a window of WINDOW blocks; filling, it walks
+    its rows in order, one row a step, a thread an entry: a row lists a block at most once
+    (repeats are skipped), so the step's counter updates never collide, and the barrier between
+    steps orders the queries of one list."""
     total_q = T.dynamic("total_q")
     heads_k = T.dynamic("heads_k")
     topk = T.dynamic("topk")

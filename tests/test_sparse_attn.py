@@ -119,8 +119,7 @@ def test_long_sequences_and_odd_groups(G):
     # its 16-row loads); bwd_dkdv takes a key block's member list 2048 at a time, in two
     # segments split at a 2048-row boundary, and the members 64 // G at a time: 17000 tokens
     # need several of each, whose last groups are partial; G = 3 leaves rows of every group
-    # unused. (At G = 64 the reference's
-    # scores of 17000 tokens would not fit an 80 GB GPU.)
+    # unused. (At G = 64 the reference's scores of 17000 tokens would not fit an 80 GB GPU.)
     n = 17000 if G <= 16 else 5000
     lq, lk = [n, 70, 2100], [n, 70, 4500]
     q, k, v, cu_q, cu_k, idx = _case(lq, lk, G, 128, torch.bfloat16, topk=12, local_blocks=3, heads_k=1, seed=G)

@@ -225,7 +225,8 @@ def _sparse_attn_bwd_op(
         _, vjp = torch.func.vjp(fwd, q, k, v)
         return tuple(g.contiguous() for g in vjp(dout))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q, k, topk_idx, cu_seqlens_k), dtype=torch.float32, device=q.device)
+    workspace = torch.empty(sparse_attn_bwd_workspace_floats(q, k, topk_idx, cu_seqlens_k), dtype=torch.float32,
+                            device=q.device)
     sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale, dq, dk, dv, workspace)
     return dq, dk, dv
