@@ -221,16 +221,51 @@ def test_c_config_default_is_sparse_config_default():
         (dict(init_blocks=-1), "ERR_INVALID_ARGUMENT", "init_blocks, topk and dense_len must be >= 0"),
     ],
 )
-def test_c_attention_fwd_config_errors(change, status, message):
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_c_attention_config_errors(change, status, message, op):
     from infllmv2 import _lib
 
     c = _c_config(SparseConfig())
     for f, v in change.items():
         setattr(c, f, v)
-    st = _lib.lib().infllmv2_attention_fwd(None, None, None, None, None, None, None, None, None, 0, 1, 10, 10, 10, 10,
-                                           32, 2, 128, 0, 0.0, ctypes.byref(c), None)
+    if op == "fwd":
+        st = _lib.lib().infllmv2_attention_fwd(None, None, None, None, None, None, None, None, None, 0, 1, 10, 10, 10,
+                                               10, 32, 2, 128, 0, 0.0, ctypes.byref(c), None)
+    else:
+        st = _lib.lib().infllmv2_attention_bwd(*[None] * 13, 0, 1, 10, 10, 10, 10, 32, 2, 128, 0, 0.0, ctypes.byref(c),
+                                               None)
     assert st == getattr(_lib, status)
-    assert re.search(message, _lib.lib().infllmv2_last_error().decode())
+    assert re.search(f"infllmv2_attention_{op}: config {message}", _lib.lib().infllmv2_last_error().decode())
+
+
+@needs_library
+def test_c_attention_bwd_workspace_and_selection_checks():
+    """The backward's workspace query follows the forward's switch, and the sparse path asks for
+    the forward's selection by name, before touching the device."""
+    from infllmv2 import _lib
+
+    lib = _lib.lib()
+    cfg = SparseConfig(dense_len=1000, window_size=128, topk=3)
+    c = _c_config(cfg)
+    # below dense_len: the dense backward's rows of lse and Delta
+    assert lib.infllmv2_attention_bwd_workspace_size(2, 700, 900, 999, 32, 2, ctypes.byref(c)) == \
+        lib.infllmv2_dense_attn_bwd_workspace_size(700, 32)
+    # at dense_len: the sparse backward's, with K = topk + window_size / block_size = 5
+    assert lib.infllmv2_attention_bwd_workspace_size(2, 700, 1900, 1000, 32, 2, ctypes.byref(c)) == \
+        lib.infllmv2_sparse_attn_bwd_workspace_size(700, 1900, 2, 32, 2, 5)
+    assert lib.infllmv2_attention_bwd_workspace_size(2, 700, 1900, 1000, 32, 2, None) == 0
+    need = lib.infllmv2_attention_bwd_workspace_size(2, 700, 1900, 1000, 32, 2, ctypes.byref(c))
+
+    def call(workspace_size):
+        return lib.infllmv2_attention_bwd(*[None] * 13, workspace_size, 2, 700, 1900, 500, 1000, 32, 2, 128, 0, 0.0,
+                                          ctypes.byref(c), None)
+
+    assert call(need - 1) == _lib.ERR_INVALID_ARGUMENT
+    assert re.search(f"infllmv2_attention_bwd: workspace_size is {need - 1} bytes, "
+                     f"infllmv2_attention_bwd_workspace_size\\(\\) asks for {need}", lib.infllmv2_last_error().decode())
+    assert call(need) == _lib.ERR_INVALID_ARGUMENT
+    assert re.search("infllmv2_attention_bwd: topk_idx must not be NULL on the sparse path \\(max_seqlen_k 1000 >= "
+                     "config dense_len 1000\\)", lib.infllmv2_last_error().decode())
 
 
 @pytest.mark.gpu
@@ -281,3 +316,49 @@ def test_c_attention_fwd_equals_the_torch_layer(dense_len, approx_lse):
                                     k.shape[0], 1000, 1000, 32, 2, 128, 0, 0.0, ctypes.byref(c), _stream(q.device))
     if size > 16:
         assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense_len", [0, 100000])
+@pytest.mark.parametrize("G", [4, 16])
+def test_c_attention_bwd_equals_the_torch_layer(dense_len, G):
+    """The one-call C backward on the forward's outputs and selection gives bitwise the gradients
+    of the torch layer's autograd (the same deterministic kernels), on either side of the switch."""
+    from infllmv2 import _lib
+    from infllmv2.ops import _stream
+
+    cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=3)
+    lengths = [700, 65, 1000, 1, 31]
+    q, k, v, cu_q, cu_k = _qkv(lengths, lengths, G, 128, torch.bfloat16, "cuda")
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out, lse = infllmv2.attention(q, k, v, cu_q, cu_k, config=cfg, return_lse=True)
+    dout = torch.randn_like(out)
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    hq, total_q, total_k = q.shape[1], q.shape[0], k.shape[0]
+    idx = torch.full((2, total_q, cfg.num_selected), -7, dtype=torch.int32, device="cuda")
+    c = _c_config(cfg)
+    lib = _lib.lib()
+    size = lib.infllmv2_attention_fwd_workspace_size(len(lengths), total_q, total_k, 1000, 2, 128, ctypes.byref(c))
+    ws = torch.empty((max(size, 1),), dtype=torch.uint8, device="cuda")
+    out_c = torch.empty_like(out)
+    lse_c = torch.empty_like(lse)
+    st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
+                                    out_c.data_ptr(), lse_c.data_ptr(), idx.data_ptr(), ws.data_ptr(), size,
+                                    len(lengths), total_q, total_k, 1000, 1000, hq, 2, 128, 0, 0.0, ctypes.byref(c),
+                                    _stream(q.device))
+    assert st == _lib.OK, lib.infllmv2_last_error().decode()
+
+    size = lib.infllmv2_attention_bwd_workspace_size(len(lengths), total_q, total_k, 1000, hq, 2, ctypes.byref(c))
+    ws = torch.full((size,), 255, dtype=torch.uint8, device="cuda")
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    # the dense side ignores the selection: NULL there
+    sel = idx.data_ptr() if dense_len == 0 else None
+    st = lib.infllmv2_attention_bwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), out_c.data_ptr(), dout.data_ptr(),
+                                    lse_c.data_ptr(), sel, cu_q.data_ptr(), cu_k.data_ptr(),
+                                    *[g.data_ptr() for g in grads], ws.data_ptr(), size, len(lengths), total_q,
+                                    total_k, 1000, 1000, hq, 2, 128, 0, 0.0, ctypes.byref(c), _stream(q.device))
+    assert st == _lib.OK, lib.infllmv2_last_error().decode()
+    torch.cuda.synchronize()
+    assert torch.equal(out_c, out) and torch.equal(lse_c, lse)
+    for name, got, ref in zip("qkv", grads, want):
+        assert torch.equal(got, ref), f"d{name}"

@@ -34,6 +34,7 @@
  *   dense_attn_fwd   bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   dense_attn_bwd   bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
  *   attention_fwd    bf16,fp16  64,128    G <= 64, K <= 128        sm_80, sm_89, sm_90a (+PTX)
+ *   attention_bwd    bf16,fp16  64,128    G <= 64, K <= 128        sm_80, sm_89, sm_90a (+PTX)
  */
 #ifndef INFLLMV2_H_
 #define INFLLMV2_H_
@@ -396,6 +397,37 @@ INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
     int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads,
     int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
     const infllmv2_sparse_config* config, cudaStream_t stream);
+
+/* Bytes of device workspace infllmv2_attention_bwd needs: the dense backward's
+ * (infllmv2_dense_attn_bwd_workspace_size) when max_seqlen_k < config->dense_len, else the sparse
+ * backward's (infllmv2_sparse_attn_bwd_workspace_size with topk + window_size / block_size
+ * selected blocks). 0 for a NULL config or non-positive sizes. */
+INFLLMV2_API size_t infllmv2_attention_bwd_workspace_size(int32_t batch, int64_t total_q, int64_t total_k,
+                                                          int32_t max_seqlen_k, int32_t heads, int32_t heads_k,
+                                                          const infllmv2_sparse_config* config);
+
+/*
+ * infllmv2_attention_bwd: dq (total_q, heads, head_dim), dk and dv (total_k, heads_k, head_dim,
+ * summed over each group's G query heads) of infllmv2_attention_fwd, on the side of the switch
+ * the forward took: pass the forward's config and max_seqlen_k. The sparse path holds the
+ * selection constant, as the original kernels' backward does.
+ *
+ *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k  what the forward was given
+ *   [in]  out, lse     what infllmv2_attention_fwd returned
+ *   [in]  dout         (total_q, heads, head_dim), dtype
+ *   [in]  topk_idx     the selection infllmv2_attention_fwd wrote into its topk_idx argument;
+ *                      required (not NULL) when max_seqlen_k >= config->dense_len, ignored below
+ *   [in]  workspace    device memory of infllmv2_attention_bwd_workspace_size() bytes
+ * q, k, v, out, dout, dq, dk, dv and workspace 16-byte aligned. Deterministic: repeated calls are
+ * bitwise identical. No host synchronisation. Errors of the backward it runs name that op
+ * (infllmv2_dense_attn_bwd or infllmv2_sparse_attn_bwd).
+ */
+INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
+    const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,
+    const int32_t* topk_idx, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* dq, void* dk,
+    void* dv, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k,
+    int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
+    infllmv2_dtype dtype, float softmax_scale, const infllmv2_sparse_config* config, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

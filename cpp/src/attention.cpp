@@ -1,4 +1,4 @@
-// infllmv2_attention_fwd: the dense-sparse switch over the library's own ops, for C callers.
+// infllmv2_attention_fwd / _bwd: the dense-sparse switch over the library's own ops, for C callers.
 #include <algorithm>
 #include <string>
 
@@ -10,6 +10,7 @@ using namespace infllmv2;
 namespace {
 
 constexpr const char* kOp = "infllmv2_attention_fwd";
+constexpr const char* kBwdOp = "infllmv2_attention_bwd";
 // The stage-1 kernels' DSL build parameters (dsl/select_blocks.py) and stage 2's row limit.
 constexpr int kFineW = 32, kFineS = 16, kBlock = 64, kMaxK = 128;
 
@@ -18,29 +19,39 @@ int64_t windows(int64_t len, int w, int s) { return len >= w ? (len - w) / s + 1
 
 int selected(const infllmv2_sparse_config& c) { return c.topk + c.window_size / c.block_size; }
 
-infllmv2_status check_config(const infllmv2_sparse_config* c) {
-  if (c == nullptr) return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config must not be NULL", kOp);
+infllmv2_status check_config(const char* op, const infllmv2_sparse_config* c) {
+  if (c == nullptr) return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config must not be NULL", op);
   if (c->kernel_size != kFineW || c->kernel_stride != kFineS || c->block_size != kBlock)
     return fail(INFLLMV2_ERR_UNSUPPORTED,
                 "%s: config kernel_size/kernel_stride/block_size must be %d/%d/%d (the stage-1 kernels' build "
                 "parameters), got %d/%d/%d",
-                kOp, kFineW, kFineS, kBlock, c->kernel_size, c->kernel_stride, c->block_size);
+                op, kFineW, kFineS, kBlock, c->kernel_size, c->kernel_stride, c->block_size);
   if (c->init_blocks < 0 || c->topk < 0 || c->dense_len < 0)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config init_blocks, topk and dense_len must be >= 0, got %d, %d, %d",
-                kOp, c->init_blocks, c->topk, c->dense_len);
+                op, c->init_blocks, c->topk, c->dense_len);
   if (c->window_size < 0 || c->window_size % c->block_size != 0)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config window_size must be a multiple of block_size >= 0, got %d",
-                kOp, c->window_size);
+                op, c->window_size);
   const int K = selected(*c);
   if (K < 1 || K > kMaxK)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: config topk + window_size / block_size must be in [1, %d], got %d", kOp,
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: config topk + window_size / block_size must be in [1, %d], got %d", op,
                 kMaxK, K);
   if (c->approx_lse != 0 && c->approx_lse != 1)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config approx_lse must be 0 or 1, got %d", kOp, c->approx_lse);
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config approx_lse must be 0 or 1, got %d", op, c->approx_lse);
   if (c->approx_lse && (c->norm_kernel_size < 1 || c->norm_kernel_stride < 1))
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: config norm_kernel_size and norm_kernel_stride must be >= 1, got %d and %d",
-                kOp, c->norm_kernel_size, c->norm_kernel_stride);
+                op, c->norm_kernel_size, c->norm_kernel_stride);
   return INFLLMV2_OK;
+}
+
+// What the forward and the backward check before either side of the switch.
+infllmv2_status check_call(const char* op, const infllmv2_sparse_config* config, infllmv2_dtype dtype,
+                           int32_t head_dim, int32_t batch, int32_t heads, int32_t heads_k, int64_t total_q,
+                           int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, float softmax_scale) {
+  infllmv2_status st = check_config(op, config);
+  if (st == INFLLMV2_OK) st = check_group_layout(op, dtype, head_dim, batch, heads, heads_k);
+  if (st == INFLLMV2_OK) st = check_attn_sizes(op, total_q, total_k, max_seqlen_q, max_seqlen_k, softmax_scale);
+  return st;
 }
 
 // Where stages 0 and 1 keep the compressed keys and their offsets in the workspace; sizes are
@@ -202,11 +213,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
     int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
     infllmv2_dtype dtype, float softmax_scale, const infllmv2_sparse_config* config, cudaStream_t stream) {
   clear_error();
-  infllmv2_status st = check_config(config);
+  infllmv2_status st = check_call(kOp, config, dtype, head_dim, batch, heads, heads_k, total_q, total_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale);
   if (st != INFLLMV2_OK) return st;
-  if ((st = check_group_layout(kOp, dtype, head_dim, batch, heads, heads_k)) != INFLLMV2_OK) return st;
-  if ((st = check_attn_sizes(kOp, total_q, total_k, max_seqlen_q, max_seqlen_k, softmax_scale)) != INFLLMV2_OK)
-    return st;
   // named here, not by the op it dispatches to
   if ((st = check_aligned(kOp, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"workspace", workspace}})) != INFLLMV2_OK)
     return st;
@@ -236,4 +245,44 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
     return st;
   return infllmv2_sparse_attn_fwd(q, k, v, idx, cu_seqlens_q, cu_seqlens_k, out, lse, batch, total_q, total_k,
                                   max_seqlen_q, heads, heads_k, head_dim, K, dtype, softmax_scale, stream);
+}
+
+extern "C" INFLLMV2_API size_t infllmv2_attention_bwd_workspace_size(int32_t batch, int64_t total_q, int64_t total_k,
+                                                                     int32_t max_seqlen_k, int32_t heads,
+                                                                     int32_t heads_k, const infllmv2_sparse_config* c) {
+  if (c == nullptr || batch < 1 || total_q < 0 || total_k < 0 || heads < 1 || heads_k < 1 || c->block_size < 1) return 0;
+  if (max_seqlen_k < c->dense_len) return infllmv2_dense_attn_bwd_workspace_size(total_q, heads);
+  return infllmv2_sparse_attn_bwd_workspace_size(total_q, total_k, batch, heads, heads_k, selected(*c));
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
+    const void* q, const void* k, const void* v, const void* out, const void* dout, const float* lse,
+    const int32_t* topk_idx, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* dq, void* dk, void* dv,
+    void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+    int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
+    const infllmv2_sparse_config* config, cudaStream_t stream) {
+  clear_error();
+  infllmv2_status st = check_call(kBwdOp, config, dtype, head_dim, batch, heads, heads_k, total_q, total_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale);
+  if (st != INFLLMV2_OK) return st;
+  // the switch must take the forward's side: the same config and max_seqlen_k give it
+  const infllmv2_sparse_config& c = *config;
+  const size_t need = infllmv2_attention_bwd_workspace_size(batch, total_q, total_k, max_seqlen_k, heads, heads_k, &c);
+  if (workspace_size < need)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: workspace_size is %zu bytes, infllmv2_attention_bwd_workspace_size() asks for %zu", kBwdOp,
+                workspace_size, need);
+  if (max_seqlen_k < c.dense_len)
+    return infllmv2_dense_attn_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, workspace,
+                                   workspace_size, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k,
+                                   head_dim, 1, dtype, softmax_scale, stream);
+  // the forward keeps its selection in its own workspace when given none; the backward needs it
+  if (topk_idx == nullptr && total_q > 0)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: topk_idx must not be NULL on the sparse path (max_seqlen_k %d >= config dense_len %d): pass the "
+                "(heads_k, total_q, topk + window_size / block_size) selection infllmv2_attention_fwd wrote",
+                kBwdOp, max_seqlen_k, c.dense_len);
+  return infllmv2_sparse_attn_bwd(q, k, v, out, dout, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, workspace,
+                                  workspace_size, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k,
+                                  head_dim, selected(c), dtype, softmax_scale, stream);
 }
