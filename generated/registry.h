@@ -1691,6 +1691,226 @@ static const infllmv2_sparse_attn_fwd_unit infllmv2_sparse_attn_fwd_units[] = {
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
+// ---- sparse_decode_combine: call(O_part, LSE_part, cu_seqlens_q, O, LSE, batch, splits, part_rows, heads, batch_plus_one, total_q, stream)
+typedef int (*infllmv2_sparse_decode_combine_call_fn)(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+struct infllmv2_sparse_decode_combine_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int rows;
+  int (*init)(); infllmv2_sparse_decode_combine_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_combine_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_decode_combine_bf16_d128_sm80_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_combine_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_decode_combine_bf16_d128_sm89_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_combine_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_decode_combine_bf16_d128_sm90a_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_combine_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_decode_combine_bf16_d64_sm80_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_combine_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_decode_combine_bf16_d64_sm89_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_combine_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_decode_combine_bf16_d64_sm90a_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_combine_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_decode_combine_fp16_d128_sm80_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_combine_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_decode_combine_fp16_d128_sm89_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_combine_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_decode_combine_fp16_d128_sm90a_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_combine_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_decode_combine_fp16_d64_sm80_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_combine_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_decode_combine_fp16_d64_sm89_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_combine_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_decode_combine_fp16_d64_sm90a_call(void* O_part, void* LSE_part, void* cu_seqlens_q, void* O, void* LSE, int batch, int splits, int part_rows, int heads, int batch_plus_one, int total_q, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_combine_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_decode_combine_unit infllmv2_sparse_decode_combine_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine_bf16_d128", "sm_80", 80, 0, 128, 0, 128, 4, infllmv2_sparse_decode_combine_bf16_d128_sm80_init, infllmv2_sparse_decode_combine_bf16_d128_sm80_call, infllmv2_sparse_decode_combine_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine_bf16_d128", "sm_89", 89, 0, 128, 0, 128, 4, infllmv2_sparse_decode_combine_bf16_d128_sm89_init, infllmv2_sparse_decode_combine_bf16_d128_sm89_call, infllmv2_sparse_decode_combine_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine_bf16_d128", "sm_90a", 90, 0, 128, 0, 128, 4, infllmv2_sparse_decode_combine_bf16_d128_sm90a_init, infllmv2_sparse_decode_combine_bf16_d128_sm90a_call, infllmv2_sparse_decode_combine_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine_bf16_d64", "sm_80", 80, 0, 128, 0, 64, 4, infllmv2_sparse_decode_combine_bf16_d64_sm80_init, infllmv2_sparse_decode_combine_bf16_d64_sm80_call, infllmv2_sparse_decode_combine_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine_bf16_d64", "sm_89", 89, 0, 128, 0, 64, 4, infllmv2_sparse_decode_combine_bf16_d64_sm89_init, infllmv2_sparse_decode_combine_bf16_d64_sm89_call, infllmv2_sparse_decode_combine_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine_bf16_d64", "sm_90a", 90, 0, 128, 0, 64, 4, infllmv2_sparse_decode_combine_bf16_d64_sm90a_init, infllmv2_sparse_decode_combine_bf16_d64_sm90a_call, infllmv2_sparse_decode_combine_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine_fp16_d128", "sm_80", 80, 0, 128, 1, 128, 4, infllmv2_sparse_decode_combine_fp16_d128_sm80_init, infllmv2_sparse_decode_combine_fp16_d128_sm80_call, infllmv2_sparse_decode_combine_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine_fp16_d128", "sm_89", 89, 0, 128, 1, 128, 4, infllmv2_sparse_decode_combine_fp16_d128_sm89_init, infllmv2_sparse_decode_combine_fp16_d128_sm89_call, infllmv2_sparse_decode_combine_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine_fp16_d128", "sm_90a", 90, 0, 128, 1, 128, 4, infllmv2_sparse_decode_combine_fp16_d128_sm90a_init, infllmv2_sparse_decode_combine_fp16_d128_sm90a_call, infllmv2_sparse_decode_combine_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine_fp16_d64", "sm_80", 80, 0, 128, 1, 64, 4, infllmv2_sparse_decode_combine_fp16_d64_sm80_init, infllmv2_sparse_decode_combine_fp16_d64_sm80_call, infllmv2_sparse_decode_combine_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine_fp16_d64", "sm_89", 89, 0, 128, 1, 64, 4, infllmv2_sparse_decode_combine_fp16_d64_sm89_init, infllmv2_sparse_decode_combine_fp16_d64_sm89_call, infllmv2_sparse_decode_combine_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine_fp16_d64", "sm_90a", 90, 0, 128, 1, 64, 4, infllmv2_sparse_decode_combine_fp16_d64_sm90a_init, infllmv2_sparse_decode_combine_fp16_d64_sm90a_call, infllmv2_sparse_decode_combine_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- sparse_decode_fwd: call(Q, K, V, topk_idx, cu_seqlens_q, cu_seqlens_k, O_part, LSE_part, batch, max_tiles, groups, tile_tokens, scale_log2, splits, total_q, heads, total_k, heads_k, topk, batch_plus_one, part_rows, stream)
+typedef int (*infllmv2_sparse_decode_fwd_call_fn)(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+struct infllmv2_sparse_decode_fwd_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int max_splits;
+  int t_max;
+  int (*init)(); infllmv2_sparse_decode_fwd_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_decode_fwd_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_decode_fwd_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* cu_seqlens_k, void* O_part, void* LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_fwd_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_decode_fwd_unit infllmv2_sparse_decode_fwd_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd_bf16_d128", "sm_80", 80, 53248, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d128_sm80_init, infllmv2_sparse_decode_fwd_bf16_d128_sm80_call, infllmv2_sparse_decode_fwd_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd_bf16_d128", "sm_89", 89, 53248, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d128_sm89_init, infllmv2_sparse_decode_fwd_bf16_d128_sm89_call, infllmv2_sparse_decode_fwd_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd_bf16_d128", "sm_90a", 90, 53248, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_init, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_call, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd_bf16_d64", "sm_80", 80, 28672, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d64_sm80_init, infllmv2_sparse_decode_fwd_bf16_d64_sm80_call, infllmv2_sparse_decode_fwd_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd_bf16_d64", "sm_89", 89, 28672, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d64_sm89_init, infllmv2_sparse_decode_fwd_bf16_d64_sm89_call, infllmv2_sparse_decode_fwd_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd_bf16_d64", "sm_90a", 90, 28672, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_init, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_call, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd_fp16_d128", "sm_80", 80, 53248, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d128_sm80_init, infllmv2_sparse_decode_fwd_fp16_d128_sm80_call, infllmv2_sparse_decode_fwd_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd_fp16_d128", "sm_89", 89, 53248, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d128_sm89_init, infllmv2_sparse_decode_fwd_fp16_d128_sm89_call, infllmv2_sparse_decode_fwd_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd_fp16_d128", "sm_90a", 90, 53248, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_init, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_call, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd_fp16_d64", "sm_80", 80, 28672, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d64_sm80_init, infllmv2_sparse_decode_fwd_fp16_d64_sm80_call, infllmv2_sparse_decode_fwd_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd_fp16_d64", "sm_89", 89, 28672, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d64_sm89_init, infllmv2_sparse_decode_fwd_fp16_d64_sm89_call, infllmv2_sparse_decode_fwd_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd_fp16_d64", "sm_90a", 90, 28672, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_init, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_call, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 struct infllmv2_unit_info { const char* kernel; const char* name; const char* arch; int dynamic_smem; int threads; };
 static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_80
@@ -2232,6 +2452,78 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_89
   {"sparse_attn_fwd", "sparse_attn_fwd_fp16_d64_t8", "sm_89", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine", "sparse_decode_combine_bf16_d128", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine", "sparse_decode_combine_bf16_d128", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine", "sparse_decode_combine_bf16_d128", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine", "sparse_decode_combine_bf16_d64", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine", "sparse_decode_combine_bf16_d64", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine", "sparse_decode_combine_bf16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine", "sparse_decode_combine_fp16_d128", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine", "sparse_decode_combine_fp16_d128", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine", "sparse_decode_combine_fp16_d128", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_combine", "sparse_decode_combine_fp16_d64", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_combine", "sparse_decode_combine_fp16_d64", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_combine", "sparse_decode_combine_fp16_d64", "sm_90a", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d128", "sm_80", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d128", "sm_89", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d128", "sm_90a", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d64", "sm_80", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d64", "sm_89", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d64", "sm_90a", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d128", "sm_80", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d128", "sm_89", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d128", "sm_90a", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_80", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_89", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_90a", 28672, 128},
 #endif
   {nullptr, nullptr, nullptr, 0, 0},
 };

@@ -28,6 +28,7 @@
  *   compress_keys    bf16,fp16  64,128    any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
  *   sparse_attn_fwd  bf16,fp16  64,128    G = heads/heads_k <= 64  sm_80, sm_89, sm_90a (+PTX)
  *   sparse_attn_bwd  bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
+ *   sparse_decode    bf16,fp16  64,128    G <= 64, split-KV        sm_80, sm_89, sm_90a (+PTX)
  *   select_blocks    bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   group_scores     bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   max_pool_blocks  fp32       -         any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
@@ -204,6 +205,42 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
     void* dv, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k,
     int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
     int32_t topk, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/*
+ * infllmv2_sparse_decode: infllmv2_sparse_attn_fwd's result (out, lse) for calls whose query
+ * tiles alone leave the GPU idle, above all decoding (one or a few queries a sequence against a
+ * long key cache): each tile's selected blocks are cut into `splits` contiguous ranges run by
+ * their own thread blocks, whose partial results a second kernel merges (split-KV decoding).
+ * Arguments as for infllmv2_sparse_attn_fwd, plus:
+ *   [in]  splits       1 .. 64, from infllmv2_sparse_decode_splits(); 1 runs
+ *                      infllmv2_sparse_attn_fwd itself (no workspace, its result bitwise)
+ *   [in]  workspace    device memory of at least infllmv2_sparse_decode_workspace_size()
+ *                      bytes (may be NULL when that is 0), 16-byte aligned
+ *   With splits > 1 the sums run in another order than the forward's (not bitwise equal to it)
+ *   but in a fixed one: repeated calls are bitwise identical. No host synchronisation: usable
+ *   inside CUDA graphs. Forward only (infllmv2_sparse_attn_bwd takes the forward's out and lse,
+ *   or these).
+ */
+INFLLMV2_API infllmv2_status infllmv2_sparse_decode(
+    const void* q, const void* k, const void* v, const int32_t* topk_idx, const int32_t* cu_seqlens_q,
+    const int32_t* cu_seqlens_k, void* out, float* lse, void* workspace, size_t workspace_size, int32_t batch,
+    int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim,
+    int32_t topk, int32_t splits, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/* The splits infllmv2_sparse_decode should run for this call on the current device: num_splits
+ * itself (at most 64) when > 0; when 0, 1 if the query tiles (ceil(max_seqlen_q / min(64 / G,
+ * 4)) a sequence and KV head) alone fill the device's multiprocessors, else the most that keep
+ * tiles x splits within twice the multiprocessors, each split keeping at least 4 of the K
+ * selected blocks. 0 on a bad argument (num_splits < 0, topk < 1) or when no device can be
+ * queried. */
+INFLLMV2_API int32_t infllmv2_sparse_decode_splits(int32_t batch, int32_t max_seqlen_q, int32_t heads,
+                                                   int32_t heads_k, int32_t topk, int32_t num_splits);
+
+/* Bytes of device workspace infllmv2_sparse_decode needs with `splits`: 0 for splits <= 1;
+ * else fp32 partial outputs (splits x total_q, heads, head_dim) and, from the next 256-byte
+ * boundary, fp32 partial LSEs (heads, splits x total_q). */
+INFLLMV2_API size_t infllmv2_sparse_decode_workspace_size(int64_t total_q, int32_t heads, int32_t head_dim,
+                                                          int32_t splits);
 
 /*
  * infllmv2_dense_attn_fwd: dense GQA attention, the short-input side of the dense-sparse switch.

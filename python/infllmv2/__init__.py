@@ -14,7 +14,8 @@ from ._lib import (
     selected_arch,
     set_arch_override,
 )
-from .ops import compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, sparse_attn_varlen
+from .ops import (compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, sparse_attn_varlen,
+                  sparse_decode)
 from .attention import SparseConfig, attention, attention_padded
 from .module import InfLLMv2Attention
 
@@ -34,6 +35,7 @@ __all__ = [
     "dense_attn_varlen",
     "compress_keys",
     "sparse_attn_varlen",
+    "sparse_decode",
     "select_blocks",
     "group_scores",
     "max_pool_blocks",

@@ -192,23 +192,32 @@ def sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_s
     _lib.check(status)
 
 
+def _fwd_outputs(q):
+    """Empty out (like q) and fp32 lse (Hq, total_q) of a stage-2 forward."""
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale):
+    """A stage-2 forward's custom op on CPU tensors: the reference (copies: an op's outputs may not alias)."""
+    out, lse = reference.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale or None)
+    return out.clone(), lse.clone()
+
+
 @torch.library.custom_op("infllmv2::sparse_attn_fwd", mutates_args=())
 def _sparse_attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if not q.is_cuda:
-        out, lse = reference.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale or None)
-        return out.clone(), lse.clone()
-    out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        return _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale)
+    out, lse = _fwd_outputs(q)
     sparse_attn_fwd_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, out, lse)
     return out, lse
 
 
 @_sparse_attn_fwd_op.register_fake
 def _(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return _fwd_outputs(q)
 
 
 @torch.library.custom_op("infllmv2::sparse_attn_bwd", mutates_args=())
@@ -325,6 +334,20 @@ def _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
     """sparse_attn_varlen; rows_sorted for selections select_blocks wrote (int32, contiguous, rows
     ascending, -1 last), which skip the sort: at 32K x 8 with K = 96 it was a 2.9 ms radix sort and two
     where's per call (H100), and three (Hk, total_q, K) temporaries."""
+    _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, block_size)
+    if q.is_cuda:
+        max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+        max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
+        rows = topk_idx if rows_sorted else sort_topk_idx(topk_idx)
+        out, lse = _sparse_attn_fwd_op(q, k, v, rows, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, _scale_or_zero(softmax_scale))
+    else:
+        out, lse = reference.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale, block_size)
+    return (out, lse) if return_lse else out
+
+
+def _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, block_size):
+    """The arguments stage 2 (sparse_attn_varlen, sparse_decode) takes, checked."""
     _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError("topk_idx must be an int32 (or int64) tensor of shape (heads_k, total_q, K)")
@@ -339,11 +362,98 @@ def _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
             raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
         if not 1 <= topk_idx.shape[2] <= _KERNEL_MAX_TOPK:
             raise ValueError(f"topk_idx holds K={topk_idx.shape[2]} blocks per row; CUDA supports 1..{_KERNEL_MAX_TOPK}")
+
+
+# --------------------------------------------------------------------------------------------
+# sparse_decode: stage 2's forward split over the selected blocks (decoding)
+# --------------------------------------------------------------------------------------------
+
+_MAX_DECODE_SPLITS = 64
+
+
+def sparse_decode_splits(q, k, topk_idx, cu_seqlens_q, max_seqlen_q, num_splits=0) -> int:
+    """The splits sparse_decode runs on q's device (``num_splits`` 0: its own choice)."""
+    with torch.cuda.device(q.device):
+        splits = _lib.lib().infllmv2_sparse_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, q.shape[1], k.shape[1],
+                                                          topk_idx.shape[2], num_splits)
+    if splits == 0:
+        raise _lib.Infllmv2Error(_lib.ERR_CUDA, "infllmv2_sparse_decode_splits: " + _lib.lib().infllmv2_last_error().decode())
+    return splits
+
+
+def sparse_decode_workspace_floats(q, splits) -> int:
+    """fp32 elements of workspace sparse_decode needs with this q and splits (0 for none)."""
+    nbytes = _lib.lib().infllmv2_sparse_decode_workspace_size(q.shape[0], q.shape[1], q.shape[2], splits)
+    return _floats(nbytes) if nbytes else 0
+
+
+def sparse_decode_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, splits, out, lse,
+                         workspace):
+    """Runs the split forward into ``out`` and ``lse`` (already allocated); topk_idx rows sorted."""
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_sparse_decode(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(topk_idx), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(out), _ptr(lse),
+            _ptr(workspace), 0 if workspace is None else workspace.numel() * 4, cu_seqlens_q.numel() - 1, q.shape[0],
+            k.shape[0], max_seqlen_q, q.shape[1], k.shape[1], q.shape[2], topk_idx.shape[2], splits,
+            _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device),
+        )
+    _lib.check(status)
+
+
+@torch.library.custom_op("infllmv2::sparse_decode", mutates_args=())
+def _sparse_decode_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not q.is_cuda:
+        return _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale)
+    out, lse = _fwd_outputs(q)
+    splits = sparse_decode_splits(q, k, topk_idx, cu_seqlens_q, max_seqlen_q, num_splits)
+    n = sparse_decode_workspace_floats(q, splits)
+    workspace = torch.empty(n, dtype=torch.float32, device=q.device) if n else None
+    sparse_decode_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, splits, out, lse,
+                         workspace)
+    return out, lse
+
+
+@_sparse_decode_op.register_fake
+def _(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, num_splits):
+    return _fwd_outputs(q)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q=None, softmax_scale=None, num_splits=0,
+                  block_size=64, return_lse=False):
+    """``sparse_attn_varlen``'s forward for inference calls with few queries a sequence (decoding).
+
+    Same arguments and result; each query tile's selected blocks are split among ``num_splits``
+    thread blocks (0: the library picks, so that one long sequence fills the GPU, and runs the
+    plain forward, bitwise, where the query tiles already fill it), whose partial results a
+    second kernel merges. Forward only: raises if a gradient would be needed (use
+    ``sparse_attn_varlen``). No host synchronisation when ``max_seqlen_q`` is given.
+    """
+    return _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, softmax_scale, num_splits,
+                          block_size, return_lse, rows_sorted=False)
+
+
+def _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, softmax_scale, num_splits, block_size,
+                   return_lse, rows_sorted):
+    """sparse_decode; rows_sorted as for _sparse_attn_varlen."""
+    _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, block_size)
+    if _needs_grad(q, k, v):
+        raise ValueError("sparse_decode is forward only, but q, k or v requires grad: use sparse_attn_varlen, or call "
+                         "it under torch.no_grad()")
+    _check_int(num_splits, "num_splits", 0)
+    if num_splits > _MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be at most {_MAX_DECODE_SPLITS} (0 lets the library pick), got {num_splits}")
+    if q.is_cuda:
         max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
-        max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k")
         rows = topk_idx if rows_sorted else sort_topk_idx(topk_idx)
-        out, lse = _sparse_attn_fwd_op(q, k, v, rows, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, _scale_or_zero(softmax_scale))
+        out, lse = _sparse_decode_op(q, k, v, rows, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     _scale_or_zero(softmax_scale), num_splits)
     else:
         out, lse = reference.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale, block_size)
     return (out, lse) if return_lse else out
@@ -396,7 +506,7 @@ def _dense_attn_fwd_op(
 
 @_dense_attn_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return _fwd_outputs(q)
 
 
 @torch.library.custom_op("infllmv2::dense_attn_bwd", mutates_args=())

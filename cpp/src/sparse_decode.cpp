@@ -1,0 +1,161 @@
+// infllmv2_sparse_decode: stage 2's forward split over the selected blocks (split-KV decoding).
+#include <cstdint>
+#include <string>
+
+#include "registry.h"
+#include "runtime.h"
+
+using namespace infllmv2;
+
+namespace {
+
+constexpr int kMaxTopk = 128;  // as infllmv2_sparse_attn_fwd
+constexpr int kMaxSplits = 64;  // dsl/sparse_decode.py MAX_SPLITS
+// A split walks at least this many blocks of its tile's union: fewer would spend more on the
+// union prologue and the partial results than they save.
+constexpr int kMinBlocksPerSplit = 4;
+constexpr int kTileRows = 64;   // dsl BLOCK_M: a tile is min(64 / G, kTileTokens) tokens x G heads
+constexpr int kTileTokens = 4;  // dsl T_MAX, checked against the unit at launch
+
+int tile_tokens(int block_m, int t_max, int groups) {
+  const int t = block_m / groups;
+  return t < t_max ? t : t_max;
+}
+
+// The number of splits a call runs: the caller's (capped), or the most that keep tiles x
+// splits within twice the device's multiprocessors, each split keeping kMinBlocksPerSplit
+// blocks. 1 means the call is infllmv2_sparse_attn_fwd's, with no workspace. (H100, one token
+// a sequence, K = 96, G = 16, CUDA graphs: batch 1, 8, 32 ran fastest at 24-32, 16 and 4
+// splits, what this picks, within 5%: 24, 16, 4; rounding up instead had picked 17 and 5, 11%
+// and 4% slower; benchmarks/NOTES.md.)
+int resolve_splits(int32_t num_splits, int64_t ctas, int32_t topk, int sms) {
+  const int by_blocks = (topk + kMinBlocksPerSplit - 1) / kMinBlocksPerSplit;
+  int s;
+  if (num_splits > 0) {
+    s = num_splits;
+  } else {
+    if (ctas <= 0 || ctas >= sms) return 1;
+    s = (int)(2 * (int64_t)sms / ctas);
+    if (s > by_blocks) s = by_blocks;
+  }
+  if (s > kMaxSplits) s = kMaxSplits;
+  return s < 1 ? 1 : s;
+}
+
+// Workspace: O partials fp32 (splits x total_q, heads, head_dim), then at a 256-byte boundary
+// the LSE partials fp32 (heads, splits x total_q).
+size_t o_part_bytes(int splits, int64_t total_q, int32_t heads, int32_t head_dim) {
+  return (size_t)splits * (size_t)total_q * (size_t)heads * (size_t)head_dim * sizeof(float);
+}
+size_t decode_bytes(int splits, int64_t total_q, int32_t heads, int32_t head_dim) {
+  if (splits <= 1) return 0;
+  return align256(o_part_bytes(splits, total_q, heads, head_dim)) +
+         (size_t)splits * (size_t)total_q * (size_t)heads * sizeof(float);
+}
+
+infllmv2_status device_sms(const char* op, int* sms) {
+  Device dev;
+  infllmv2_status st = current_device(op, &dev);
+  if (st != INFLLMV2_OK) return st;
+  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev.index) != cudaSuccess) {
+    cudaGetLastError();
+    return fail(INFLLMV2_ERR_CUDA, "%s: could not read the multiprocessor count of device %d", op, dev.index);
+  }
+  return INFLLMV2_OK;
+}
+
+int64_t ctas_of(int32_t batch, int32_t max_seqlen_q, int32_t heads, int32_t heads_k) {
+  if (heads_k <= 0 || heads % heads_k != 0) return 0;
+  const int groups = heads / heads_k;
+  if (groups < 1 || groups > 64) return 0;
+  const int T = tile_tokens(kTileRows, kTileTokens, groups);
+  return (int64_t)((max_seqlen_q + T - 1) / T) * batch * heads_k;
+}
+
+}  // namespace
+
+extern "C" INFLLMV2_API int32_t infllmv2_sparse_decode_splits(int32_t batch, int32_t max_seqlen_q, int32_t heads,
+                                                              int32_t heads_k, int32_t topk, int32_t num_splits) {
+  if (num_splits < 0 || topk < 1) return 0;
+  int sms = 0;
+  if (num_splits == 0 && device_sms("infllmv2_sparse_decode_splits", &sms) != INFLLMV2_OK) return 0;
+  return resolve_splits(num_splits, ctas_of(batch, max_seqlen_q, heads, heads_k), topk, sms);
+}
+
+extern "C" INFLLMV2_API size_t infllmv2_sparse_decode_workspace_size(int64_t total_q, int32_t heads, int32_t head_dim,
+                                                                     int32_t splits) {
+  if (total_q <= 0 || heads <= 0 || head_dim <= 0) return 0;
+  return decode_bytes(splits, total_q, heads, head_dim);
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_decode(
+    const void* q, const void* k, const void* v, const int32_t* topk_idx, const int32_t* cu_seqlens_q,
+    const int32_t* cu_seqlens_k, void* out, float* lse, void* workspace, size_t workspace_size, int32_t batch,
+    int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim,
+    int32_t topk, int32_t splits, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream) {
+  static const char* op = "infllmv2_sparse_decode";
+  clear_error();
+  infllmv2_status st = check_group_layout(op, dtype, head_dim, batch, heads, heads_k);
+  if (st != INFLLMV2_OK) return st;
+  if (topk < 1 || topk > kMaxTopk)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: topk must be in [1, %d], got %d", op, kMaxTopk, topk);
+  if (splits < 1 || splits > kMaxSplits)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: splits must be in [1, %d] (infllmv2_sparse_decode_splits() picks it), got %d", op, kMaxSplits,
+                splits);
+  if ((st = check_attn_sizes(op, total_q, total_k, max_seqlen_q, 0, softmax_scale)) != INFLLMV2_OK) return st;
+  if (splits * total_q > INT32_MAX)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: splits * total_q must be at most %d, got %lld", op, INT32_MAX,
+                (long long)(splits * total_q));
+  if (splits == 1)  // one range per tile: the forward itself, no workspace
+    return infllmv2_sparse_attn_fwd(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, out, lse, batch, total_q, total_k,
+                                    max_seqlen_q, heads, heads_k, head_dim, topk, dtype, softmax_scale, stream);
+  const size_t need = decode_bytes(splits, total_q, heads, head_dim);
+  if (total_q > 0 && workspace_size < need)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: workspace_size is %zu bytes, infllmv2_sparse_decode_workspace_size() asks for %zu", op,
+                workspace_size, need);
+  Device dev;
+  if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_device_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cu_seqlens_k", cu_seqlens_k}})) != INFLLMV2_OK)
+    return st;
+  if (total_q > 0 && (st = check_device_pointers(op, dev, {{"q", q}, {"topk_idx", topk_idx}, {"out", out}, {"lse", lse},
+                                                           {"workspace", workspace}})) != INFLLMV2_OK)
+    return st;
+  if (total_k > 0 && (st = check_device_pointers(op, dev, {{"k", k}, {"v", v}})) != INFLLMV2_OK) return st;
+  if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"workspace", workspace}})) != INFLLMV2_OK)
+    return st;
+
+  const std::string desc = std::string("dtype=") + dtype_name(dtype) + " head_dim=" + std::to_string(head_dim);
+  const infllmv2_sparse_decode_fwd_unit* fwd = nullptr;
+  const infllmv2_sparse_decode_combine_unit* comb = nullptr;
+  if ((st = pick_unit(op, infllmv2_sparse_decode_fwd_units, dev,
+                      [&](const infllmv2_sparse_decode_fwd_unit& u) { return u.dtype == dtype && u.head_dim == head_dim; },
+                      desc, &fwd)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_decode_combine_units, dev,
+                      [&](const infllmv2_sparse_decode_combine_unit& u) {
+                        return u.dtype == dtype && u.head_dim == head_dim;
+                      },
+                      desc, &comb)) != INFLLMV2_OK)
+    return st;
+  if (total_q == 0 || max_seqlen_q == 0) return INFLLMV2_OK;
+  if (fwd->max_splits < splits)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s runs at most %d splits, got %d", op, fwd->name, fwd->max_splits, splits);
+  if (fwd->block_m != kTileRows || fwd->t_max != kTileTokens)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s has tiles of %d rows and %d tokens, this library expects %d, %d", op,
+                fwd->name, fwd->block_m, fwd->t_max, kTileRows, kTileTokens);
+  const int groups = heads / heads_k, T = tile_tokens(fwd->block_m, fwd->t_max, groups);
+  const int tiles = (max_seqlen_q + T - 1) / T;
+  const int part_rows = (int)(splits * total_q);
+  float* o_part = static_cast<float*>(workspace);
+  float* lse_part = reinterpret_cast<float*>(static_cast<char*>(workspace) +
+                                             align256(o_part_bytes(splits, total_q, heads, head_dim)));
+  int rc = fwd->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<int32_t*>(topk_idx),
+                     const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(cu_seqlens_k), o_part, lse_part, batch,
+                     tiles, groups, T, attn_scale_log2(softmax_scale, head_dim), splits, (int)total_q, heads,
+                     (int)total_k, heads_k, topk, batch + 1, part_rows, stream);
+  if ((st = launch_result(op, fwd->name, rc, fwd->last_error)) != INFLLMV2_OK) return st;
+  rc = comb->call(o_part, lse_part, const_cast<int32_t*>(cu_seqlens_q), out, lse, batch, splits, part_rows, heads,
+                  batch + 1, (int)total_q, stream);
+  return launch_result(op, comb->name, rc, comb->last_error);
+}
