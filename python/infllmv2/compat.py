@@ -226,7 +226,7 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     Returns ``out``, or with ``return_attn_probs`` ``(out, softmax_lse, None)``: ``softmax_lse``
     fp32 ``(Hq, total_q)`` for dense attention, and in the original's sparse layout
     ``(Hk, total_q * G)`` (entry ``[g, t*G + h]`` for query head ``g*G + h``) with ``topk_idx``.
-    The backward is deterministic.
+    The backward is deterministic. Calls that need no gradient run ``ops.sparse_decode``.
     """
     _check_defaults(dropout_p, window_size, softcap, alibi_slopes, block_table)
     max_seqlen_q = _as_int(max_seqlen_q, "max_seqlen_q")
@@ -238,8 +238,14 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if not causal and max_seqlen_q > 1:
         raise ValueError(f"causal=False with topk_idx needs one query per sequence (max_seqlen_q <= 1, decode), got "
                          f"max_seqlen_q={max_seqlen_q}: the sparse kernels mask at token granularity")
-    out, lse = ops.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                                      softmax_scale, return_lse=True)
+    if isinstance(q, torch.Tensor) and q.is_cuda and not ops._needs_grad(q, k, v):
+        # inference (MiniCPM4.1's decode): the forward split over the selected blocks where the
+        # query tiles alone leave the GPU idle
+        out, lse = ops.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, softmax_scale,
+                                     return_lse=True)
+    else:
+        out, lse = ops.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
+                                          softmax_scale, return_lse=True)
     if not return_attn_probs:
         return out
     hk = k.shape[1]
