@@ -41,7 +41,8 @@ def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
 
 
 def _check_attention(device, dtype, head_dim, G, op):
-    """sparse_attn_varlen (op "sparse") or dense_attn_varlen (op "dense"), forward and backward."""
+    """sparse_attn_varlen (op "sparse") or dense_attn_varlen (op "dense"), forward and backward;
+    sparse_decode (op "decode", split 5 ways), forward."""
     lengths_q, lengths_k = [1, 63, 64, 65, 300, 17], [1, 63, 64, 65, 300, 700]
     hk = 2
     q = random_tokens(lengths_q, G * hk, head_dim, dtype, device, seed=G)
@@ -54,8 +55,11 @@ def _check_attention(device, dtype, head_dim, G, op):
     runs = []
     for qq, kk, vv, do in ((q, k, v, dout), (q.cpu(), k.cpu(), v.cpu(), dout.cpu()),
                            (q.cpu().float(), k.cpu().float(), v.cpu().float(), dout.cpu().float())):
-        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (qq, kk, vv))
         c_q, c_k, ix = cu_q.to(qq.device), cu_k.to(qq.device), idx.to(qq.device)
+        if op == "decode":
+            runs.append([infllmv2.sparse_decode(qq, kk, vv, c_q, c_k, ix, num_splits=5).cpu()])
+            continue
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (qq, kk, vv))
         if op == "sparse":
             out = infllmv2.sparse_attn_varlen(qq, kk, vv, c_q, c_k, ix)
         else:
@@ -124,12 +128,13 @@ def check() -> int:
                             variant = f"{'phsa ' if phsa else ''}{geometry[0]}/{geometry[1]}"
                             print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  {variant:<14}"
                                   f"{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
-                    for op in ("sparse", "dense"):
+                    for op in ("sparse", "dense", "decode"):
                         for G in (1, 4, 16):
                             ok, err, base = _check_attention("cuda" if gpu else "cpu", dtype, head_dim, G, op)
                             failures += not ok
-                            print(f"{op + '_attn':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
-                                  f"{f'G={G} fwd+bwd':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
+                            name, what = ("sparse_decode", "fwd") if op == "decode" else (op + "_attn", "fwd+bwd")
+                            print(f"{name:<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
+                                  f"{f'G={G} {what}':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
                     for G in (1, 4, 16):
                         # fp32 computations on both sides: no PyTorch low-precision error to compare with
                         ok, err, _ = _check_select_blocks("cuda" if gpu else "cpu", dtype, head_dim, G)
