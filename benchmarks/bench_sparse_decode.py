@@ -1,0 +1,188 @@
+"""Decoding: stage 2 for one query token a sequence against a long key cache, split over the
+selected blocks (`infllmv2.sparse_decode`) and not (the plain forward), against dense attention
+of the token over the whole cache (SDPA cuDNN and flash backends) measured in the same run.
+
+    python benchmarks/bench_sparse_decode.py --json out.json
+
+Configuration: bf16, D = 128, Hq = 32, Hk = 2 (G = 16), block 64, K = 96 selected blocks per
+token (MiniCPM4.1: the init block, the local window of 32 blocks plus the current one, the rest
+drawn from past blocks: `infllmv2.testing.realistic_topk`), caches of 32K and 128K keys, batch
+1, 8 and 32 (32K) or 1 and 8 (128K). Also one whole decoding step through `infllmv2.attention`
+under no_grad (compression of the whole cache, selection and the split stage 2: no compressed
+cache is kept between steps yet).
+
+Times are per call: each case captures calls on enough copies of its cache to exceed the L2
+(256 MB together; one copy where a cache alone is larger) as one CUDA graph, as a decoding loop
+runs, and takes the median of CUDA-event timings of its replays, divided by the copies. A
+decoding call issues microseconds of GPU work, so launched one by one from Python its time would
+be the host's. TFLOP/s count the visible query-key
+pairs (4 * D flops per pair and head); GB/s count the K and V bytes of the selected blocks (for
+dense, of the whole cache) once per KV head, the traffic that bounds decoding. The dense
+baselines get the cache with its Hk heads and `enable_gqa=True` where the backend takes it,
+else each KV head repeated for its G query heads (the "gqa" column says which). A second
+table times the split forward with forced split counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sparse_attn import bench  # noqa: E402
+
+import infllmv2  # noqa: E402
+from infllmv2.ops import _sparse_decode, sort_topk_idx, sparse_attn_fwd_launch, sparse_decode_splits  # noqa: E402
+from infllmv2.testing import cu_seqlens, library_identity, realistic_topk, visible_pairs  # noqa: E402
+
+D, HQ, HK, TOPK = 128, 32, 2, 96
+CASES = [(32768, 1), (32768, 8), (32768, 32), (131072, 1), (131072, 8)]
+SWEEP = (2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+L2_BYTES = 256 << 20  # rotate through caches of at least this many bytes together: each call reads from DRAM
+
+
+def graphed_ms(calls, reps):
+    """Median ms per call of `calls` (one each, in turn) replayed as one CUDA graph: decoding runs
+    this way (launch overhead would otherwise dominate: a call issues microseconds of work), and
+    capturing also checks that nothing synchronises with the host. None if capture fails."""
+    def run():
+        for c in calls:
+            c()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # allocations and one-time initialisation outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            run()
+    except RuntimeError as e:
+        print(f"  capture failed: {str(e).splitlines()[0][:100]}")
+        return None
+    return bench(graph.replay, reps) / len(calls)
+
+
+def copies_for(nbytes):
+    return max(1, min(8, -(-L2_BYTES // nbytes)))
+
+
+def dense_decode(cache, batch, backend, reps):
+    """ms of SDPA for one query a sequence over the whole cache, and whether GQA ran unexpanded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    n = copies_for(batch * cache * HK * D * 2 * 2)
+    q = torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+    kv = [(torch.randn(batch, HK, cache, D, device="cuda", dtype=torch.bfloat16),
+           torch.randn(batch, HK, cache, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+    try:
+        with sdpa_kernel([be]):
+            try:
+                F.scaled_dot_product_attention(q, *kv[0], enable_gqa=True)
+                gqa = True
+            except RuntimeError:
+                kv = [tuple(t.repeat_interleave(HQ // HK, dim=1) for t in pair) for pair in kv[:1]]
+                gqa = False
+            calls = [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa) for k, v in kv]
+            return graphed_ms(calls, reps), gqa
+    except RuntimeError as e:  # a backend missing on this GPU/torch
+        print(f"  dense {backend}: unavailable ({str(e).splitlines()[0][:80]})")
+        return None, None
+    finally:
+        del q, kv
+        torch.cuda.empty_cache()
+
+
+def sparse_decode_case(cache, batch, reps):
+    lq, lk = [1] * batch, [cache] * batch
+    n = copies_for(batch * cache * HK * D * 2 * 2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [(torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(batch * cache, HK, D, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(batch * cache, HK, D, device="cuda", dtype=torch.bfloat16, generator=g)) for _ in range(n)]
+    cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+    idx = sort_topk_idx(realistic_topk(lq, lk, HK, TOPK, local_blocks=32, correlated=False, device="cuda"))
+    pairs = visible_pairs(idx, lq, lk) * (HQ // HK)
+    q0, k0 = qkv[0][:2]
+    splits = sparse_decode_splits(q0, k0, idx, cu_q, 1)
+    out, lse = torch.empty_like(q0), torch.empty(HQ, batch, device="cuda")
+
+    def split_calls(num_splits):
+        return [lambda q=q, k=k, v=v: _sparse_decode(q, k, v, cu_q, cu_k, idx, 1, None, num_splits, 64, False,
+                                                      rows_sorted=True) for q, k, v in qkv]
+
+    row = {"cache": cache, "batch": batch, "topk": TOPK, "splits": splits, "visible_pairs": pairs,
+           "kv_bytes": pairs // (HQ // HK) * 2 * D * 2, "copies": n}
+    with torch.no_grad():
+        row["split_ms"] = graphed_ms(split_calls(0), reps)
+        row["plain_ms"] = graphed_ms([lambda q=q, k=k, v=v: sparse_attn_fwd_launch(q, k, v, idx, cu_q, cu_k, 1, 0.0, out,
+                                                                                   lse) for q, k, v in qkv], reps)
+        # the split count against forced ones: how the library's choice compares
+        row["sweep_ms"] = {s: graphed_ms(split_calls(s), reps) for s in SWEEP}
+        cfg = infllmv2.SparseConfig()
+        row["step_ms"] = graphed_ms([lambda q=q, k=k, v=v: infllmv2.attention(q, k, v, cu_q, cu_k, 1, cache, config=cfg)
+                                     for q, k, v in qkv], reps)
+    del qkv
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for cache, batch in CASES:
+        row = sparse_decode_case(cache, batch, args.reps)
+        for backend in ("cudnn", "flash"):
+            row[f"{backend}_ms"], row[f"{backend}_gqa"] = dense_decode(cache, batch, backend, args.reps)
+        rows.append(row)
+    gpu = torch.cuda.get_device_name()
+
+    def rate(ms, flop_or_bytes, scale):
+        return "-" if ms is None else f"{flop_or_bytes / ms / scale:.0f}"
+
+    def fmt(ms):
+        return "-" if ms is None else f"{ms:.4f}"
+
+    def ratio(a, b):
+        return "-" if a is None or b is None else f"{a / b:.1f}x"
+
+    print(f"\n{gpu}, bf16, D = {D}, Hq = {HQ}, Hk = {HK}, K = {TOPK}, one query a sequence\n")
+    print("| cache | batch | splits | split ms | TFLOP/s | GB/s | plain ms | cuDNN ms (gqa) | flash ms (gqa) "
+          "| vs plain | vs cuDNN | attention() step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        dense_bytes = r["batch"] * r["cache"] * HK * 2 * D * 2
+
+        def dense_col(backend):
+            ms = r[f"{backend}_ms"]
+            return "-" if ms is None else f"{ms:.4f} ({'yes' if r[f'{backend}_gqa'] else 'no'}, " \
+                                          f"{dense_bytes / ms / 1e6:.0f} GB/s)"
+
+        print(f"| {r['cache'] // 1024}K | {r['batch']} | {r['splits']} | {fmt(r['split_ms'])} "
+              f"| {rate(r['split_ms'], 4 * D * r['visible_pairs'], 1e9)} | {rate(r['split_ms'], r['kv_bytes'], 1e6)} "
+              f"| {fmt(r['plain_ms'])} | {dense_col('cudnn')} | {dense_col('flash')} "
+              f"| {ratio(r['plain_ms'], r['split_ms'])} | {ratio(r['cudnn_ms'], r['split_ms'])} | {fmt(r['step_ms'])} |")
+    print("\nforced splits, ms: " + " | ".join(str(s) for s in SWEEP))
+    for r in rows:
+        print(f"{r['cache'] // 1024}K x {r['batch']} (library: {r['splits']}): "
+              + " | ".join(fmt(r["sweep_ms"][s]) for s in SWEEP))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "torch": torch.__version__, "library": library_identity(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
