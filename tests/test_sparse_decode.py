@@ -71,6 +71,16 @@ def test_matches_reference(dtype, head_dim, G, lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G", [3, 64])
+def test_odd_and_largest_groups(G):
+    # G = 3 leaves rows of every tile idle (4 tokens x 3 heads); G = 64 is one token a tile
+    for lengths in ("decode_mix", "spec"):
+        lq, lk = LENGTH_MIXES[lengths]
+        case = _case(lq, lk, G, 128, torch.bfloat16, seed=G, heads_k=1)
+        _check_against_reference(*case, splits=6, what=f"G{G} {lengths}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("G", [4, 16])
 def test_auto_splits_one_long_sequence(G):
     # one token against 100K keys with MiniCPM4's K = 96: the tiles alone are Hk = 2 thread
