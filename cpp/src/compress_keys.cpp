@@ -59,7 +59,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys(
   if ((st = check_aligned(kOp, {{"k", k}, {"ck", ck}})) != INFLLMV2_OK) return st;
 
   const int phsa = punct_mask != nullptr;
-  const std::string desc = std::string("dtype=") + dtype_name(dtype) + " head_dim=" + std::to_string(head_dim);
+  const std::string desc = config_desc(dtype, head_dim);
   if (!phsa) {
     const infllmv2_compress_keys_unit* unit = nullptr;
     st = pick_unit(kOp, infllmv2_compress_keys_units, dev,

@@ -26,7 +26,7 @@ infllmv2_status check_shape(const char* op, const Shape& s) {
 }
 
 std::string desc(const Shape& s) {
-  return std::string("dtype=") + dtype_name(s.dtype) + " head_dim=" + std::to_string(s.head_dim);
+  return config_desc(s.dtype, s.head_dim);
 }
 
 template <class Unit>

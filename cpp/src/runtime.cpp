@@ -67,6 +67,10 @@ const char* dtype_name(int dtype) {
   }
 }
 
+std::string config_desc(int dtype, int head_dim) {
+  return std::string("dtype=") + dtype_name(dtype) + " head_dim=" + std::to_string(head_dim);
+}
+
 std::string arch_override() {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_override_loaded) {

@@ -27,6 +27,15 @@ infllmv2_status fail(infllmv2_status status, const char* fmt, ...)
 void clear_error();
 
 const char* dtype_name(int dtype);
+// "dtype=bf16 head_dim=128": how a unit's configuration is named in pick_unit's errors.
+std::string config_desc(int dtype, int head_dim);
+
+// Tokens a query tile of block_m rows holds at G = groups, at most the unit's t_max (the
+// sparse_attn and sparse_decode tiles: min(block_m / G, t_max) tokens x G heads).
+inline int tile_tokens(int block_m, int t_max, int groups) {
+  const int t = block_m / groups;
+  return t < t_max ? t : t_max;
+}
 
 // The device the next launch goes to, with what dispatch needs to know about it.
 struct Device {

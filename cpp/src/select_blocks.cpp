@@ -50,7 +50,7 @@ float scale_log2(const Shape& s) {
 }
 
 std::string desc(const Shape& s) {
-  return std::string("dtype=") + dtype_name(s.dtype) + " head_dim=" + std::to_string(s.head_dim);
+  return config_desc(s.dtype, s.head_dim);
 }
 
 template <class Unit>

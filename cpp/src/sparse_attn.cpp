@@ -37,13 +37,8 @@ infllmv2_status check_shape(const char* op, const Shape& s) {
 
 float scale_log2(const Shape& s) { return attn_scale_log2(s.softmax_scale, s.head_dim); }
 
-int tile_tokens(int block_m, int t_max, int groups) {
-  int t = block_m / groups;
-  return t < t_max ? t : t_max;
-}
-
 std::string desc(const Shape& s) {
-  return std::string("dtype=") + dtype_name(s.dtype) + " head_dim=" + std::to_string(s.head_dim);
+  return config_desc(s.dtype, s.head_dim);
 }
 
 template <class Unit>

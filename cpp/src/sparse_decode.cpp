@@ -17,11 +17,6 @@ constexpr int kMinBlocksPerSplit = 4;
 constexpr int kTileRows = 64;   // dsl BLOCK_M: a tile is min(64 / G, kTileTokens) tokens x G heads
 constexpr int kTileTokens = 4;  // dsl T_MAX, checked against the unit at launch
 
-int tile_tokens(int block_m, int t_max, int groups) {
-  const int t = block_m / groups;
-  return t < t_max ? t : t_max;
-}
-
 // The number of splits a call runs: the caller's (capped), or the most that keep tiles x
 // splits within twice the device's multiprocessors, each split keeping kMinBlocksPerSplit
 // blocks. 1 means the call is infllmv2_sparse_attn_fwd's, with no workspace. (H100, one token
@@ -126,17 +121,12 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_decode(
   if ((st = check_aligned(op, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"workspace", workspace}})) != INFLLMV2_OK)
     return st;
 
-  const std::string desc = std::string("dtype=") + dtype_name(dtype) + " head_dim=" + std::to_string(head_dim);
+  const std::string desc = config_desc(dtype, head_dim);
+  auto match = [&](const auto& u) { return u.dtype == dtype && u.head_dim == head_dim; };
   const infllmv2_sparse_decode_fwd_unit* fwd = nullptr;
   const infllmv2_sparse_decode_combine_unit* comb = nullptr;
-  if ((st = pick_unit(op, infllmv2_sparse_decode_fwd_units, dev,
-                      [&](const infllmv2_sparse_decode_fwd_unit& u) { return u.dtype == dtype && u.head_dim == head_dim; },
-                      desc, &fwd)) != INFLLMV2_OK ||
-      (st = pick_unit(op, infllmv2_sparse_decode_combine_units, dev,
-                      [&](const infllmv2_sparse_decode_combine_unit& u) {
-                        return u.dtype == dtype && u.head_dim == head_dim;
-                      },
-                      desc, &comb)) != INFLLMV2_OK)
+  if ((st = pick_unit(op, infllmv2_sparse_decode_fwd_units, dev, match, desc, &fwd)) != INFLLMV2_OK ||
+      (st = pick_unit(op, infllmv2_sparse_decode_combine_units, dev, match, desc, &comb)) != INFLLMV2_OK)
     return st;
   if (total_q == 0 || max_seqlen_q == 0) return INFLLMV2_OK;
   if (fwd->max_splits < splits)
