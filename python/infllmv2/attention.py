@@ -13,8 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .ops import (_check_int, _check_offsets, _check_tensor3, _max_seqlen, _needs_grad, _sparse_attn_varlen,
-                  _sparse_decode, dense_attn_varlen, select_blocks)
+from .ops import _check_int, _check_offsets, _check_tensor3, _max_seqlen, _stage2, dense_attn_varlen, select_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +143,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
         phsa_lambda=cfg.phsa_lambda, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
     # select_blocks writes its rows ascending with -1 last, as the kernels read them
-    if q.is_cuda and not _needs_grad(q, k, v):
-        # inference: where the query tiles alone leave the GPU idle (decoding), the selected
-        # blocks are split among more thread blocks; elsewhere this is the plain forward
-        return _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, softmax_scale, 0,
-                              cfg.block_size, return_lse, rows_sorted=True)
-    return _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
-                               cfg.block_size, return_lse, rows_sorted=True)
+    return _stage2(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
+                   cfg.block_size, return_lse, rows_sorted=True)
 
 
 def attention_padded(q, k, v, config=None, softmax_scale=None, punct_mask=None, return_lse=False):

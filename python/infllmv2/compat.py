@@ -238,14 +238,8 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if not causal and max_seqlen_q > 1:
         raise ValueError(f"causal=False with topk_idx needs one query per sequence (max_seqlen_q <= 1, decode), got "
                          f"max_seqlen_q={max_seqlen_q}: the sparse kernels mask at token granularity")
-    if isinstance(q, torch.Tensor) and q.is_cuda and not ops._needs_grad(q, k, v):
-        # inference (MiniCPM4.1's decode): the forward split over the selected blocks where the
-        # query tiles alone leave the GPU idle
-        out, lse = ops.sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, softmax_scale,
-                                     return_lse=True)
-    else:
-        out, lse = ops.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k,
-                                          softmax_scale, return_lse=True)
+    out, lse = ops._stage2(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
+                           block_size=64, return_lse=True, rows_sorted=False)
     if not return_attn_probs:
         return out
     hk = k.shape[1]

@@ -422,7 +422,19 @@ def _(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _stage2(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale, block_size,
+            return_lse, rows_sorted):
+    """Stage 2 as the whole attention runs it: on CUDA, a call that needs no gradient (inference,
+    decoding) takes sparse_decode, which splits each query tile's blocks where the tiles leave the
+    GPU idle and is the plain forward elsewhere; any other call takes sparse_attn_varlen."""
+    if isinstance(q, torch.Tensor) and q.is_cuda and not _needs_grad(q, k, v):
+        return _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, softmax_scale, 0, block_size,
+                              return_lse, rows_sorted)
+    return _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               block_size, return_lse, rows_sorted)
 
 
 def sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q=None, softmax_scale=None, num_splits=0,
