@@ -128,43 +128,6 @@ def _n_visible(p_last, n, window, stride):
     return T.if_then_else(p_last >= window - 1, T.min(n, (p_last - window + 1) // stride + 1), 0)
 
 
-def _make_lse_pass(D, dtype):
-    """A macro: online log-sum-exp, per tile row, over `n_vis` compressed keys starting at row
-    `key0` of `keys`, masking per row by the window rule. Leaves the row max (in logits) in
-    m_run and the sum of exp2((logit - max) * scale_log2) in l_run (0: nothing visible)."""
-
-    @T.macro
-    def lse_pass(keys, key0, n_vis, n_vis0, norm_window, norm_stride, hk, rowpos, scale_log2, Q_f, K_s, acc_s,
-                 m_run, l_run, m_prev, m_safe, r_scale, r_sum):
-        # n_vis0: keys the tile's first (earliest) token sees; chunks within it need no mask
-        T.fill(m_run, NEG_INF)
-        T.fill(l_run, 0)
-        for ch in T.serial(T.ceildiv(n_vis, BN)):
-            fetch(keys, key0, hk, ch, K_s)
-            T.clear(acc_s)
-            T.gemm(Q_f, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-            if (ch + 1) * BN > n_vis0:
-                for r, c in T.Parallel(BLOCK_M, BN):
-                    acc_s[r, c] = T.if_then_else(
-                        ch * BN + c < n_vis and (ch * BN + c) * norm_stride + norm_window - 1 <= rowpos[r],
-                        acc_s[r, c],
-                        NEG_INF,
-                    )
-            T.copy(m_run, m_prev)
-            T.reduce_max(acc_s, m_run, dim=1, clear=False)
-            for r in T.Parallel(BLOCK_M):
-                m_safe[r] = T.if_then_else(m_run[r] == NEG_INF, 0, m_run[r])
-                r_scale[r] = T.exp2((m_prev[r] - m_safe[r]) * scale_log2)
-            for r, c in T.Parallel(BLOCK_M, BN):
-                acc_s[r, c] = T.exp2((acc_s[r, c] - m_safe[r]) * scale_log2)
-            T.reduce_sum(acc_s, r_sum, dim=1)
-            for r in T.Parallel(BLOCK_M):
-                l_run[r] = l_run[r] * r_scale[r] + r_sum[r]
-            T.sync_threads()  # every thread is done with this buffer before the next request refills it
-
-    return lse_pass
-
-
 # TileLang 0.1.15 cannot software-pipeline a loop with a run-time trip count (the cp.async wait
 # of the epilogue must be a constant: codegen aborts "Downcast from tirx.Sub to ir.IntImm"), so
 # chunks are fetched by hand. One buffer, not two: a second 16 KB buffer (measured) costs the
@@ -178,6 +141,40 @@ def fetch(keys, key0, hk, ch, K_s):
     T.async_copy(keys[key0 + ch * BN : key0 + (ch + 1) * BN, hk, :], K_s)
     T.ptx_wait_group(0)
     T.sync_threads()
+
+
+@T.macro
+def lse_pass(keys, key0, lo, hi, n_vis, n_vis0, norm_window, norm_stride, hk, rowpos, scale_log2, Q_f, K_s, acc_s,
+             m_run, l_run, m_prev, m_safe, r_scale, r_sum):
+    """Online log-sum-exp, per tile row, over chunks [lo, hi) of the `n_vis` compressed keys
+    starting at row `key0` of `keys` that the tile sees, masking per row by the window rule
+    (n_vis0: the keys the tile's first token sees; chunks within them need no mask). Leaves the
+    row max (in logits) in m_run and the sum of exp2((logit - max) * scale_log2) in l_run (0:
+    nothing visible). select_blocks runs all chunks, select_decode a split's range."""
+    T.fill(m_run, NEG_INF)
+    T.fill(l_run, 0)
+    for ch in T.serial(hi - lo):
+        fetch(keys, key0, hk, lo + ch, K_s)
+        T.clear(acc_s)
+        T.gemm(Q_f, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        if (lo + ch + 1) * BN > n_vis0:
+            for r, c in T.Parallel(BLOCK_M, BN):
+                acc_s[r, c] = T.if_then_else(
+                    (lo + ch) * BN + c < n_vis and ((lo + ch) * BN + c) * norm_stride + norm_window - 1 <= rowpos[r],
+                    acc_s[r, c],
+                    NEG_INF,
+                )
+        T.copy(m_run, m_prev)
+        T.reduce_max(acc_s, m_run, dim=1, clear=False)
+        for r in T.Parallel(BLOCK_M):
+            m_safe[r] = T.if_then_else(m_run[r] == NEG_INF, 0, m_run[r])
+            r_scale[r] = T.exp2((m_prev[r] - m_safe[r]) * scale_log2)
+        for r, c in T.Parallel(BLOCK_M, BN):
+            acc_s[r, c] = T.exp2((acc_s[r, c] - m_safe[r]) * scale_log2)
+        T.reduce_sum(acc_s, r_sum, dim=1)
+        for r in T.Parallel(BLOCK_M):
+            l_run[r] = l_run[r] * r_scale[r] + r_sum[r]
+        T.sync_threads()  # every thread is done with this buffer before the next request refills it
 
 
 def _rows_sum(P_s, r0, c, n):
@@ -324,7 +321,6 @@ def _scoring(kernel, dtype, D, arch):
     heads = T.dynamic("heads")
     heads_k = T.dynamic("heads_k")
     batch_plus_one = T.dynamic("batch_plus_one")
-    lse_pass = _make_lse_pass(D, dtype)
     select = kernel == "select_blocks"
     ALIAS_P = BN * D * 2 == BLOCK_M * BN * 4  # 16-bit keys, D = 128: the chunk's bytes
     # output: topk_idx (Hk, total_q, topk) int32, or S (Hk, total_q, width) fp32
@@ -439,14 +435,16 @@ def _scoring(kernel, dtype, D, arch):
             for r in T.Parallel(BLOCK_M):
                 rowpos[r] = T.if_then_else(r < n_rows, p0 + r // groups, -1)
             # pass 1: the normaliser
-            lse_pass(NK, nk0, _n_visible(p_last, n_n, norm_window, norm_stride),
-                     _n_visible(p0, n_n, norm_window, norm_stride), norm_window, norm_stride, hk,
-                     rowpos, scale_log2, Q_f, K_s, acc_s, m_run, l_run, m_prev, m_safe, r_scale, r_sum)
+            lse_pass(NK, nk0, 0, T.ceildiv(_n_visible(p_last, n_n, norm_window, norm_stride), BN),
+                     _n_visible(p_last, n_n, norm_window, norm_stride), _n_visible(p0, n_n, norm_window, norm_stride),
+                     norm_window, norm_stride, hk, rowpos, scale_log2, Q_f, K_s, acc_s, m_run, l_run, m_prev, m_safe,
+                     r_scale, r_sum)
             for r in T.Parallel(BLOCK_M):
                 lse2[r] = m_run[r] * scale_log2 + T.log2(l_run[r])
             if approx != 0 and p0 < norm_window - 1:
                 # rows too early to see a coarse key use the exact normaliser (as the reference)
-                lse_pass(CK, c0, _n_visible(T.min(p_last, norm_window - 2), n_c, FINE_W, FINE_S),
+                lse_pass(CK, c0, 0, T.ceildiv(_n_visible(T.min(p_last, norm_window - 2), n_c, FINE_W, FINE_S), BN),
+                         _n_visible(T.min(p_last, norm_window - 2), n_c, FINE_W, FINE_S),
                          _n_visible(T.min(p0, norm_window - 2), n_c, FINE_W, FINE_S), FINE_W, FINE_S,
                          hk, rowpos, scale_log2, Q_f, K_s, acc_s, m_fine, l_fine, m_prev, m_safe, r_scale, r_sum)
                 for r in T.Parallel(BLOCK_M):
@@ -612,26 +610,27 @@ def _scoring(kernel, dtype, D, arch):
     return group_scores
 
 
+@T.macro
+def key_into(ru, SC_s, base, blk, qb, init_blocks, local_blocks):
+    # forced blocks score +inf; the key is the order-preserving uint32 image of the score
+    ru[2] = T.reinterpret(
+        T.if_then_else(
+            blk < init_blocks or (blk >= qb - local_blocks and blk <= qb),
+            T.float32(float("inf")),
+            # NaN (from non-finite inputs) ranks as -inf, as in the reference
+            T.if_then_else(SC_s[base + blk] != SC_s[base + blk], T.float32(NEG_INF), SC_s[base + blk]),
+        ),
+        "uint32",
+    )
+    ru[2] = T.if_then_else((ru[2] >> T.uint32(31)) != T.uint32(0), ~ru[2], ru[2] | T.uint32(0x80000000))
+
+
 def _make_top_k(topk):
     """A macro: per token (one warp each), the topk best of its block scores, ascending, -1 padded.
 
     topk is closed over (a dynamic shape var passed into a macro becomes a new kernel parameter).
     rs/ru are per-thread registers: rs = [count, k_left, pos, eq_seen, bin, lane count, suffix,
     scratch], ru = [prefix, mask, key, threshold]."""
-
-    @T.macro
-    def key_into(ru, SC_s, base, blk, qb, init_blocks, local_blocks):
-        # forced blocks score +inf; the key is the order-preserving uint32 image of the score
-        ru[2] = T.reinterpret(
-            T.if_then_else(
-                blk < init_blocks or (blk >= qb - local_blocks and blk <= qb),
-                T.float32(float("inf")),
-                # NaN (from non-finite inputs) ranks as -inf, as in the reference
-                T.if_then_else(SC_s[base + blk] != SC_s[base + blk], T.float32(NEG_INF), SC_s[base + blk]),
-            ),
-            "uint32",
-        )
-        ru[2] = T.if_then_else((ru[2] >> T.uint32(31)) != T.uint32(0), ~ru[2], ru[2] | T.uint32(0x80000000))
 
     @T.macro
     def top_k(topk_idx, SC_s, hist_s, st_s, rs, ru, kk, bins, tx, hk, row0, n_tok, p0, score_stride, init_blocks,
