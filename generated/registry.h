@@ -965,6 +965,272 @@ static const infllmv2_select_blocks_unit infllmv2_select_blocks_units[] = {
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
+// ---- select_decode_lse: call(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, M_part, L_part, M_fine, L_fine, batch, max_tiles, splits, groups, tile_tokens, norm_window, norm_stride, approx, scale_log2, total_q, heads, total_c, heads_k, total_n, batch_plus_one, part_rows, tile_rows, stream)
+typedef int (*infllmv2_select_decode_lse_call_fn)(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+struct infllmv2_select_decode_lse_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block;
+  int block_m;
+  int fine_s;
+  int fine_w;
+  int max_splits;
+  int t_max;
+  int (*init)(); infllmv2_select_decode_lse_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_lse_bf16_d128_sm80_init();
+extern "C" int infllmv2_select_decode_lse_bf16_d128_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_lse_bf16_d128_sm89_init();
+extern "C" int infllmv2_select_decode_lse_bf16_d128_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_lse_bf16_d128_sm90a_init();
+extern "C" int infllmv2_select_decode_lse_bf16_d128_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_lse_bf16_d64_sm80_init();
+extern "C" int infllmv2_select_decode_lse_bf16_d64_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_lse_bf16_d64_sm89_init();
+extern "C" int infllmv2_select_decode_lse_bf16_d64_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_lse_bf16_d64_sm90a_init();
+extern "C" int infllmv2_select_decode_lse_bf16_d64_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_lse_fp16_d128_sm80_init();
+extern "C" int infllmv2_select_decode_lse_fp16_d128_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_lse_fp16_d128_sm89_init();
+extern "C" int infllmv2_select_decode_lse_fp16_d128_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_lse_fp16_d128_sm90a_init();
+extern "C" int infllmv2_select_decode_lse_fp16_d128_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_lse_fp16_d64_sm80_init();
+extern "C" int infllmv2_select_decode_lse_fp16_d64_sm80_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_lse_fp16_d64_sm89_init();
+extern "C" int infllmv2_select_decode_lse_fp16_d64_sm89_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_lse_fp16_d64_sm90a_init();
+extern "C" int infllmv2_select_decode_lse_fp16_d64_sm90a_call(void* Q, void* CK, void* NK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, void* M_part, void* L_part, void* M_fine, void* L_fine, int batch, int max_tiles, int splits, int groups, int tile_tokens, int norm_window, int norm_stride, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int total_n, int batch_plus_one, int part_rows, int tile_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_lse_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_select_decode_lse_unit infllmv2_select_decode_lse_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse_bf16_d128", "sm_80", 80, 32768, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_bf16_d128_sm80_init, infllmv2_select_decode_lse_bf16_d128_sm80_call, infllmv2_select_decode_lse_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse_bf16_d128", "sm_89", 89, 32768, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_bf16_d128_sm89_init, infllmv2_select_decode_lse_bf16_d128_sm89_call, infllmv2_select_decode_lse_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse_bf16_d128", "sm_90a", 90, 32768, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_bf16_d128_sm90a_init, infllmv2_select_decode_lse_bf16_d128_sm90a_call, infllmv2_select_decode_lse_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse_bf16_d64", "sm_80", 80, 16384, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_bf16_d64_sm80_init, infllmv2_select_decode_lse_bf16_d64_sm80_call, infllmv2_select_decode_lse_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse_bf16_d64", "sm_89", 89, 16384, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_bf16_d64_sm89_init, infllmv2_select_decode_lse_bf16_d64_sm89_call, infllmv2_select_decode_lse_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse_bf16_d64", "sm_90a", 90, 16384, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_bf16_d64_sm90a_init, infllmv2_select_decode_lse_bf16_d64_sm90a_call, infllmv2_select_decode_lse_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse_fp16_d128", "sm_80", 80, 32768, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_fp16_d128_sm80_init, infllmv2_select_decode_lse_fp16_d128_sm80_call, infllmv2_select_decode_lse_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse_fp16_d128", "sm_89", 89, 32768, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_fp16_d128_sm89_init, infllmv2_select_decode_lse_fp16_d128_sm89_call, infllmv2_select_decode_lse_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse_fp16_d128", "sm_90a", 90, 32768, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_fp16_d128_sm90a_init, infllmv2_select_decode_lse_fp16_d128_sm90a_call, infllmv2_select_decode_lse_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse_fp16_d64", "sm_80", 80, 16384, 128, 1, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_fp16_d64_sm80_init, infllmv2_select_decode_lse_fp16_d64_sm80_call, infllmv2_select_decode_lse_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse_fp16_d64", "sm_89", 89, 16384, 128, 1, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_fp16_d64_sm89_init, infllmv2_select_decode_lse_fp16_d64_sm89_call, infllmv2_select_decode_lse_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse_fp16_d64", "sm_90a", 90, 16384, 128, 1, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_lse_fp16_d64_sm90a_init, infllmv2_select_decode_lse_fp16_d64_sm90a_call, infllmv2_select_decode_lse_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- select_decode_scores: call(Q, CK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, M_part, L_part, M_fine, L_fine, SC, batch, max_tiles, splits, groups, tile_tokens, local_blocks, norm_window, approx, scale_log2, total_q, heads, total_c, heads_k, batch_plus_one, part_rows, tile_rows, score_stride, stream)
+typedef int (*infllmv2_select_decode_scores_call_fn)(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+struct infllmv2_select_decode_scores_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block;
+  int block_m;
+  int fine_s;
+  int fine_w;
+  int max_splits;
+  int t_max;
+  int (*init)(); infllmv2_select_decode_scores_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_scores_bf16_d128_sm80_init();
+extern "C" int infllmv2_select_decode_scores_bf16_d128_sm80_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_scores_bf16_d128_sm89_init();
+extern "C" int infllmv2_select_decode_scores_bf16_d128_sm89_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_scores_bf16_d128_sm90a_init();
+extern "C" int infllmv2_select_decode_scores_bf16_d128_sm90a_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_scores_bf16_d64_sm80_init();
+extern "C" int infllmv2_select_decode_scores_bf16_d64_sm80_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_scores_bf16_d64_sm89_init();
+extern "C" int infllmv2_select_decode_scores_bf16_d64_sm89_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_scores_bf16_d64_sm90a_init();
+extern "C" int infllmv2_select_decode_scores_bf16_d64_sm90a_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_scores_fp16_d128_sm80_init();
+extern "C" int infllmv2_select_decode_scores_fp16_d128_sm80_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_scores_fp16_d128_sm89_init();
+extern "C" int infllmv2_select_decode_scores_fp16_d128_sm89_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_scores_fp16_d128_sm90a_init();
+extern "C" int infllmv2_select_decode_scores_fp16_d128_sm90a_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_scores_fp16_d64_sm80_init();
+extern "C" int infllmv2_select_decode_scores_fp16_d64_sm80_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_scores_fp16_d64_sm89_init();
+extern "C" int infllmv2_select_decode_scores_fp16_d64_sm89_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_scores_fp16_d64_sm90a_init();
+extern "C" int infllmv2_select_decode_scores_fp16_d64_sm90a_call(void* Q, void* CK, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* M_part, void* L_part, void* M_fine, void* L_fine, void* SC, int batch, int max_tiles, int splits, int groups, int tile_tokens, int local_blocks, int norm_window, int approx, float scale_log2, int total_q, int heads, int total_c, int heads_k, int batch_plus_one, int part_rows, int tile_rows, int score_stride, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_scores_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_select_decode_scores_unit infllmv2_select_decode_scores_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores_bf16_d128", "sm_80", 80, 34880, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm80_init, infllmv2_select_decode_scores_bf16_d128_sm80_call, infllmv2_select_decode_scores_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores_bf16_d128", "sm_89", 89, 34880, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm89_init, infllmv2_select_decode_scores_bf16_d128_sm89_call, infllmv2_select_decode_scores_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores_bf16_d128", "sm_90a", 90, 35840, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm90a_init, infllmv2_select_decode_scores_bf16_d128_sm90a_call, infllmv2_select_decode_scores_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores_bf16_d64", "sm_80", 80, 32768, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d64_sm80_init, infllmv2_select_decode_scores_bf16_d64_sm80_call, infllmv2_select_decode_scores_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores_bf16_d64", "sm_89", 89, 32768, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d64_sm89_init, infllmv2_select_decode_scores_bf16_d64_sm89_call, infllmv2_select_decode_scores_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores_bf16_d64", "sm_90a", 90, 32768, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d64_sm90a_init, infllmv2_select_decode_scores_bf16_d64_sm90a_call, infllmv2_select_decode_scores_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores_fp16_d128", "sm_80", 80, 34880, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm80_init, infllmv2_select_decode_scores_fp16_d128_sm80_call, infllmv2_select_decode_scores_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores_fp16_d128", "sm_89", 89, 34880, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm89_init, infllmv2_select_decode_scores_fp16_d128_sm89_call, infllmv2_select_decode_scores_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores_fp16_d128", "sm_90a", 90, 35840, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm90a_init, infllmv2_select_decode_scores_fp16_d128_sm90a_call, infllmv2_select_decode_scores_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores_fp16_d64", "sm_80", 80, 32768, 128, 1, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d64_sm80_init, infllmv2_select_decode_scores_fp16_d64_sm80_call, infllmv2_select_decode_scores_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores_fp16_d64", "sm_89", 89, 32768, 128, 1, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d64_sm89_init, infllmv2_select_decode_scores_fp16_d64_sm89_call, infllmv2_select_decode_scores_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores_fp16_d64", "sm_90a", 90, 32768, 128, 1, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d64_sm90a_init, infllmv2_select_decode_scores_fp16_d64_sm90a_call, infllmv2_select_decode_scores_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- select_decode_topk: call(SC, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, topk_idx, batch, max_tiles, tile_tokens, init_blocks, local_blocks, heads_k, total_q, score_stride, batch_plus_one, topk, stream)
+typedef int (*infllmv2_select_decode_topk_call_fn)(void* SC, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* topk_idx, int batch, int max_tiles, int tile_tokens, int init_blocks, int local_blocks, int heads_k, int total_q, int score_stride, int batch_plus_one, int topk, cudaStream_t stream);
+struct infllmv2_select_decode_topk_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block;
+  int score_cap;
+  int (*init)(); infllmv2_select_decode_topk_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_select_decode_topk_sm80_init();
+extern "C" int infllmv2_select_decode_topk_sm80_call(void* SC, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* topk_idx, int batch, int max_tiles, int tile_tokens, int init_blocks, int local_blocks, int heads_k, int total_q, int score_stride, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_topk_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_select_decode_topk_sm89_init();
+extern "C" int infllmv2_select_decode_topk_sm89_call(void* SC, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* topk_idx, int batch, int max_tiles, int tile_tokens, int init_blocks, int local_blocks, int heads_k, int total_q, int score_stride, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_topk_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_select_decode_topk_sm90a_init();
+extern "C" int infllmv2_select_decode_topk_sm90a_call(void* SC, void* cu_seqlens_q, void* cu_seqlens_k, void* cu_seqlens_c, void* topk_idx, int batch, int max_tiles, int tile_tokens, int init_blocks, int local_blocks, int heads_k, int total_q, int score_stride, int batch_plus_one, int topk, cudaStream_t stream);
+extern "C" const char* infllmv2_select_decode_topk_sm90a_last_error();
+#endif
+static const infllmv2_select_decode_topk_unit infllmv2_select_decode_topk_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_topk", "sm_80", 80, 28736, 128, 2, 0, 64, 6144, infllmv2_select_decode_topk_sm80_init, infllmv2_select_decode_topk_sm80_call, infllmv2_select_decode_topk_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_topk", "sm_89", 89, 28736, 128, 2, 0, 64, 6144, infllmv2_select_decode_topk_sm89_init, infllmv2_select_decode_topk_sm89_call, infllmv2_select_decode_topk_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_topk", "sm_90a", 90, 36928, 128, 2, 0, 64, 8192, infllmv2_select_decode_topk_sm90a_init, infllmv2_select_decode_topk_sm90a_call, infllmv2_select_decode_topk_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 // ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, offsets, members, cu_seqlens_q, cu_seqlens_k, dK, dV, partial, batch, max_kblocks, pieces, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, n_off, n_entries, batch_plus_one, n_pieces, stream)
 typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_unit {
@@ -2218,6 +2484,87 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"select_blocks", "select_blocks_fp16_d64", "sm_90a", 63488, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse", "select_decode_lse_bf16_d128", "sm_80", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse", "select_decode_lse_bf16_d128", "sm_89", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse", "select_decode_lse_bf16_d128", "sm_90a", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse", "select_decode_lse_bf16_d64", "sm_80", 16384, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse", "select_decode_lse_bf16_d64", "sm_89", 16384, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse", "select_decode_lse_bf16_d64", "sm_90a", 16384, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse", "select_decode_lse_fp16_d128", "sm_80", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse", "select_decode_lse_fp16_d128", "sm_89", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse", "select_decode_lse_fp16_d128", "sm_90a", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_lse", "select_decode_lse_fp16_d64", "sm_80", 16384, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_lse", "select_decode_lse_fp16_d64", "sm_89", 16384, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_lse", "select_decode_lse_fp16_d64", "sm_90a", 16384, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_80", 34880, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_89", 34880, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_90a", 35840, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores", "select_decode_scores_bf16_d64", "sm_80", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores", "select_decode_scores_bf16_d64", "sm_89", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores", "select_decode_scores_bf16_d64", "sm_90a", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_80", 34880, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_89", 34880, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_90a", 35840, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_scores", "select_decode_scores_fp16_d64", "sm_80", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_scores", "select_decode_scores_fp16_d64", "sm_89", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_scores", "select_decode_scores_fp16_d64", "sm_90a", 32768, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"select_decode_topk", "select_decode_topk", "sm_80", 28736, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"select_decode_topk", "select_decode_topk", "sm_89", 28736, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"select_decode_topk", "select_decode_topk", "sm_90a", 36928, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 91392, 256},

@@ -131,7 +131,7 @@ def test_cuda_matches_reference(dtype, head_dim, G, lengths):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     sparse = max(lengths) >= SMALL.dense_len
     if sparse:
-        idx = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=SMALL.num_selected, local_blocks=SMALL.local_blocks)
+        idx = infllmv2.select_decode(q, k, cu_q, cu_k, topk=SMALL.num_selected, local_blocks=SMALL.local_blocks)
         blocks = oracle_block_scores(q, k, cu_q, cu_k, SMALL.init_blocks, SMALL.local_blocks)
         why = selection_mismatch(idx.cpu(), blocks, SMALL.num_selected)
         assert why is None, why

@@ -117,7 +117,7 @@ def test_cuda_bf16_matches_reference(lengths):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     idx = None
     if max(lengths) >= SMALL.dense_len:
-        idx = infllmv2.select_blocks(q, k, cu, cu, topk=SMALL.num_selected, local_blocks=SMALL.local_blocks).cpu()
+        idx = infllmv2.select_decode(q, k, cu, cu, topk=SMALL.num_selected, local_blocks=SMALL.local_blocks).cpu()
         why = selection_mismatch(idx, oracle_block_scores(q, k, cu, cu, SMALL.init_blocks, SMALL.local_blocks),
                                  SMALL.num_selected)
         assert why is None, why

@@ -162,7 +162,8 @@ def test_attention_decodes_through_the_split_forward():
             out = infllmv2.attention(q, k, v, cu_q, cu_k, 1, 20000, config=cfg)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        idx = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=cfg.num_selected, local_blocks=cfg.local_blocks)
+        # the selection attention makes (split too: see test_select_decode)
+        idx = infllmv2.select_decode(q, k, cu_q, cu_k, topk=cfg.num_selected, local_blocks=cfg.local_blocks)
         assert torch.equal(out, infllmv2.sparse_decode(q, k, v, cu_q, cu_k, idx))
     ref32 = reference.sparse_attn_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, idx)[0]
     lowp = reference.sparse_attn_varlen(q, k, v, cu_q, cu_k, idx)[0]

@@ -285,12 +285,13 @@ class RecordingLibraryAttention:
         cfg = self.cfg
         out = infllmv2.attention(q, k, v, cu, cu, max_len, max_len, config=cfg)
         assert max_len >= cfg.dense_len, "the GPU cases are meant to take the sparse path"
-        idx = infllmv2.select_blocks(q.detach(), k.detach(), cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+        # attention() selects through select_decode (select_blocks itself where the tiles fill the GPU)
+        idx = infllmv2.select_decode(q.detach(), k.detach(), cu, cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
                                      **select_kwargs(cfg))
         with torch.no_grad():
             # the recorded selection is the one attention() used: stage 2 over it is its output, bit for bit
             again = infllmv2.sparse_attn_varlen(q, k, v, cu, cu, idx, max_len, max_len, block_size=cfg.block_size)
-        assert torch.equal(again, out.detach()), "attention() did not use select_blocks' selection"
+        assert torch.equal(again, out.detach()), "attention() did not use select_decode's selection"
         self.calls.append((q.detach(), k.detach(), idx))
         return out
 

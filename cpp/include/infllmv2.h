@@ -30,6 +30,7 @@
  *   sparse_attn_bwd  bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
  *   sparse_decode    bf16,fp16  64,128    G <= 64, split-KV        sm_80, sm_89, sm_90a (+PTX)
  *   select_blocks    bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
+ *   select_decode    bf16,fp16  64,128    G <= 64, split keys      sm_80, sm_89, sm_90a (+PTX)
  *   group_scores     bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   max_pool_blocks  fp32       -         any heads_k <= 65535     sm_80, sm_89, sm_90a (+PTX)
  *   dense_attn_fwd   bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
@@ -356,6 +357,48 @@ INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
     int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
     int32_t init_blocks, int32_t local_blocks, int32_t approx_lse, int32_t norm_kernel_size,
     int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/*
+ * infllmv2_select_decode: infllmv2_select_blocks_from_keys' selection for calls whose query
+ * tiles alone leave the GPU idle, above all decoding (one or a few queries a sequence against a
+ * long key cache, where the fused selection runs one thread block per sequence and KV head over
+ * all its compressed keys). Each tile's compressed keys are cut into `splits` contiguous ranges
+ * of 64 keys run by their own thread blocks: partial normalisers, then block scores (fp32, in
+ * the workspace), then the top-K per token. Arguments as for infllmv2_select_blocks_from_keys,
+ * plus:
+ *   [in]  splits       1 .. 64, from infllmv2_select_decode_splits(); 1 runs
+ *                      infllmv2_select_blocks_from_keys itself (its result bitwise)
+ *   [in]  workspace    device memory of infllmv2_select_decode_workspace_size() bytes
+ *   With splits > 1 the normaliser's sums are merged in another order than the fused kernel's
+ *   (scores may differ in the last bits, so ties may resolve otherwise) but in a fixed one:
+ *   repeated calls are bitwise identical. heads_k * total_q * ceil(max_seqlen_k / 64) must be
+ *   below 2^31. No host synchronisation: usable inside CUDA graphs.
+ */
+INFLLMV2_API infllmv2_status infllmv2_select_decode(
+    const void* q, const void* k, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+    const uint8_t* punct_mask, float phsa_lambda, int32_t* topk_idx, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+    int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
+    int32_t init_blocks, int32_t local_blocks, int32_t approx_lse, int32_t norm_kernel_size,
+    int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, int32_t splits,
+    cudaStream_t stream);
+
+/* The splits infllmv2_select_decode should run for this call on the current device: num_splits
+ * itself (at most 64) when > 0; when 0, 1 if the query tiles (ceil(max_seqlen_q / min(64 / G,
+ * 16)) a sequence and KV head) alone fill the device's multiprocessors, else the most that keep
+ * tiles x splits within twice the multiprocessors, each split scoring at least two chunks of 64
+ * fine keys. 0 on a bad argument or when no device can be queried. */
+INFLLMV2_API int32_t infllmv2_select_decode_splits(int32_t batch, int32_t max_seqlen_q, int32_t max_seqlen_k,
+                                                   int32_t heads, int32_t heads_k, int32_t num_splits);
+
+/* Bytes of device workspace infllmv2_select_decode needs with `splits`: with splits == 1
+ * infllmv2_select_blocks_from_keys_workspace_size(); else that plus the partial normalisers and
+ * the block scores (heads_k, total_q, ceil(max_seqlen_k / 64)) fp32. 0 on a bad argument. */
+INFLLMV2_API size_t infllmv2_select_decode_workspace_size(int32_t batch, int64_t total_q, int64_t total_k,
+                                                          int32_t max_seqlen_q, int32_t max_seqlen_k,
+                                                          int32_t heads, int32_t heads_k, int32_t head_dim,
+                                                          int32_t approx_lse, int32_t norm_kernel_stride,
+                                                          int32_t splits);
 
 /*
  * infllmv2_group_scores: S itself, fp32 (heads_k, total_q, width), column j = the sequence's

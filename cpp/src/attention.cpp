@@ -4,6 +4,7 @@
 
 #include "registry.h"
 #include "runtime.h"
+#include "stage1.h"
 
 using namespace infllmv2;
 
@@ -11,11 +12,9 @@ namespace {
 
 constexpr const char* kOp = "infllmv2_attention_fwd";
 constexpr const char* kBwdOp = "infllmv2_attention_bwd";
-// The stage-1 kernels' DSL build parameters (dsl/select_blocks.py) and stage 2's row limit.
-constexpr int kFineW = 32, kFineS = 16, kBlock = 64, kMaxK = 128;
+// stage 2's row limit
+constexpr int kMaxK = 128;
 
-
-int64_t windows(int64_t len, int w, int s) { return len >= w ? (len - w) / s + 1 : 0; }
 
 int selected(const infllmv2_sparse_config& c) { return c.topk + c.window_size / c.block_size; }
 
@@ -90,9 +89,6 @@ Layout layout(int32_t batch, int64_t total_q, int64_t total_k, int32_t heads_k, 
   return l;
 }
 
-template <class T>
-T* at(void* base, size_t offset) { return reinterpret_cast<T*>(static_cast<char*>(base) + offset); }
-
 }  // namespace
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_compressed_offsets(const int32_t* cu_seqlens_k,
@@ -132,15 +128,21 @@ extern "C" INFLLMV2_API size_t infllmv2_select_blocks_from_keys_workspace_size(i
   return select_layout(batch, total_k, heads_k, head_dim, approx_lse != 0, norm_kernel_stride).total;
 }
 
-extern "C" INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
-    const void* q, const void* k, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, const uint8_t* punct_mask,
-    float phsa_lambda, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q,
-    int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
-    int32_t topk, int32_t init_blocks, int32_t local_blocks, int32_t approx_lse, int32_t norm_kernel_size,
-    int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream) {
-  constexpr const char* op = "infllmv2_select_blocks_from_keys";
-  clear_error();
-  // what sizes the workspace is checked here; the rest by the three ops it runs, each before its launch
+namespace infllmv2 {
+
+size_t select_from_keys_bytes(int32_t batch, int64_t total_k, int32_t heads_k, int32_t head_dim, bool approx_lse,
+                              int32_t norm_kernel_stride) {
+  return select_layout(batch, total_k, heads_k, head_dim, approx_lse, norm_kernel_stride).total;
+}
+
+infllmv2_status compress_for_selection(const char* op, const char* size_fn, const void* q, const void* k,
+                                       const int32_t* cu_seqlens_k, const uint8_t* punct_mask, float phsa_lambda,
+                                       void* workspace, size_t workspace_size, size_t extra_bytes, int32_t batch,
+                                       int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads_k,
+                                       int32_t head_dim, int32_t approx_lse, int32_t norm_kernel_size,
+                                       int32_t norm_kernel_stride, infllmv2_dtype dtype, cudaStream_t stream,
+                                       CompressedKeys* out) {
+  // what sizes the workspace is checked here; the rest by the ops it runs, each before its launch
   if (batch < 1 || batch > kMaxGridYZ)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, batch);
   if (total_k < 0 || heads_k < 1 || head_dim < 1)
@@ -155,10 +157,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: max_seqlen_k must be >= max_seqlen_q (%d) and >= 0, got %d", op,
                 max_seqlen_q, max_seqlen_k);
   const SelectLayout l = select_layout(batch, total_k, heads_k, head_dim, approx_lse != 0, norm_kernel_stride);
-  if (workspace_size < l.total)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                "%s: workspace_size is %zu bytes, infllmv2_select_blocks_from_keys_workspace_size() asks for %zu", op,
-                workspace_size, l.total);
+  if (workspace_size < l.total + extra_bytes)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: workspace_size is %zu bytes, %s() asks for %zu", op, workspace_size,
+                size_fn, l.total + extra_bytes);
   Device dev;
   infllmv2_status st = current_device(op, &dev);
   if (st != INFLLMV2_OK) return st;
@@ -187,9 +188,30 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
                                      max_n, heads_k, head_dim, dtype, z.w, z.s, stream)) != INFLLMV2_OK)
       return st;
   }
-  return infllmv2_select_blocks(q, ck, nk, cu_seqlens_q, cu_seqlens_k, cu_c, cu_n, topk_idx, batch, total_q, l.bound_c,
-                                l.bound_n, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk, init_blocks,
-                                local_blocks, norm_kernel_size, norm_kernel_stride, dtype, softmax_scale, stream);
+  *out = CompressedKeys{ck, nk, cu_c, cu_n, l.bound_c, l.bound_n};
+  return INFLLMV2_OK;
+}
+
+}  // namespace infllmv2
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_select_blocks_from_keys(
+    const void* q, const void* k, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, const uint8_t* punct_mask,
+    float phsa_lambda, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q,
+    int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
+    int32_t topk, int32_t init_blocks, int32_t local_blocks, int32_t approx_lse, int32_t norm_kernel_size,
+    int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream) {
+  constexpr const char* op = "infllmv2_select_blocks_from_keys";
+  clear_error();
+  CompressedKeys c;
+  infllmv2_status st = compress_for_selection(op, "infllmv2_select_blocks_from_keys_workspace_size", q, k, cu_seqlens_k,
+                                              punct_mask, phsa_lambda, workspace, workspace_size, 0, batch, total_k,
+                                              max_seqlen_q, max_seqlen_k, heads_k, head_dim, approx_lse,
+                                              norm_kernel_size, norm_kernel_stride, dtype, stream, &c);
+  if (st != INFLLMV2_OK) return st;
+  return infllmv2_select_blocks(q, c.ck, c.nk, cu_seqlens_q, cu_seqlens_k, c.cu_c, c.cu_n, topk_idx, batch, total_q,
+                                c.total_c, c.total_n, max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, topk,
+                                init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, dtype, softmax_scale,
+                                stream);
 }
 
 extern "C" INFLLMV2_API void infllmv2_sparse_config_default(infllmv2_sparse_config* c) {

@@ -14,8 +14,8 @@ from ._lib import (
     selected_arch,
     set_arch_override,
 )
-from .ops import (compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, sparse_attn_varlen,
-                  sparse_decode)
+from .ops import (compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, select_decode,
+                  sparse_attn_varlen, sparse_decode)
 from .attention import SparseConfig, attention, attention_padded
 from .module import InfLLMv2Attention
 
@@ -37,6 +37,7 @@ __all__ = [
     "sparse_attn_varlen",
     "sparse_decode",
     "select_blocks",
+    "select_decode",
     "group_scores",
     "max_pool_blocks",
     "build_info",

@@ -73,8 +73,9 @@ def _check_attention(device, dtype, head_dim, G, op):
     return ok_all, worst[0], worst[1]
 
 
-def _check_select_blocks(device, dtype, head_dim, G):
-    """Scores (fp32 tolerance) and selections (tie-aware) against the fp32 reference on the CPU."""
+def _check_select_blocks(device, dtype, head_dim, G, op):
+    """Scores (fp32 tolerance) and selections (tie-aware) against the fp32 reference on the CPU: of
+    select_blocks (op "select"), or select_decode split 3 ways (op "decode")."""
     lengths_q, lengths_k = [1, 31, 64, 65, 700, 1, 900], [1, 31, 64, 65, 700, 2000, 1500]
     q = random_tokens(lengths_q, 2 * G, head_dim, dtype, device, seed=G)
     k = random_tokens(lengths_k, 2, head_dim, dtype, device, seed=G + 1)
@@ -84,14 +85,17 @@ def _check_select_blocks(device, dtype, head_dim, G):
     ck, cu_c = infllmv2.compress_keys(k, cu_k, 32, 16)
     nk, cu_n = infllmv2.compress_keys(k, cu_k, 128, 64)
     S = infllmv2.group_scores(q, ck, cu_q, cu_k, cu_c, norm_keys=nk, cu_seqlens_norm=cu_n)
-    idx = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=12, local_blocks=4)
+    if op == "decode":
+        idx = infllmv2.select_decode(q, k, cu_q, cu_k, topk=12, local_blocks=4, num_splits=3)
+    else:
+        idx = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=12, local_blocks=4)
     cpu = [t.cpu() for t in (cu_q, cu_k, cu_c, cu_n)]
     want = reference.group_scores(q.cpu().float(), ck.cpu().float(), cpu[0], cpu[1], cpu[2], norm_keys=nk.cpu().float(),
                                   cu_seqlens_norm=cpu[3])
     blocks = reference.max_pool_blocks(want, cpu[0], cpu[1], cpu[2], local_blocks=4)
     why = scores_mismatch(S.cpu(), want) or selection_mismatch(idx.cpu(), blocks, 12)
     if why:
-        print(f"  select_blocks: {why}")
+        print(f"  {'select_decode' if op == 'decode' else 'select_blocks'}: {why}")
     return why is None, (S.cpu() - want).abs().max().item(), 0.0
 
 
@@ -135,12 +139,14 @@ def check() -> int:
                             name, what = ("sparse_decode", "fwd") if op == "decode" else (op + "_attn", "fwd+bwd")
                             print(f"{name:<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
                                   f"{f'G={G} {what}':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
-                    for G in (1, 4, 16):
-                        # fp32 computations on both sides: no PyTorch low-precision error to compare with
-                        ok, err, _ = _check_select_blocks("cuda" if gpu else "cpu", dtype, head_dim, G)
-                        failures += not ok
-                        print(f"{'select_blocks':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
-                              f"{f'G={G}':<14}{err:>10.2e}{'-':>11}  {'ok' if ok else 'FAIL'}")
+                    for op in ("select", "decode"):
+                        for G in (1, 4, 16):
+                            # fp32 computations on both sides: no PyTorch low-precision error to compare with
+                            ok, err, _ = _check_select_blocks("cuda" if gpu else "cpu", dtype, head_dim, G, op)
+                            failures += not ok
+                            name = "select_decode" if op == "decode" else "select_blocks"
+                            print(f"{name:<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
+                                  f"{f'G={G}':<14}{err:>10.2e}{'-':>11}  {'ok' if ok else 'FAIL'}")
         finally:
             if arch is not None:
                 infllmv2.set_arch_override(None)

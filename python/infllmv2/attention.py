@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .ops import _check_int, _check_offsets, _check_tensor3, _max_seqlen, _stage2, dense_attn_varlen, select_blocks
+from .ops import _check_int, _check_offsets, _check_tensor3, _max_seqlen, _stage2, dense_attn_varlen, select_decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +119,10 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
 
     Returns ``out (total_q, Hq, D)`` (and ``lse fp32 (Hq, total_q)`` with ``return_lse``),
     differentiable in q, k, v. Same result as ``reference.attention`` with the same config.
-    A sparse call that needs no gradient (inference, decoding) runs stage 2 through
-    ``sparse_decode``, which splits each query tile's blocks where the tiles leave the GPU idle.
+    Where the query tiles leave the GPU idle (decoding) the selection runs through
+    ``select_decode``, which splits each tile's compressed keys among thread blocks; a sparse call
+    that needs no gradient (inference, decoding) runs stage 2 through ``sparse_decode``, which
+    splits each query tile's blocks likewise.
     """
     cfg = _config(config)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -135,14 +137,15 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen
             raise ValueError("punct_mask must be a bool tensor of shape (total_k,) or None")
         return dense_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                  causal=True, return_lse=return_lse)
-    topk_idx = select_blocks(
+    # select_decode is select_blocks itself (bitwise) unless the query tiles leave the GPU idle
+    topk_idx = select_decode(
         q, k, cu_seqlens_q, cu_seqlens_k, topk=cfg.num_selected, kernel_size=cfg.kernel_size,
         kernel_stride=cfg.kernel_stride, block_size=cfg.block_size, init_blocks=cfg.init_blocks,
         local_blocks=cfg.local_blocks, approx_lse=cfg.approx_lse, norm_kernel_size=cfg.norm_kernel_size,
         norm_kernel_stride=cfg.norm_kernel_stride, softmax_scale=softmax_scale, punct_mask=punct_mask,
         phsa_lambda=cfg.phsa_lambda, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
-    # select_blocks writes its rows ascending with -1 last, as the kernels read them
+    # the selection's rows are ascending with -1 last, as the kernels read them
     return _stage2(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, max_seqlen_k, softmax_scale,
                    cfg.block_size, return_lse, rows_sorted=True)
 

@@ -682,25 +682,33 @@ def max_pool_blocks_launch(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, out, ini
     _lib.check(status)
 
 
-def _select_blocks_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks,
-                       approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
-    """Stages 0 and 1 on the GPU with no host read: one C call (infllmv2_select_blocks_from_keys)
-    runs the offsets and compression of each level into a workspace sized by the bound
-    total_k // s + B, then the fused selection. One call, not five: the caller waits for the host
-    work before the first launch."""
+def _select_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks, approx_lse,
+                 norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k, splits):
+    """Stages 0 and 1 on the GPU with no host read: one C call runs the offsets and compression of
+    each level into a workspace sized by the bound total_k // s + B, then the selection: the
+    fused kernel (infllmv2_select_blocks_from_keys, ``splits`` None) or the split one
+    (infllmv2_select_decode). One call, not five: the caller waits for the host work before the
+    first launch."""
     batch = cu_seqlens_q.numel() - 1
     lib = _lib.lib()
-    size = lib.infllmv2_select_blocks_from_keys_workspace_size(batch, k.shape[0], k.shape[1], k.shape[2],
-                                                                int(approx_lse), norm_kernel_stride)
+    if splits is None:
+        size = lib.infllmv2_select_blocks_from_keys_workspace_size(batch, k.shape[0], k.shape[1], k.shape[2],
+                                                                    int(approx_lse), norm_kernel_stride)
+    else:
+        size = lib.infllmv2_select_decode_workspace_size(batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                                                         q.shape[1], k.shape[1], q.shape[2], int(approx_lse),
+                                                         norm_kernel_stride, splits)
     workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     out = torch.empty((k.shape[1], q.shape[0], topk), dtype=torch.int32, device=q.device)
+    args = [_ptr(q), _ptr(k), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _mask_ptr(punct_mask), float(phsa_lambda),
+            _ptr(out), _ptr(workspace), size, batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1],
+            k.shape[1], q.shape[2], topk, init_blocks, local_blocks, int(approx_lse), norm_kernel_size,
+            norm_kernel_stride, _KERNEL_DTYPES[q.dtype], softmax_scale]
     with torch.cuda.device(q.device):
-        status = lib.infllmv2_select_blocks_from_keys(
-            _ptr(q), _ptr(k), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k),
-            _mask_ptr(punct_mask), float(phsa_lambda), _ptr(out),
-            _ptr(workspace), size, batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1],
-            q.shape[2], topk, init_blocks, local_blocks, int(approx_lse), norm_kernel_size, norm_kernel_stride,
-            _KERNEL_DTYPES[q.dtype], softmax_scale, _stream(q.device))
+        if splits is None:
+            status = lib.infllmv2_select_blocks_from_keys(*args, _stream(q.device))
+        else:
+            status = lib.infllmv2_select_decode(*args, splits, _stream(q.device))
     _lib.check(status)
     return out
 
@@ -712,14 +720,46 @@ def _select_blocks_op(
     approx_lse: bool, norm_kernel_size: int, norm_kernel_stride: int, softmax_scale: float, max_seqlen_q: int,
     max_seqlen_k: int,
 ) -> torch.Tensor:
-    return _select_blocks_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks,
-                               local_blocks, approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale,
-                               max_seqlen_q, max_seqlen_k)
+    return _select_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks,
+                        approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k,
+                        None)
 
 
 @_select_blocks_op.register_fake
 def _(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks, approx_lse,
       norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
+    return q.new_empty((k.shape[1], q.shape[0], topk), dtype=torch.int32)
+
+
+_MAX_SELECT_SPLITS = 64
+
+
+def select_decode_splits(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_splits=0) -> int:
+    """The splits select_decode runs on q's device (``num_splits`` 0: its own choice)."""
+    with torch.cuda.device(q.device):
+        splits = _lib.lib().infllmv2_select_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
+                                                          q.shape[1], k.shape[1], num_splits)
+    if splits == 0:
+        raise _lib.Infllmv2Error(_lib.ERR_CUDA, "infllmv2_select_decode_splits: " + _lib.lib().infllmv2_last_error().decode())
+    return splits
+
+
+@torch.library.custom_op("infllmv2::select_decode", mutates_args=())
+def _select_decode_op(
+    q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    punct_mask: Optional[torch.Tensor], phsa_lambda: float, topk: int, init_blocks: int, local_blocks: int,
+    approx_lse: bool, norm_kernel_size: int, norm_kernel_stride: int, softmax_scale: float, max_seqlen_q: int,
+    max_seqlen_k: int, num_splits: int,
+) -> torch.Tensor:
+    splits = select_decode_splits(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_splits)
+    return _select_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks,
+                        approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k,
+                        splits)
+
+
+@_select_decode_op.register_fake
+def _(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks, approx_lse,
+      norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k, num_splits):
     return q.new_empty((k.shape[1], q.shape[0], topk), dtype=torch.int32)
 
 
@@ -744,6 +784,15 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
     Otherwise the longest sequences are read on the host, and ``cu_seqlens_k`` is checked there.
     CPU runs the reference.
     """
+    return _select(q, k, cu_seqlens_q, cu_seqlens_k, topk, kernel_size, kernel_stride, block_size, init_blocks,
+                   local_blocks, approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, punct_mask,
+                   phsa_lambda, max_seqlen_q, max_seqlen_k, None)
+
+
+def _select(q, k, cu_seqlens_q, cu_seqlens_k, topk, kernel_size, kernel_stride, block_size, init_blocks, local_blocks,
+            approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, punct_mask, phsa_lambda, max_seqlen_q,
+            max_seqlen_k, num_splits):
+    """select_blocks (num_splits None) or select_decode."""
     _check_tensor3(q, "q")
     _check_tensor3(k, "k")
     if k.dtype != q.dtype or k.device != q.device:
@@ -770,9 +819,32 @@ def select_blocks(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
         _check_int(norm_kernel_stride, "norm_kernel_stride", 1)
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = _max_seqlen(cu_seqlens_k, max_seqlen_k, "max_seqlen_k", k.shape[0])
-    return _select_blocks_op(q.detach(), k.detach(), cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk,
-                             init_blocks, local_blocks, bool(approx_lse), norm_kernel_size, norm_kernel_stride,
-                             _scale_or_zero(softmax_scale), max_seqlen_q, max_seqlen_k)
+    args = (q.detach(), k.detach(), cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks,
+            bool(approx_lse), norm_kernel_size, norm_kernel_stride, _scale_or_zero(softmax_scale), max_seqlen_q,
+            max_seqlen_k)
+    return _select_blocks_op(*args) if num_splits is None else _select_decode_op(*args, num_splits)
+
+
+def select_decode(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, kernel_stride=16, block_size=64,
+                  init_blocks=1, local_blocks=32, approx_lse=True, norm_kernel_size=128, norm_kernel_stride=64,
+                  softmax_scale=None, punct_mask=None, phsa_lambda=0.5, max_seqlen_q=None, max_seqlen_k=None,
+                  num_splits=0):
+    """``select_blocks`` for calls with few queries a sequence (decoding against a long cache).
+
+    Same arguments and result; each query tile's compressed keys are split among ``num_splits``
+    thread blocks (0: the library picks, so that one long sequence fills the GPU, and runs
+    ``select_blocks`` itself, bitwise, where the query tiles already fill it): partial
+    normalisers, block scores, then the top-K. With more than one split the normaliser's sums
+    are merged in another (fixed) order than ``select_blocks``' kernel, so scores may differ in
+    the last bits and ties at the K-th score may resolve otherwise. No host synchronisation when
+    ``max_seqlen_q`` and ``max_seqlen_k`` are given. CPU runs the reference.
+    """
+    _check_int(num_splits, "num_splits", 0)
+    if num_splits > _MAX_SELECT_SPLITS:
+        raise ValueError(f"num_splits must be at most {_MAX_SELECT_SPLITS} (0 lets the library pick), got {num_splits}")
+    return _select(q, k, cu_seqlens_q, cu_seqlens_k, topk, kernel_size, kernel_stride, block_size, init_blocks,
+                   local_blocks, approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, punct_mask,
+                   phsa_lambda, max_seqlen_q, max_seqlen_k, num_splits)
 
 
 def group_scores(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32, kernel_stride=16,
