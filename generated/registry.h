@@ -37,8 +37,8 @@ static const infllmv2_attention_compressed_offsets_unit infllmv2_attention_compr
   {nullptr, nullptr, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- compress_keys: call(K, cu_seqlens_k, cu_seqlens_c, C, batch, max_nc, window, stride, total_k, heads_k, batch_plus_one, total_c, stream)
-typedef int (*infllmv2_compress_keys_call_fn)(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+// ---- compress_keys: call(K, cu_seqlens_k, cu_seqlens_c, C, batch, max_nc, window, stride, part, total_k, heads_k, batch_plus_one, total_c, stream)
+typedef int (*infllmv2_compress_keys_call_fn)(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 struct infllmv2_compress_keys_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
@@ -48,100 +48,100 @@ struct infllmv2_compress_keys_unit {
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_bf16_d128_sm80_init();
-extern "C" int infllmv2_compress_keys_bf16_d128_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_bf16_d128_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_bf16_d128_sm89_init();
-extern "C" int infllmv2_compress_keys_bf16_d128_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_bf16_d128_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_bf16_d128_sm90a_init();
-extern "C" int infllmv2_compress_keys_bf16_d128_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_bf16_d128_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_bf16_d64_sm80_init();
-extern "C" int infllmv2_compress_keys_bf16_d64_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_bf16_d64_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_bf16_d64_sm89_init();
-extern "C" int infllmv2_compress_keys_bf16_d64_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_bf16_d64_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_bf16_d64_sm90a_init();
-extern "C" int infllmv2_compress_keys_bf16_d64_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_bf16_d64_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_fp16_d128_sm80_init();
-extern "C" int infllmv2_compress_keys_fp16_d128_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_fp16_d128_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_fp16_d128_sm89_init();
-extern "C" int infllmv2_compress_keys_fp16_d128_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_fp16_d128_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_fp16_d128_sm90a_init();
-extern "C" int infllmv2_compress_keys_fp16_d128_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_fp16_d128_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_fp16_d64_sm80_init();
-extern "C" int infllmv2_compress_keys_fp16_d64_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_fp16_d64_sm80_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_fp16_d64_sm89_init();
-extern "C" int infllmv2_compress_keys_fp16_d64_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_fp16_d64_sm89_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_fp16_d64_sm90a_init();
-extern "C" int infllmv2_compress_keys_fp16_d64_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_fp16_d64_sm90a_call(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_compress_keys_unit infllmv2_compress_keys_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_bf16_d128", "sm_80", 80, 0, 128, 0, 128, 0, infllmv2_compress_keys_bf16_d128_sm80_init, infllmv2_compress_keys_bf16_d128_sm80_call, infllmv2_compress_keys_bf16_d128_sm80_last_error},
+  {"compress_keys_bf16_d128", "sm_80", 80, 16384, 128, 0, 128, 0, infllmv2_compress_keys_bf16_d128_sm80_init, infllmv2_compress_keys_bf16_d128_sm80_call, infllmv2_compress_keys_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_bf16_d128", "sm_89", 89, 0, 128, 0, 128, 0, infllmv2_compress_keys_bf16_d128_sm89_init, infllmv2_compress_keys_bf16_d128_sm89_call, infllmv2_compress_keys_bf16_d128_sm89_last_error},
+  {"compress_keys_bf16_d128", "sm_89", 89, 16384, 128, 0, 128, 0, infllmv2_compress_keys_bf16_d128_sm89_init, infllmv2_compress_keys_bf16_d128_sm89_call, infllmv2_compress_keys_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_bf16_d128", "sm_90a", 90, 0, 128, 0, 128, 0, infllmv2_compress_keys_bf16_d128_sm90a_init, infllmv2_compress_keys_bf16_d128_sm90a_call, infllmv2_compress_keys_bf16_d128_sm90a_last_error},
+  {"compress_keys_bf16_d128", "sm_90a", 90, 16384, 128, 0, 128, 0, infllmv2_compress_keys_bf16_d128_sm90a_init, infllmv2_compress_keys_bf16_d128_sm90a_call, infllmv2_compress_keys_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_bf16_d64", "sm_80", 80, 0, 128, 0, 64, 0, infllmv2_compress_keys_bf16_d64_sm80_init, infllmv2_compress_keys_bf16_d64_sm80_call, infllmv2_compress_keys_bf16_d64_sm80_last_error},
+  {"compress_keys_bf16_d64", "sm_80", 80, 8192, 128, 0, 64, 0, infllmv2_compress_keys_bf16_d64_sm80_init, infllmv2_compress_keys_bf16_d64_sm80_call, infllmv2_compress_keys_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_bf16_d64", "sm_89", 89, 0, 128, 0, 64, 0, infllmv2_compress_keys_bf16_d64_sm89_init, infllmv2_compress_keys_bf16_d64_sm89_call, infllmv2_compress_keys_bf16_d64_sm89_last_error},
+  {"compress_keys_bf16_d64", "sm_89", 89, 8192, 128, 0, 64, 0, infllmv2_compress_keys_bf16_d64_sm89_init, infllmv2_compress_keys_bf16_d64_sm89_call, infllmv2_compress_keys_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_bf16_d64", "sm_90a", 90, 0, 128, 0, 64, 0, infllmv2_compress_keys_bf16_d64_sm90a_init, infllmv2_compress_keys_bf16_d64_sm90a_call, infllmv2_compress_keys_bf16_d64_sm90a_last_error},
+  {"compress_keys_bf16_d64", "sm_90a", 90, 8192, 128, 0, 64, 0, infllmv2_compress_keys_bf16_d64_sm90a_init, infllmv2_compress_keys_bf16_d64_sm90a_call, infllmv2_compress_keys_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_fp16_d128", "sm_80", 80, 0, 128, 1, 128, 0, infllmv2_compress_keys_fp16_d128_sm80_init, infllmv2_compress_keys_fp16_d128_sm80_call, infllmv2_compress_keys_fp16_d128_sm80_last_error},
+  {"compress_keys_fp16_d128", "sm_80", 80, 16384, 128, 1, 128, 0, infllmv2_compress_keys_fp16_d128_sm80_init, infllmv2_compress_keys_fp16_d128_sm80_call, infllmv2_compress_keys_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_fp16_d128", "sm_89", 89, 0, 128, 1, 128, 0, infllmv2_compress_keys_fp16_d128_sm89_init, infllmv2_compress_keys_fp16_d128_sm89_call, infllmv2_compress_keys_fp16_d128_sm89_last_error},
+  {"compress_keys_fp16_d128", "sm_89", 89, 16384, 128, 1, 128, 0, infllmv2_compress_keys_fp16_d128_sm89_init, infllmv2_compress_keys_fp16_d128_sm89_call, infllmv2_compress_keys_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_fp16_d128", "sm_90a", 90, 0, 128, 1, 128, 0, infllmv2_compress_keys_fp16_d128_sm90a_init, infllmv2_compress_keys_fp16_d128_sm90a_call, infllmv2_compress_keys_fp16_d128_sm90a_last_error},
+  {"compress_keys_fp16_d128", "sm_90a", 90, 16384, 128, 1, 128, 0, infllmv2_compress_keys_fp16_d128_sm90a_init, infllmv2_compress_keys_fp16_d128_sm90a_call, infllmv2_compress_keys_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_fp16_d64", "sm_80", 80, 0, 128, 1, 64, 0, infllmv2_compress_keys_fp16_d64_sm80_init, infllmv2_compress_keys_fp16_d64_sm80_call, infllmv2_compress_keys_fp16_d64_sm80_last_error},
+  {"compress_keys_fp16_d64", "sm_80", 80, 8192, 128, 1, 64, 0, infllmv2_compress_keys_fp16_d64_sm80_init, infllmv2_compress_keys_fp16_d64_sm80_call, infllmv2_compress_keys_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_fp16_d64", "sm_89", 89, 0, 128, 1, 64, 0, infllmv2_compress_keys_fp16_d64_sm89_init, infllmv2_compress_keys_fp16_d64_sm89_call, infllmv2_compress_keys_fp16_d64_sm89_last_error},
+  {"compress_keys_fp16_d64", "sm_89", 89, 8192, 128, 1, 64, 0, infllmv2_compress_keys_fp16_d64_sm89_init, infllmv2_compress_keys_fp16_d64_sm89_call, infllmv2_compress_keys_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_fp16_d64", "sm_90a", 90, 0, 128, 1, 64, 0, infllmv2_compress_keys_fp16_d64_sm90a_init, infllmv2_compress_keys_fp16_d64_sm90a_call, infllmv2_compress_keys_fp16_d64_sm90a_last_error},
+  {"compress_keys_fp16_d64", "sm_90a", 90, 8192, 128, 1, 64, 0, infllmv2_compress_keys_fp16_d64_sm90a_init, infllmv2_compress_keys_fp16_d64_sm90a_call, infllmv2_compress_keys_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -2189,40 +2189,40 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"attention_compressed_offsets", "attention_compressed_offsets", "sm_90a", 0, 32},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys", "compress_keys_bf16_d128", "sm_80", 0, 128},
+  {"compress_keys", "compress_keys_bf16_d128", "sm_80", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys", "compress_keys_bf16_d128", "sm_89", 0, 128},
+  {"compress_keys", "compress_keys_bf16_d128", "sm_89", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys", "compress_keys_bf16_d128", "sm_90a", 0, 128},
+  {"compress_keys", "compress_keys_bf16_d128", "sm_90a", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys", "compress_keys_bf16_d64", "sm_80", 0, 128},
+  {"compress_keys", "compress_keys_bf16_d64", "sm_80", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys", "compress_keys_bf16_d64", "sm_89", 0, 128},
+  {"compress_keys", "compress_keys_bf16_d64", "sm_89", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys", "compress_keys_bf16_d64", "sm_90a", 0, 128},
+  {"compress_keys", "compress_keys_bf16_d64", "sm_90a", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys", "compress_keys_fp16_d128", "sm_80", 0, 128},
+  {"compress_keys", "compress_keys_fp16_d128", "sm_80", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys", "compress_keys_fp16_d128", "sm_89", 0, 128},
+  {"compress_keys", "compress_keys_fp16_d128", "sm_89", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys", "compress_keys_fp16_d128", "sm_90a", 0, 128},
+  {"compress_keys", "compress_keys_fp16_d128", "sm_90a", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys", "compress_keys_fp16_d64", "sm_80", 0, 128},
+  {"compress_keys", "compress_keys_fp16_d64", "sm_80", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys", "compress_keys_fp16_d64", "sm_89", 0, 128},
+  {"compress_keys", "compress_keys_fp16_d64", "sm_89", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys", "compress_keys_fp16_d64", "sm_90a", 0, 128},
+  {"compress_keys", "compress_keys_fp16_d64", "sm_90a", 8192, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"compress_keys_phsa", "compress_keys_phsa_bf16_d128", "sm_80", 0, 128},

@@ -16,7 +16,9 @@ LENGTH_MIXES = [
     [1, 63, 64, 65, 200, 257, 3, 1000],
     [4099],
 ]
-GEOMETRIES = [(32, 16), (128, 64)]
+# MiniCPM4's fine and coarse keys; windows that are several strides (48/16) and a pair whose
+# common divisor is 1 (5/3), which the kernel sums key by key
+GEOMETRIES = [(32, 16), (128, 64), (48, 16), (5, 3)]
 
 
 # ---------------------------------------------------------------------------------- CPU tier

@@ -1,5 +1,6 @@
 // infllmv2_compress_keys: validation and dispatch over the generated compress_keys units.
 #include <climits>
+#include <numeric>
 #include <string>
 
 #include "registry.h"
@@ -67,9 +68,10 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys(
                    desc, &unit);
     if (st != INFLLMV2_OK) return st;
     if (total_c == 0 || max_nc == 0) return INFLLMV2_OK;
+    // the kernel sums runs of gcd(window, stride) keys once and each window from them
     int rc = unit->call(const_cast<void*>(k), const_cast<int32_t*>(cu_seqlens_k), const_cast<int32_t*>(cu_seqlens_c),
-                        ck, batch, max_nc, kernel_size, kernel_stride, (int)total_k, heads_k, batch + 1, (int)total_c,
-                        stream);
+                        ck, batch, max_nc, kernel_size, kernel_stride, std::gcd(kernel_size, kernel_stride),
+                        (int)total_k, heads_k, batch + 1, (int)total_c, stream);
     return launch_result(kOp, unit->name, rc, unit->last_error);
   }
   const infllmv2_compress_keys_phsa_unit* unit = nullptr;

@@ -15,80 +15,162 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_compress_keys_bf16_d64_sm80_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int heads_k, int max_nc, int stride, int total_c, int total_k, int window);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_bf16_d64_sm80_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int heads_k, int max_nc, int stride, int total_c, int total_k, int window) {
+extern "C" __global__ void infllmv2_compress_keys_bf16_d64_sm80_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int heads_k, int max_nc, int part, int stride, int total_c, int total_k, int window);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_bf16_d64_sm80_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int heads_k, int max_nc, int part, int stride, int total_c, int total_k, int window) {
+  int iv[4];
   float acc[8];
+  float S_f[16];
+  extern __shared__ __align__(1024) float S_s[];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_k[((int)blockIdx.y)];
   } else {
     condval = 0;
   }
-  int k0 = condval;
+  iv[0] = (((((int)blockIdx.x) * stride) * 16) + condval);
   int condval_1;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval_1 = cu_seqlens_c[((int)blockIdx.y)];
   } else {
     condval_1 = 0;
   }
-  int c0 = condval_1;
+  iv[1] = ((((int)blockIdx.x) * 16) + condval_1);
   int condval_2;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_2 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_2 = 0;
   }
-  int n = (condval_2 - c0);
+  iv[2] = min(16, (condval_2 - iv[1]));
+  int rmod = (stride % part);
+  int rdiv = (stride / part);
+  int rmod_1 = (window % part);
+  int rdiv_1 = (window / part);
+  iv[3] = (((iv[2] - 1) * ((((0 <= part) && (0 <= rmod)) || ((part < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1))) + ((((0 <= part) && (0 <= rmod_1)) || ((part < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)));
   #pragma unroll
   for (int i = 0; i < 2; ++i) {
     float broadcast_var = 0x0p+0f/*0.000000e+00*/;
     *(float4*)(acc + (i * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
   }
-  for (int t = 0; t < window; ++t) {
-    bfloat16_t K_local_cast[8];
-    if (((((int)blockIdx.x) * 16) + (((int)threadIdx.x) >> 3)) < n) {
-      bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_3;
-      if (((0 <= ((k0 + (((((int)blockIdx.x) * 16) + (((int)threadIdx.x) >> 3)) * stride)) + t)) && (((k0 + (((((int)blockIdx.x) * 16) + (((int)threadIdx.x) >> 3)) * stride)) + t) < total_k))) {
-        condval_3 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((int64_t)k0) + (((((int64_t)((int)blockIdx.x)) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) * ((int64_t)stride))) + ((int64_t)t)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
-      } else {
-        condval_3 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+  if ((0 < iv[2]) && (iv[3] <= 32)) {
+    #pragma unroll
+    for (int i_1 = 0; i_1 < 4; ++i_1) {
+      float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
+      *(float4*)(S_f + (i_1 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
+    }
+    for (int t = 0; t < ((part + 3) >> 2); ++t) {
+      #pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        #pragma unroll
+        for (int i_2 = 0; i_2 < 2; ++i_2) {
+          bfloat16_t K_local_cast[8];
+          if ((((i_2 * 16) + (((int)threadIdx.x) >> 3)) < iv[3]) && (((t * 4) + u) < part)) {
+            bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+            uint4 condval_3;
+            if (((0 <= ((((t * 4) + iv[0]) + (((i_2 * 16) + (((int)threadIdx.x) >> 3)) * part)) + u)) && (((((t * 4) + iv[0]) + (((i_2 * 16) + (((int)threadIdx.x) >> 3)) * part)) + u) < total_k))) {
+              condval_3 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)t) * (int64_t)4) + ((int64_t)iv[(int64_t)0])) + (((((int64_t)i_2) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) * ((int64_t)part))) + ((int64_t)u)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+            } else {
+              condval_3 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+            }
+            *(uint4*)(K_local_cast + 0) = condval_3;
+          }
+          if ((((i_2 * 16) + (((int)threadIdx.x) >> 3)) < iv[3]) && (((t * 4) + u) < part)) {
+            for (int vec = 0; vec < 2; ++vec) {
+              float4 __1;
+                float4 v_ = *(float4*)(S_f + ((i_2 * 8) + (vec * 4)));
+                float4 __2;
+                uint2 v__1 = *(uint2*)(K_local_cast + (vec * 4));
+                ((float2*)(&__2))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
+                ((float2*)(&__2))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
+                __1.x = (v_.x+__2.x);
+                __1.y = (v_.y+__2.y);
+                __1.z = (v_.z+__2.z);
+                __1.w = (v_.w+__2.w);
+              *(float4*)(S_f + ((i_2 * 8) + (vec * 4))) = __1;
+            }
+          }
+        }
       }
-      *(uint4*)(K_local_cast + 0) = condval_3;
-      for (int i_1 = 0; i_1 < 2; ++i_1) {
-        float4 __1;
-          float4 v_ = *(float4*)(acc + (i_1 * 4));
-          float4 __2;
-          uint2 v__1 = *(uint2*)(K_local_cast + (i_1 * 4));
-          ((float2*)(&__2))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
-          ((float2*)(&__2))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
-          __1.x = (v_.x+__2.x);
-          __1.y = (v_.y+__2.y);
-          __1.z = (v_.z+__2.z);
-          __1.w = (v_.w+__2.w);
-        *(float4*)(acc + (i_1 * 4)) = __1;
+    }
+    #pragma unroll
+    for (int i_3 = 0; i_3 < 4; ++i_3) {
+      *(float4*)(S_s + ((((i_3 >> 1) * 1024) + (((int)threadIdx.x) * 8)) + ((i_3 & 1) * 4))) = *(float4*)(S_f + (i_3 * 4));
+    }
+    __syncthreads();
+    int rmod_2 = (window % part);
+    int rdiv_2 = (window / part);
+    for (int q = 0; q < ((((0 <= part) && (0 <= rmod_2)) || ((part < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1)); ++q) {
+      #pragma unroll
+      for (int i_4 = 0; i_4 < 2; ++i_4) {
+        if (((i_4 * 8) + (((int)threadIdx.x) >> 4)) < iv[2]) {
+          float4 __3;
+            float4 v__2 = *(float4*)(acc + (i_4 * 4));
+            int64_t rmod_3 = (((int64_t)stride) % ((int64_t)part));
+            int64_t rdiv_3 = (((int64_t)stride) / ((int64_t)part));
+            int64_t rmod_4 = (((int64_t)stride) % ((int64_t)part));
+            int64_t rdiv_4 = (((int64_t)stride) / ((int64_t)part));
+            float4 v__3 = *(float4*)(S_s + ((((((((int64_t)i_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * (((((int64_t)0 <= ((int64_t)part)) && ((int64_t)0 <= rmod_4)) || ((((int64_t)part) < (int64_t)0) && (rmod_4 <= (int64_t)0))) ? rdiv_4 : (rdiv_4 - (int64_t)1))) * (int64_t)64) + (((int64_t)q) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)));
+            __3.x = (v__2.x+v__3.x);
+            __3.y = (v__2.y+v__3.y);
+            __3.z = (v__2.z+v__3.z);
+            __3.w = (v__2.w+v__3.w);
+          *(float4*)(acc + (i_4 * 4)) = __3;
+        }
+      }
+    }
+  } else {
+    if (0 < iv[2]) {
+      for (int t_1 = 0; t_1 < window; ++t_1) {
+        #pragma unroll
+        for (int i_5 = 0; i_5 < 2; ++i_5) {
+          bfloat16_t K_local_cast_1[4];
+          if (((i_5 * 8) + (((int)threadIdx.x) >> 4)) < iv[2]) {
+            bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+            uint2 condval_4;
+            if (((0 <= ((iv[0] + (((i_5 * 8) + (((int)threadIdx.x) >> 4)) * stride)) + t_1)) && (((iv[0] + (((i_5 * 8) + (((int)threadIdx.x) >> 4)) * stride)) + t_1) < total_k))) {
+              condval_4 = *(uint2*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((int64_t)iv[(int64_t)0]) + (((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)stride))) + ((int64_t)t_1)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)));
+            } else {
+              condval_4 = make_uint2(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+            }
+            *(uint2*)(K_local_cast_1 + 0) = condval_4;
+          }
+          if (((i_5 * 8) + (((int)threadIdx.x) >> 4)) < iv[2]) {
+            float4 __4;
+              float4 v__4 = *(float4*)(acc + (i_5 * 4));
+              float4 __5;
+              uint2 v__5 = *(uint2*)(K_local_cast_1 + 0);
+              ((float2*)(&__5))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__5))[0]);
+              ((float2*)(&__5))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__5))[1]);
+              __4.x = (v__4.x+__5.x);
+              __4.y = (v__4.y+__5.y);
+              __4.z = (v__4.z+__5.z);
+              __4.w = (v__4.w+__5.w);
+            *(float4*)(acc + (i_5 * 4)) = __4;
+          }
+        }
       }
     }
   }
-  {
-    bfloat16_t C_local_cast_1[8];
-    if (((((int)blockIdx.x) * 16) + (((int)threadIdx.x) >> 3)) < n) {
-      for (int i_2 = 0; i_2 < 2; ++i_2) {
-        uint2 __3;
-        float4 __4;
-          float4 v__2 = *(float4*)(acc + (i_2 * 4));
-          float4 v__3 = make_float4(((float)window), ((float)window), ((float)window), ((float)window));
-          __4.x = (v__2.x/v__3.x);
-          __4.y = (v__2.y/v__3.y);
-          __4.z = (v__2.z/v__3.z);
-          __4.w = (v__2.w/v__3.w);
-        (reinterpret_cast<__nv_bfloat162*>(&__3))[0] = __float22bfloat162_rn(((float2*)(&__4))[0]);
-        (reinterpret_cast<__nv_bfloat162*>(&__3))[1] = __float22bfloat162_rn(((float2*)(&__4))[1]);
-        *(uint2*)(C_local_cast_1 + (i_2 * 4)) = __3;
-      }
-      if (0 <= (((((int)blockIdx.x) * 16) + (((int)threadIdx.x) >> 3)) + c0)) {
-        if ((((((int)blockIdx.x) * 16) + (((int)threadIdx.x) >> 3)) + c0) < total_c) {
-          *(uint4*)(C + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)c0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))) = *(uint4*)(C_local_cast_1 + 0);
+  #pragma unroll
+  for (int i_6 = 0; i_6 < 2; ++i_6) {
+    bfloat16_t C_local_cast_2[4];
+    if (((i_6 * 8) + (((int)threadIdx.x) >> 4)) < iv[2]) {
+      uint2 __6;
+      float4 __7;
+        float4 v__6 = *(float4*)(acc + (i_6 * 4));
+        float4 v__7 = make_float4(((float)window), ((float)window), ((float)window), ((float)window));
+        __7.x = (v__6.x/v__7.x);
+        __7.y = (v__6.y/v__7.y);
+        __7.z = (v__6.z/v__7.z);
+        __7.w = (v__6.w/v__7.w);
+      (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+      (reinterpret_cast<__nv_bfloat162*>(&__6))[1] = __float22bfloat162_rn(((float2*)(&__7))[1]);
+      *(uint2*)(C_local_cast_2 + 0) = __6;
+    }
+    if (((i_6 * 8) + (((int)threadIdx.x) >> 4)) < iv[2]) {
+      if (0 <= (((i_6 * 8) + (((int)threadIdx.x) >> 4)) + iv[1])) {
+        if ((((i_6 * 8) + (((int)threadIdx.x) >> 4)) + iv[1]) < total_c) {
+          *(uint2*)(C + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_6) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4))) = *(uint2*)(C_local_cast_2 + 0);
         }
       }
     }
@@ -113,10 +195,16 @@ extern "C" const char* infllmv2_compress_keys_bf16_d64_sm80_last_error() {
 extern "C" int infllmv2_compress_keys_bf16_d64_sm80_init() {
     error_buf[0] = '\0';
     
+    cudaError_t result_infllmv2_compress_keys_bf16_d64_sm80_kernel = cudaFuncSetAttribute(infllmv2_compress_keys_bf16_d64_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 8192);
+    if (result_infllmv2_compress_keys_bf16_d64_sm80_kernel != cudaSuccess) {
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 8192, cudaGetErrorString(result_infllmv2_compress_keys_bf16_d64_sm80_kernel));
+        return -1;
+    }
+
     return 0;
 }
 
-extern "C" int infllmv2_compress_keys_bf16_d64_sm80_call(bfloat16_t* __restrict__ K, int* __restrict__ cu_seqlens_k, int* __restrict__ cu_seqlens_c, bfloat16_t* __restrict__ C, int batch, int max_nc, int window, int stride, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream) {
+extern "C" int infllmv2_compress_keys_bf16_d64_sm80_call(bfloat16_t* __restrict__ K, int* __restrict__ cu_seqlens_k, int* __restrict__ cu_seqlens_c, bfloat16_t* __restrict__ C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -128,8 +216,8 @@ extern "C" int infllmv2_compress_keys_bf16_d64_sm80_call(bfloat16_t* __restrict_
 		config.stream = stream;
 		config.gridDim = dim3((max_nc + 15) / 16, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 0;
-		cudaLaunchKernelEx(&config, infllmv2_compress_keys_bf16_d64_sm80_kernel, C, K, cu_seqlens_c, cu_seqlens_k, batch, batch_plus_one, heads_k, max_nc, stride, total_c, total_k, window);
+		config.dynamicSmemBytes = 8192;
+		cudaLaunchKernelEx(&config, infllmv2_compress_keys_bf16_d64_sm80_kernel, C, K, cu_seqlens_c, cu_seqlens_k, batch, batch_plus_one, heads_k, max_nc, part, stride, total_c, total_k, window);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_compress_keys_bf16_d64_sm80_kernel");
 
