@@ -1,6 +1,7 @@
 // The library-wide part of the C ABI: version, build info, errors, arch override.
 #include "runtime.h"
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdint>
@@ -109,6 +110,28 @@ infllmv2_status current_device(const char* op, Device* dev) {
   }
   dev->cc = 10 * major + minor;
   return INFLLMV2_OK;
+}
+
+infllmv2_status device_sms(const char* op, int* sms) {
+  Device dev;
+  infllmv2_status st = current_device(op, &dev);
+  if (st != INFLLMV2_OK) return st;
+  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev.index) != cudaSuccess) {
+    cudaGetLastError();
+    return fail(INFLLMV2_ERR_CUDA, "%s: could not read the multiprocessor count of device %d", op, dev.index);
+  }
+  return INFLLMV2_OK;
+}
+
+int resolve_splits(int32_t num_splits, int64_t ctas, int64_t useful, int sms, int max_splits) {
+  int64_t s;
+  if (num_splits > 0) {
+    s = num_splits;
+  } else {
+    if (ctas <= 0 || ctas >= sms) return 1;
+    s = std::min<int64_t>(2 * (int64_t)sms / ctas, useful);
+  }
+  return (int)std::max<int64_t>(1, std::min<int64_t>(s, max_splits));
 }
 
 infllmv2_status check_device_pointer(const char* op, const char* name, const void* ptr, const Device& dev) {

@@ -45,6 +45,14 @@ struct Device {
 };
 infllmv2_status current_device(const char* op, Device* dev);
 
+// The current device's multiprocessor count (the split-KV ops size their grids by it).
+infllmv2_status device_sms(const char* op, int* sms);
+
+// The splits a split op (sparse_decode, select_decode) runs: the caller's num_splits when > 0;
+// else 1 when the ctas alone reach the multiprocessors, otherwise the most that keep ctas x
+// splits within twice them, at most `useful` (what the work can feed); capped to [1, max_splits].
+int resolve_splits(int32_t num_splits, int64_t ctas, int64_t useful, int sms, int max_splits);
+
 // Checks that ptr is device memory of dev (not host, not another GPU). `name` is the
 // argument's name in the C ABI.
 infllmv2_status check_device_pointer(const char* op, const char* name, const void* ptr, const Device& dev);

@@ -65,20 +65,6 @@ bool layout_ok(int32_t batch, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_
          heads % heads_k == 0 && heads / heads_k <= kTileRows;
 }
 
-// The number of splits a call runs: the caller's (capped), or the most that keep tiles x splits
-// within twice the device's multiprocessors with kMinChunksPerSplit chunks each. 1 means the
-// call is infllmv2_select_blocks_from_keys'.
-int resolve_splits(int32_t num_splits, int64_t ctas, int64_t chunks, int sms) {
-  int s;
-  if (num_splits > 0) {
-    s = num_splits;
-  } else {
-    if (ctas <= 0 || ctas >= sms) return 1;
-    s = (int)std::min<int64_t>(2 * (int64_t)sms / ctas, (chunks + kMinChunksPerSplit - 1) / kMinChunksPerSplit);
-  }
-  return std::max(1, std::min(s, kMaxSplits));
-}
-
 }  // namespace
 
 extern "C" INFLLMV2_API int32_t infllmv2_select_decode_splits(int32_t batch, int32_t max_seqlen_q,
@@ -86,18 +72,12 @@ extern "C" INFLLMV2_API int32_t infllmv2_select_decode_splits(int32_t batch, int
                                                               int32_t num_splits) {
   if (num_splits < 0 || !layout_ok(batch, max_seqlen_q, max_seqlen_k, heads, heads_k)) return 0;
   int sms = 0;
-  if (num_splits == 0) {
-    Device dev;
-    if (current_device("infllmv2_select_decode_splits", &dev) != INFLLMV2_OK ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.index) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-  }
+  if (num_splits == 0 && device_sms("infllmv2_select_decode_splits", &sms) != INFLLMV2_OK) return 0;
   const int T = tile_T(heads / heads_k, n_blocks_of(max_seqlen_k), kMinScoreCap);
   const int64_t ctas = (int64_t)batch * ((max_seqlen_q + T - 1) / T) * heads_k;
   const int64_t chunks = (windows(max_seqlen_k, kFineW, kFineS) + 63) / 64;
-  return resolve_splits(num_splits, ctas, chunks, sms);
+  // at least kMinChunksPerSplit chunks a split
+  return resolve_splits(num_splits, ctas, (chunks + kMinChunksPerSplit - 1) / kMinChunksPerSplit, sms, kMaxSplits);
 }
 
 extern "C" INFLLMV2_API size_t infllmv2_select_decode_workspace_size(int32_t batch, int64_t total_q, int64_t total_k,

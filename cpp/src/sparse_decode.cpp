@@ -17,25 +17,11 @@ constexpr int kMinBlocksPerSplit = 4;
 constexpr int kTileRows = 64;   // dsl BLOCK_M: a tile is min(64 / G, kTileTokens) tokens x G heads
 constexpr int kTileTokens = 4;  // dsl T_MAX, checked against the unit at launch
 
-// The number of splits a call runs: the caller's (capped), or the most that keep tiles x
-// splits within twice the device's multiprocessors, each split keeping kMinBlocksPerSplit
-// blocks. 1 means the call is infllmv2_sparse_attn_fwd's, with no workspace. (H100, one token
-// a sequence, K = 96, G = 16, CUDA graphs: batch 1, 8, 32 ran fastest at 24-32, 16 and 4
-// splits, what this picks, within 5%: 24, 16, 4; rounding up instead had picked 17 and 5, 11%
-// and 4% slower; benchmarks/NOTES.md.)
-int resolve_splits(int32_t num_splits, int64_t ctas, int32_t topk, int sms) {
-  const int by_blocks = (topk + kMinBlocksPerSplit - 1) / kMinBlocksPerSplit;
-  int s;
-  if (num_splits > 0) {
-    s = num_splits;
-  } else {
-    if (ctas <= 0 || ctas >= sms) return 1;
-    s = (int)(2 * (int64_t)sms / ctas);
-    if (s > by_blocks) s = by_blocks;
-  }
-  if (s > kMaxSplits) s = kMaxSplits;
-  return s < 1 ? 1 : s;
-}
+// The split rule is resolve_splits' (runtime.h) with at least kMinBlocksPerSplit blocks a split.
+// 1 means the call is infllmv2_sparse_attn_fwd's, with no workspace. (H100, one token a
+// sequence, K = 96, G = 16, CUDA graphs: batch 1, 8, 32 ran fastest at 24-32, 16 and 4 splits,
+// what this picks, within 5%: 24, 16, 4; rounding up instead had picked 17 and 5, 11% and 4%
+// slower; benchmarks/NOTES.md.)
 
 // Workspace: O partials fp32 (splits x total_q, heads, head_dim), then at a 256-byte boundary
 // the LSE partials fp32 (heads, splits x total_q).
@@ -46,17 +32,6 @@ size_t decode_bytes(int splits, int64_t total_q, int32_t heads, int32_t head_dim
   if (splits <= 1) return 0;
   return align256(o_part_bytes(splits, total_q, heads, head_dim)) +
          (size_t)splits * (size_t)total_q * (size_t)heads * sizeof(float);
-}
-
-infllmv2_status device_sms(const char* op, int* sms) {
-  Device dev;
-  infllmv2_status st = current_device(op, &dev);
-  if (st != INFLLMV2_OK) return st;
-  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev.index) != cudaSuccess) {
-    cudaGetLastError();
-    return fail(INFLLMV2_ERR_CUDA, "%s: could not read the multiprocessor count of device %d", op, dev.index);
-  }
-  return INFLLMV2_OK;
 }
 
 int64_t ctas_of(int32_t batch, int32_t max_seqlen_q, int32_t heads, int32_t heads_k) {
@@ -74,7 +49,8 @@ extern "C" INFLLMV2_API int32_t infllmv2_sparse_decode_splits(int32_t batch, int
   if (num_splits < 0 || topk < 1) return 0;
   int sms = 0;
   if (num_splits == 0 && device_sms("infllmv2_sparse_decode_splits", &sms) != INFLLMV2_OK) return 0;
-  return resolve_splits(num_splits, ctas_of(batch, max_seqlen_q, heads, heads_k), topk, sms);
+  return resolve_splits(num_splits, ctas_of(batch, max_seqlen_q, heads, heads_k),
+                        (topk + kMinBlocksPerSplit - 1) / kMinBlocksPerSplit, sms, kMaxSplits);
 }
 
 extern "C" INFLLMV2_API size_t infllmv2_sparse_decode_workspace_size(int64_t total_q, int32_t heads, int32_t head_dim,

@@ -371,14 +371,19 @@ def _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, block_si
 _MAX_DECODE_SPLITS = 64
 
 
+def _splits_or_raise(fn, splits):
+    """A split query's answer; its 0 (no device to ask) raised with the library's message."""
+    if splits == 0:
+        raise _lib.Infllmv2Error(_lib.ERR_CUDA, f"{fn}: " + _lib.lib().infllmv2_last_error().decode())
+    return splits
+
+
 def sparse_decode_splits(q, k, topk_idx, cu_seqlens_q, max_seqlen_q, num_splits=0) -> int:
     """The splits sparse_decode runs on q's device (``num_splits`` 0: its own choice)."""
     with torch.cuda.device(q.device):
         splits = _lib.lib().infllmv2_sparse_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, q.shape[1], k.shape[1],
                                                           topk_idx.shape[2], num_splits)
-    if splits == 0:
-        raise _lib.Infllmv2Error(_lib.ERR_CUDA, "infllmv2_sparse_decode_splits: " + _lib.lib().infllmv2_last_error().decode())
-    return splits
+    return _splits_or_raise("infllmv2_sparse_decode_splits", splits)
 
 
 def sparse_decode_workspace_floats(q, splits) -> int:
@@ -739,9 +744,7 @@ def select_decode_splits(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_spl
     with torch.cuda.device(q.device):
         splits = _lib.lib().infllmv2_select_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
                                                           q.shape[1], k.shape[1], num_splits)
-    if splits == 0:
-        raise _lib.Infllmv2Error(_lib.ERR_CUDA, "infllmv2_select_decode_splits: " + _lib.lib().infllmv2_last_error().decode())
-    return splits
+    return _splits_or_raise("infllmv2_select_decode_splits", splits)
 
 
 @torch.library.custom_op("infllmv2::select_decode", mutates_args=())
