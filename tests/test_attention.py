@@ -8,8 +8,8 @@ import torch
 
 import infllmv2
 from infllmv2 import SparseConfig, reference
-from infllmv2.testing import (GRAD_FLOOR, assert_close_to_reference, cu_seqlens, oracle_block_scores, random_tokens,
-                              selection_mismatch)
+from infllmv2.testing import (GRAD_FLOOR, assert_close_to_reference, cu_seqlens, no_host_sync, oracle_block_scores,
+                              random_tokens, selection_mismatch)
 
 # small enough for the CPU reference: 64-token blocks, a 2-block window, 3 scored blocks
 SMALL = SparseConfig(dense_len=300, window_size=128, topk=3)
@@ -175,13 +175,9 @@ def test_cuda_sparse_path_without_host_reads_and_torch_compile_fullgraph():
 
     want = f(q, k, v)
     want_grads = torch.autograd.grad(want.float().sum(), (q, k, v))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         out = f(q, k, v)
         grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert torch.equal(out, want)
     for g, w in zip(grads, want_grads):
         assert torch.equal(g, w)

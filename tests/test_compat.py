@@ -18,6 +18,7 @@ from infllmv2.testing import (
     assert_close_to_reference,
     cu_seqlens,
     max_seqlen,
+    no_host_sync,
     random_tokens,
     selection_mismatch,
 )
@@ -406,14 +407,10 @@ def test_cuda_calls_do_not_synchronise():
     ck, cu_c = infllmv2.compress_keys(k, cu_k, 32, 16)
     nk, cu_n = infllmv2.compress_keys(k, cu_k, 128, 64)
     max_c, cache_cpu = max_seqlen(cu_c), cache.cpu()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         S = compat.infllmv2_attn_stage1(q, ck, nk, cu_q, cu_c, cu_n, max(lq), max_c, causal=True, cache_lens=cache)
         blocks = compat.max_pooling_1d_varlen(S, cu_q, cu_c, cache_cpu, max(lq), max_c, LOCAL, INIT)
         idx = blocks.topk(K, dim=-1).indices.to(torch.int32)
         out = compat.infllmv2_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=True, topk_idx=idx)
         (dq,) = torch.autograd.grad(out.float().sum(), (q,))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert not torch.isnan(dq).any() and not torch.isnan(out).any()

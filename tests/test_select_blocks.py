@@ -12,7 +12,8 @@ import torch
 import infllmv2
 from infllmv2 import _lib, reference
 from infllmv2.ops import group_scores_launch, max_pool_blocks_launch, select_blocks_launch
-from infllmv2.testing import cu_seqlens, max_seqlen, random_tokens, scores_mismatch, selection_mismatch
+from infllmv2.testing import (cu_seqlens, max_seqlen, no_host_sync, random_tokens, scores_mismatch,
+                              selection_mismatch)
 
 HQ_FOR_G = {1: 2, 2: 4, 4: 8, 8: 8, 16: 16, 32: 32}
 LENGTH_MIXES = {
@@ -169,13 +170,9 @@ def test_select_blocks_without_host_reads(phsa):
     mask = (torch.rand(sum(lk), device="cuda") < 0.2) if phsa else None
     for approx in (True, False):
         want = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=40, approx_lse=approx, punct_mask=mask)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             got = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=40, approx_lse=approx, punct_mask=mask,
                                          max_seqlen_q=max(lq), max_seqlen_k=max(lk))
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         assert torch.equal(got, want), f"approx={approx}: the host-free path picks differently"
     # an upper bound beyond every sequence (and beyond the keys there are) is fine too
     got = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=40, punct_mask=mask, max_seqlen_q=max(lq),

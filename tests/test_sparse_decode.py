@@ -7,7 +7,8 @@ import infllmv2
 from infllmv2 import _lib, reference
 from infllmv2.ops import (sort_topk_idx, sparse_attn_fwd_launch, sparse_decode_launch, sparse_decode_splits,
                           sparse_decode_workspace_floats)
-from infllmv2.testing import assert_close_to_reference, cu_seqlens, max_seqlen, random_tokens, realistic_topk
+from infllmv2.testing import (assert_close_to_reference, assert_sparse_forward_close, cu_seqlens, max_seqlen,
+                              no_host_sync, random_tokens, realistic_topk)
 
 # (query lengths, key lengths): one decoding token a sequence against caches of 1, 63, 64, 65
 # and mixed keys; a few tokens a sequence (speculative decoding, tiles of several tokens); and
@@ -44,13 +45,7 @@ def _decode_poisoned(q, k, v, cu_q, cu_k, idx, splits):
 
 def _check_against_reference(q, k, v, cu_q, cu_k, idx, splits, what):
     out, lse = _decode_poisoned(q, k, v, cu_q, cu_k, idx, splits)
-    torch.cuda.synchronize()
-    ref32 = reference.sparse_attn_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, idx)
-    lowp = reference.sparse_attn_varlen(q, k, v, cu_q, cu_k, idx)
-    fin = torch.isfinite(ref32[1])
-    assert torch.equal(torch.isfinite(lse), fin), f"{what}: lse -inf rows differ"
-    assert_close_to_reference(out, lowp[0], ref32[0], what=f"{what} out")
-    assert_close_to_reference(lse[fin], lowp[1][fin], ref32[1][fin], what=f"{what} lse")
+    assert_sparse_forward_close(out, lse, q, k, v, cu_q, cu_k, idx, what)
     return out, lse
 
 
@@ -156,12 +151,8 @@ def test_attention_decodes_through_the_split_forward():
     cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
     with torch.no_grad():
         # with the lengths given, no host synchronisation (a decoding step can be captured)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             out = infllmv2.attention(q, k, v, cu_q, cu_k, 1, 20000, config=cfg)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         # the selection attention makes (split too: see test_select_decode)
         idx = infllmv2.select_decode(q, k, cu_q, cu_k, topk=cfg.num_selected, local_blocks=cfg.local_blocks)
         assert torch.equal(out, infllmv2.sparse_decode(q, k, v, cu_q, cu_k, idx))

@@ -7,6 +7,8 @@ result is judged against it: the kernel's error against an fp32 reference must b
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -89,6 +91,19 @@ def assert_close_to_reference(out, lowp, ref32, factor=2.0, what="output", floor
 
 
 # ---------------------------------------------------------------------------- stage-2 workloads
+
+
+def assert_sparse_forward_close(out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, what):
+    """A stage-2 forward's ``out`` and ``lse`` against ``reference.sparse_attn_varlen`` by the error
+    rule; rows with no visible key must have lse -inf exactly where the fp32 reference does."""
+    from . import reference
+
+    ref32 = reference.sparse_attn_varlen(q.float(), k.float(), v.float(), cu_seqlens_q, cu_seqlens_k, topk_idx)
+    lowp = reference.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx)
+    fin = torch.isfinite(ref32[1])
+    assert torch.equal(torch.isfinite(lse), fin), f"{what}: lse -inf rows differ"
+    assert_close_to_reference(out, lowp[0], ref32[0], what=f"{what} out")
+    assert_close_to_reference(lse[fin], lowp[1][fin], ref32[1][fin], what=f"{what} lse")
 
 
 def realistic_topk(lengths_q, lengths_k, heads_k, topk, block=64, init_blocks=1, local_blocks=32, shared_extra=4,
@@ -283,3 +298,15 @@ def assert_norm_close_to_reference(out, lowp, ref32, factor=2.0, what="output", 
     ok, err, base = within_norm_error_rule(out, lowp, ref32, factor, floor)
     assert ok, (f"{what}: relative error {err:.3g} > {factor} x PyTorch {lowp.dtype} relative error {base:.3g}"
                 f" + floor {floor:.3g}")
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raises if the body synchronises the host with the GPU (torch's sync debug mode), as a
+    CUDA-graph capture or a decoding loop needs; waits for earlier work first."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
