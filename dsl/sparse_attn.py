@@ -368,18 +368,45 @@ def _union_buffers(T_MAX, threads):
 
 
 @T.macro
+def block_step(Q_s, K_s, V_s, um, blk, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum,
+               l_sum, scale_log2):
+    """The forward's work on one loaded K/V block: masked scores, online softmax, P V."""
+    mask_scores(acc_s, um, n_tok, blk, p0, rtok)
+    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+    softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2)
+    T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+
+@T.macro
 def walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o,
-                    m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, stages):
+                    m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, stages, key_row=None, len_k=None,
+                    n_full=None):
     """The forward of one tile over its union's n_it blocks, each K and V block loaded by the
-    tile itself (_fwd, and _fwd_pair's tiles that walk alone)."""
-    for it in T.Pipelined(n_it, num_stages=stages):
+    tile itself (_fwd, and _fwd_pair's tiles that walk alone). ``key_row(it, blk)``, the row of K
+    and V holding the first key of block blk (the it-th walked), is ``k0 + blk * BLOCK_N`` unless
+    given (a paged cache).
+    With ``len_k`` (a cache), only the first ``n_full`` blocks are whole: the one after them, if
+    any, is the sequence's last block, whose rows past its keys load as zeros. In a cache they
+    hold whatever the memory held (NaN too), and a masked score or probability times NaN is NaN;
+    packed sequences need none of this (rows past one are the next one's keys). The whole blocks
+    keep the pipelined copies, which a conditional load would serialise."""
+    for it in T.Pipelined(n_it if n_full is None else n_full, num_stages=stages):
         blk = ublk_s[it]
-        T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
-        T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
-        mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
-        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2)
-        T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+        r0 = k0 + blk * BLOCK_N if key_row is None else key_row(it, blk)
+        T.copy(K[r0 : r0 + BLOCK_N, hk, :], K_s)
+        T.copy(V[r0 : r0 + BLOCK_N, hk, :], V_s)
+        block_step(Q_s, K_s, V_s, umask_s[it], blk, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe,
+                   r_scale, r_sum, l_sum, scale_log2)
+    if len_k is not None:
+        for it in T.serial(n_full, n_it):
+            blk = ublk_s[it]
+            r0 = key_row(it, blk)
+            for r, d in T.Parallel(BLOCK_N, K_s.shape[1]):
+                K_s[r, d] = T.if_then_else(blk * BLOCK_N + r < len_k, K[r0 + r, hk, d], T.cast(0, K_s.dtype))
+            for r, d in T.Parallel(BLOCK_N, V_s.shape[1]):
+                V_s[r, d] = T.if_then_else(blk * BLOCK_N + r < len_k, V[r0 + r, hk, d], T.cast(0, V_s.dtype))
+            block_step(Q_s, K_s, V_s, umask_s[it], blk, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o, m_prev, m_cur,
+                       m_safe, r_scale, r_sum, l_sum, scale_log2)
 
 
 def _fwd_signature(dtype, D):

@@ -33,7 +33,7 @@ T_MAX = SMALL_TOKENS
 COMBINE_ROWS = 4  # query rows (token, head) a combine block merges: a warp each
 MAX_SPLITS = 64
 
-KERNELS = ("fwd", "combine")
+KERNELS = ("fwd", "kvcache", "combine")
 VARIANTS = [
     {"kernel": kernel, "dtype": dtype, "head_dim": head_dim}
     for kernel in KERNELS
@@ -51,17 +51,98 @@ def pass_configs(kernel, arch, dtype=None, head_dim=None):
     # as sparse_attn's forward: the union prologue indexes by thread, so no warp specialisation
     from tilelang import PassConfigKey
 
-    return {PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True} if kernel == "fwd" else {}
+    return {PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True} if kernel != "combine" else {}
 
 
 def unit_constants(kernel, arch, dtype=None, head_dim=None):
-    if kernel == "fwd":
+    if kernel != "combine":
         return {"block_m": BLOCK_M, "t_max": T_MAX, "max_splits": MAX_SPLITS}
     return {"rows": COMBINE_ROWS}
 
 
 def program(kernel, arch, dtype, head_dim):
-    return {"fwd": _fwd, "combine": _combine}[kernel](dtype, head_dim)
+    return {"fwd": _fwd, "kvcache": _kvcache, "combine": _combine}[kernel](dtype, head_dim)
+
+
+@T.macro
+def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, k0, len_q, len_k, groups, tile_tokens,
+                scale_log2, splits, key_row=None):
+    """One (tile, split) of the split forward: the tile's union, this split's range of it walked,
+    the range's normalised O and LSE written to the partial rows split * total_q + token.
+    ``key_row`` maps a block to its first row of K and V in a cache (None: packed keys)."""
+    threads = 128
+    dtype = Q.dtype
+    D = Q.shape[2]
+    Q_s = T.alloc_shared([BLOCK_M, D], dtype)
+    K_s = T.alloc_shared([BLOCK_N, D], dtype)
+    V_s = T.alloc_shared([BLOCK_N, D], dtype)
+    idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, bm_s = _union_buffers(T_MAX, threads)
+    n_it = T.alloc_var("int32")
+    lo = T.alloc_var("int32")
+    if key_row is not None:
+        n_full = T.alloc_var("int32")
+        part_at = T.alloc_shared([1], "int32")
+        rows_s = T.alloc_shared([T_MAX * K_MAX], "int32")
+    acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum = _fwd_state(dtype, D)
+    rtok = T.alloc_fragment([BLOCK_M], "int32")
+
+    tx = T.get_thread_binding()
+    # computed once: as expressions, every use of t0 would divide by the run-time splits
+    t0 = T.alloc_var("int32")
+    split = T.alloc_var("int32")
+    t0 = (bx // splits) * tile_tokens
+    split = bx % splits
+    n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
+    p0 = len_k - len_q + t0
+    total_q = Q.shape[0]
+
+    if n_tok > 0:
+        load_rows(Q, Q_s, q0 + t0, hk, n_tok, groups)
+        tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s,
+                   n_union, my_keep, my_mask, bm_s)
+        # this split's range of the union, moved to the front of the (now free) scratch
+        # buffers: ranges differ by at most one block
+        n_it = n_union[0] // splits + T.if_then_else(split < n_union[0] % splits, 1, 0)
+        lo = split * (n_union[0] // splits) + T.min(split, n_union[0] % splits)
+        if key_row is None:
+            for e in T.serial(T_MAX * K_MAX // threads):
+                i = e * threads + tx
+                if i < n_it:
+                    idx_s[i] = ublk_s[lo + i]
+                    keep_s[i] = umask_s[lo + i]
+        else:
+            # a cache's partial last block, if in the range, goes last: walk_tile_union loads it
+            # apart (rows past the keys as zeros), the others by pipelined copies
+            if tx == 0:
+                part_at[0] = n_it
+            T.sync_threads()
+            for e in T.serial(T_MAX * K_MAX // threads):
+                i = e * threads + tx
+                if i < n_it and len_k % BLOCK_N != 0 and ublk_s[lo + i] == len_k // BLOCK_N:
+                    part_at[0] = i
+            T.sync_threads()
+            for e in T.serial(T_MAX * K_MAX // threads):
+                i = e * threads + tx
+                src = T.if_then_else(i < part_at[0], i, T.if_then_else(i == n_it - 1, part_at[0], i + 1))
+                if i < n_it:
+                    idx_s[i] = ublk_s[lo + src]
+                    keep_s[i] = umask_s[lo + src]
+                    # each block's cache row, looked up by all threads at once: read by the walk
+                    # block by block, every table read would delay its block's copies
+                    rows_s[i] = key_row(ublk_s[lo + src])
+            n_full = n_it - T.if_then_else(part_at[0] < n_it, 1, 0)
+        T.sync_threads()
+        for r in T.Parallel(BLOCK_M):
+            rtok[r] = T.if_then_else(r < n_tok * groups, r // groups, 31)
+        T.fill(acc_o, 0)
+        T.fill(l_sum, 0)
+        T.fill(m_cur, NEG_INF)
+        walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, idx_s, keep_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
+                        acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, 1,
+                        None if key_row is None else (lambda it, blk: rows_s[it]),
+                        None if key_row is None else len_k, None if key_row is None else n_full)
+        store_out(acc_o, l_sum, m_cur, O_part, LSE_part, split * total_q + q0 + t0, hk, n_tok, groups,
+                  scale_log2)
 
 
 def _fwd(dtype, D):
@@ -87,54 +168,69 @@ def _fwd(dtype, D):
         splits: T.int32,
     ):
         with T.Kernel(max_tiles * splits, batch, sig["K"].shape[1], threads=threads) as (bx, b, hk):
-            Q_s = T.alloc_shared([BLOCK_M, D], dtype)
-            K_s = T.alloc_shared([BLOCK_N, D], dtype)
-            V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, bm_s = _union_buffers(T_MAX, threads)
-            n_it = T.alloc_var("int32")
-            lo = T.alloc_var("int32")
-            acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum = _fwd_state(dtype, D)
-            rtok = T.alloc_fragment([BLOCK_M], "int32")
-
-            tx = T.get_thread_binding()
-            # computed once: as expressions, every use of t0 would divide by the run-time splits
-            t0 = T.alloc_var("int32")
-            split = T.alloc_var("int32")
-            t0 = (bx // splits) * tile_tokens
-            split = bx % splits
             q0 = cu_seqlens_q[b]
             k0 = cu_seqlens_k[b]
-            len_q = cu_seqlens_q[b + 1] - q0
-            len_k = cu_seqlens_k[b + 1] - k0
-            n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
-            p0 = len_k - len_q + t0
-            total_q = sig["Q"].shape[0]
-
-            if n_tok > 0:
-                load_rows(Q, Q_s, q0 + t0, hk, n_tok, groups)
-                tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s,
-                           n_union, my_keep, my_mask, bm_s)
-                # this split's range of the union, moved to the front of the (now free) scratch
-                # buffers: ranges differ by at most one block
-                n_it = n_union[0] // splits + T.if_then_else(split < n_union[0] % splits, 1, 0)
-                lo = split * (n_union[0] // splits) + T.min(split, n_union[0] % splits)
-                for e in T.serial(T_MAX * K_MAX // threads):
-                    i = e * threads + tx
-                    if i < n_it:
-                        idx_s[i] = ublk_s[lo + i]
-                        keep_s[i] = umask_s[lo + i]
-                T.sync_threads()
-                for r in T.Parallel(BLOCK_M):
-                    rtok[r] = T.if_then_else(r < n_tok * groups, r // groups, 31)
-                T.fill(acc_o, 0)
-                T.fill(l_sum, 0)
-                T.fill(m_cur, NEG_INF)
-                walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, idx_s, keep_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
-                                acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, 1)
-                store_out(acc_o, l_sum, m_cur, O_part, LSE_part, split * total_q + q0 + t0, hk, n_tok, groups,
-                          scale_log2)
+            _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, k0, cu_seqlens_q[b + 1] - q0,
+                        cu_seqlens_k[b + 1] - k0, groups, tile_tokens, scale_log2, splits)
 
     return sparse_decode_fwd
+
+
+def _cache_rows(block_table, b, page_size, pages_per_seq, num_pages):
+    """The first cache row of block blk of sequence b, for a paged cache or a padded one
+    (pages_per_seq 0: page b); page numbers are clamped into the cache, so a bad table reads
+    wrong keys, never past it."""
+
+    def cache_row(blk):
+        page = T.if_then_else(
+            pages_per_seq > 0,
+            T.clamp(block_table[b * pages_per_seq + blk * BLOCK_N // page_size], 0, num_pages - 1), b)
+        return page * page_size + blk * BLOCK_N % page_size
+
+    return cache_row
+
+
+def _kvcache(dtype, D):
+    """fwd over a KV cache: each sequence's keys are rows of pages (block_table) or its own rows
+    of a padded cache, cache_seqlens[b] of them."""
+    threads = 128
+    accum = "float32"
+    topk, sig = _fwd_signature(dtype, D)
+    del sig["O"], sig["LSE"], sig["cu_seqlens_k"]
+    part_rows = T.dynamic("part_rows")  # splits x total_q
+    table_len = T.dynamic("table_len")
+    heads = sig["Q"].shape[1]
+    batch_dim = T.dynamic("batch")
+    tile_union = _make_tile_union(topk, threads, T_MAX)
+
+    @T.prim_func
+    def sparse_decode_kvcache(
+        Q: sig["Q"], K: sig["K"], V: sig["V"], topk_idx: sig["topk_idx"], cu_seqlens_q: sig["cu_seqlens_q"],
+        block_table: T.Tensor([table_len], "int32"),
+        cache_seqlens: T.Tensor([batch_dim], "int32"),
+        O_part: T.Tensor([part_rows, heads, D], accum),
+        LSE_part: T.Tensor([heads, part_rows], accum),
+        max_tiles: T.int32,
+        groups: T.int32,
+        tile_tokens: T.int32,
+        scale_log2: T.float32,
+        splits: T.int32,
+        page_size: T.int32,
+        pages_per_seq: T.int32,
+        num_pages: T.int32,
+    ):
+        with T.Kernel(max_tiles * splits, batch_dim, sig["K"].shape[1], threads=threads) as (bx, b, hk):
+            q0 = cu_seqlens_q[b]
+            # a padded cache (pages_per_seq 0) is one page a sequence; lengths past the
+            # sequence's capacity are clamped so that no load leaves its pages
+            cap = T.alloc_var("int32")
+            cap = page_size * T.max(pages_per_seq, 1)
+
+            _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 0, cu_seqlens_q[b + 1] - q0,
+                        T.max(T.min(cache_seqlens[b], cap), 0), groups, tile_tokens, scale_log2, splits,
+                        _cache_rows(block_table, b, page_size, pages_per_seq, num_pages))
+
+    return sparse_decode_kvcache
 
 
 def _combine(dtype, D):

@@ -2177,6 +2177,117 @@ static const infllmv2_sparse_decode_fwd_unit infllmv2_sparse_decode_fwd_units[] 
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
+// ---- sparse_decode_kvcache: call(Q, K, V, topk_idx, cu_seqlens_q, block_table, cache_seqlens, O_part, LSE_part, max_tiles, groups, tile_tokens, scale_log2, splits, page_size, pages_per_seq, num_pages, total_q, heads, total_k, heads_k, topk, batch_plus_one, table_len, batch, part_rows, stream)
+typedef int (*infllmv2_sparse_decode_kvcache_call_fn)(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+struct infllmv2_sparse_decode_kvcache_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int max_splits;
+  int t_max;
+  int (*init)(); infllmv2_sparse_decode_kvcache_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm80_init();
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm89_init();
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d64_sm80_init();
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d64_sm89_init();
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d128_sm80_init();
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d128_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d128_sm89_init();
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d128_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_init();
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d64_sm80_init();
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d64_sm80_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d64_sm89_init();
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d64_sm89_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_init();
+extern "C" int infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* topk_idx, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_sparse_decode_kvcache_unit infllmv2_sparse_decode_kvcache_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache_bf16_d128", "sm_80", 80, 59408, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d128_sm80_init, infllmv2_sparse_decode_kvcache_bf16_d128_sm80_call, infllmv2_sparse_decode_kvcache_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache_bf16_d128", "sm_89", 89, 59408, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d128_sm89_init, infllmv2_sparse_decode_kvcache_bf16_d128_sm89_call, infllmv2_sparse_decode_kvcache_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache_bf16_d128", "sm_90a", 90, 60416, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_init, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_call, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache_bf16_d64", "sm_80", 80, 34832, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d64_sm80_init, infllmv2_sparse_decode_kvcache_bf16_d64_sm80_call, infllmv2_sparse_decode_kvcache_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache_bf16_d64", "sm_89", 89, 34832, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d64_sm89_init, infllmv2_sparse_decode_kvcache_bf16_d64_sm89_call, infllmv2_sparse_decode_kvcache_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache_bf16_d64", "sm_90a", 90, 35840, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_init, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_call, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache_fp16_d128", "sm_80", 80, 59408, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d128_sm80_init, infllmv2_sparse_decode_kvcache_fp16_d128_sm80_call, infllmv2_sparse_decode_kvcache_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache_fp16_d128", "sm_89", 89, 59408, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d128_sm89_init, infllmv2_sparse_decode_kvcache_fp16_d128_sm89_call, infllmv2_sparse_decode_kvcache_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache_fp16_d128", "sm_90a", 90, 60416, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_init, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_call, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache_fp16_d64", "sm_80", 80, 34832, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d64_sm80_init, infllmv2_sparse_decode_kvcache_fp16_d64_sm80_call, infllmv2_sparse_decode_kvcache_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache_fp16_d64", "sm_89", 89, 34832, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d64_sm89_init, infllmv2_sparse_decode_kvcache_fp16_d64_sm89_call, infllmv2_sparse_decode_kvcache_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache_fp16_d64", "sm_90a", 90, 35840, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_init, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_call, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 struct infllmv2_unit_info { const char* kernel; const char* name; const char* arch; int dynamic_smem; int threads; };
 static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_80
@@ -2871,6 +2982,42 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_90a", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d128", "sm_80", 59408, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d128", "sm_89", 59408, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d128", "sm_90a", 60416, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d64", "sm_80", 34832, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d64", "sm_89", 34832, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d64", "sm_90a", 35840, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d128", "sm_80", 59408, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d128", "sm_89", 59408, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d128", "sm_90a", 60416, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d64", "sm_80", 34832, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d64", "sm_89", 34832, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d64", "sm_90a", 35840, 128},
 #endif
   {nullptr, nullptr, nullptr, 0, 0},
 };

@@ -29,6 +29,7 @@
  *   sparse_attn_fwd  bf16,fp16  64,128    G = heads/heads_k <= 64  sm_80, sm_89, sm_90a (+PTX)
  *   sparse_attn_bwd  bf16,fp16  64,128    G <= 64, deterministic   sm_80, sm_89, sm_90a (+PTX)
  *   sparse_decode    bf16,fp16  64,128    G <= 64, split-KV        sm_80, sm_89, sm_90a (+PTX)
+ *     _kvcache       bf16,fp16  64,128    G <= 64, padded or paged sm_80, sm_89, sm_90a (+PTX)
  *   select_blocks    bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
  *   select_decode    bf16,fp16  64,128    G <= 64, split keys      sm_80, sm_89, sm_90a (+PTX)
  *   group_scores     bf16,fp16  64,128    G <= 64                  sm_80, sm_89, sm_90a (+PTX)
@@ -242,6 +243,46 @@ INFLLMV2_API int32_t infllmv2_sparse_decode_splits(int32_t batch, int32_t max_se
  * boundary, fp32 partial LSEs (heads, splits x total_q). */
 INFLLMV2_API size_t infllmv2_sparse_decode_workspace_size(int64_t total_q, int32_t heads, int32_t head_dim,
                                                           int32_t splits);
+
+/*
+ * infllmv2_sparse_decode_kvcache: infllmv2_sparse_decode with the keys and values in a KV cache
+ * (FlashAttention's with_kvcache layouts), padded or paged. Sequence b has cache_seqlens[b]
+ * keys (the new tokens included: its queries are its last ones, bottom-right aligned as in
+ * infllmv2_sparse_attn_fwd); key j of sequence b is
+ *   padded (block_table NULL, pages_per_seq 0): row j of page b;
+ *   paged:        row j % page_size of page block_table[b * pages_per_seq + j / page_size],
+ *                 block_table int32 (batch, pages_per_seq) in device memory; page_size a
+ *                 multiple of 64 when pages_per_seq > 1 (one page a sequence, as a cache
+ *                 indexed by batch entry, may have any size);
+ *   where k_cache, v_cache are (num_pages, page_size, heads_k, head_dim), contiguous, dtype
+ *   (padded: num_pages >= batch, page_size the capacity of a sequence), num_pages x page_size
+ *   < 2^31.
+ *   [in]  cache_seqlens  int32 (batch), device memory. Lengths past the capacity (page_size,
+ *                      or pages_per_seq x page_size) are clamped to it, and page numbers into
+ *                      [0, num_pages): bad values give wrong keys, never an access outside the
+ *                      cache (the lengths and the table are not read on the host).
+ *   [in]  q, cu_seqlens_q, max_seqlen_q, topk_idx, out, lse  as for infllmv2_sparse_decode
+ *                      (a padded q of s tokens a sequence: cu_seqlens_q[b] = b * s)
+ *   [in]  splits       1 .. 64, from infllmv2_sparse_decode_splits()
+ *   [in]  workspace    at least infllmv2_sparse_decode_kvcache_workspace_size() bytes, 16-byte
+ *                      aligned (needed with 1 split too)
+ *   The cache rows past a sequence's keys never reach the result (its partial last block is
+ *   walked last, loaded with those rows as zeros). Deterministic; with one query a sequence and
+ *   splits > 1 the result is bitwise infllmv2_sparse_decode's on the same keys packed. No host
+ *   synchronisation: usable inside CUDA graphs. Forward only.
+ */
+INFLLMV2_API infllmv2_status infllmv2_sparse_decode_kvcache(
+    const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table,
+    const int32_t* cache_seqlens, const int32_t* topk_idx, const int32_t* cu_seqlens_q, void* out, float* lse,
+    void* workspace, size_t workspace_size, int32_t batch, int64_t total_q, int32_t max_seqlen_q,
+    int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t heads, int32_t heads_k,
+    int32_t head_dim, int32_t topk, int32_t splits, infllmv2_dtype dtype, float softmax_scale,
+    cudaStream_t stream);
+
+/* Bytes of device workspace infllmv2_sparse_decode_kvcache needs: infllmv2_sparse_decode's
+ * partial outputs and LSEs, for splits >= 1. 0 for a non-positive size. */
+INFLLMV2_API size_t infllmv2_sparse_decode_kvcache_workspace_size(int64_t total_q, int32_t heads,
+                                                                  int32_t head_dim, int32_t splits);
 
 /*
  * infllmv2_dense_attn_fwd: dense GQA attention, the short-input side of the dense-sparse switch.

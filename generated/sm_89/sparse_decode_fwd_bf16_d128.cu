@@ -49,11 +49,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
   bfloat16_t acc_s_cast[32];
   float m_cur_clear[2];
   float m_cur_clear_1[2];
-  int rmod = (((int)blockIdx.x) % splits);
-  int rdiv = (((int)blockIdx.x) / splits);
-  t0 = (((((0 <= splits) && (0 <= rmod)) || ((splits < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * tile_tokens);
-  int rmod_1 = (((int)blockIdx.x) % splits);
-  split = ((((0 <= splits) && (0 <= rmod_1)) || ((splits < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + splits));
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -82,6 +77,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     condval_3 = 0;
   }
   int len_k = (condval_3 - k0);
+  int rmod = (((int)blockIdx.x) % splits);
+  int rdiv = (((int)blockIdx.x) / splits);
+  t0 = (((((0 <= splits) && (0 <= rmod)) || ((splits < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * tile_tokens);
+  int rmod_1 = (((int)blockIdx.x) % splits);
+  split = ((((0 <= splits) && (0 <= rmod_1)) || ((splits < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + splits));
   int n_tok = max(min(tile_tokens, (len_q - t0)), 0);
   int p0 = ((len_k + t0) - len_q);
   if (0 < n_tok) {

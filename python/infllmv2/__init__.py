@@ -15,7 +15,7 @@ from ._lib import (
     set_arch_override,
 )
 from .ops import (compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, select_decode,
-                  sparse_attn_varlen, sparse_decode)
+                  sparse_attn_varlen, sparse_decode, sparse_decode_kvcache)
 from .attention import SparseConfig, attention, attention_padded
 from .module import InfLLMv2Attention
 
@@ -36,6 +36,7 @@ __all__ = [
     "compress_keys",
     "sparse_attn_varlen",
     "sparse_decode",
+    "sparse_decode_kvcache",
     "select_blocks",
     "select_decode",
     "group_scores",

@@ -20,6 +20,7 @@ from infllmv2 import reference
 from infllmv2.testing import (
     GRAD_FLOOR,
     cu_seqlens,
+    kv_cache_of,
     random_mask,
     random_tokens,
     realistic_topk,
@@ -42,7 +43,8 @@ def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
 
 def _check_attention(device, dtype, head_dim, G, op):
     """sparse_attn_varlen (op "sparse") or dense_attn_varlen (op "dense"), forward and backward;
-    sparse_decode (op "decode", split 5 ways), forward."""
+    sparse_decode (op "decode", split 5 ways) and sparse_decode_kvcache over a paged cache (op
+    "kvcache", the same), forward."""
     lengths_q, lengths_k = [1, 63, 64, 65, 300, 17], [1, 63, 64, 65, 300, 700]
     hk = 2
     q = random_tokens(lengths_q, G * hk, head_dim, dtype, device, seed=G)
@@ -58,6 +60,11 @@ def _check_attention(device, dtype, head_dim, G, op):
         c_q, c_k, ix = cu_q.to(qq.device), cu_k.to(qq.device), idx.to(qq.device)
         if op == "decode":
             runs.append([infllmv2.sparse_decode(qq, kk, vv, c_q, c_k, ix, num_splits=5).cpu()])
+            continue
+        if op == "kvcache":
+            kc, vc, table = kv_cache_of(kk, vv, lengths_k, "paged64")
+            lens = torch.tensor(lengths_k, dtype=torch.int32, device=qq.device)
+            runs.append([infllmv2.sparse_decode_kvcache(qq, kc, vc, lens, c_q, ix, table, num_splits=5).cpu()])
             continue
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (qq, kk, vv))
         if op == "sparse":
@@ -132,11 +139,13 @@ def check() -> int:
                             variant = f"{'phsa ' if phsa else ''}{geometry[0]}/{geometry[1]}"
                             print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  {variant:<14}"
                                   f"{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
-                    for op in ("sparse", "dense", "decode"):
+                    for op in ("sparse", "dense", "decode", "kvcache"):
                         for G in (1, 4, 16):
                             ok, err, base = _check_attention("cuda" if gpu else "cpu", dtype, head_dim, G, op)
                             failures += not ok
-                            name, what = ("sparse_decode", "fwd") if op == "decode" else (op + "_attn", "fwd+bwd")
+                            # the kvcache entry point is sparse_decode's kernel over a paged cache
+                            name, what = {"decode": ("sparse_decode", "fwd"), "kvcache": ("sparse_decode", "paged")}.get(
+                                op, (op + "_attn", "fwd+bwd"))
                             print(f"{name:<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
                                   f"{f'G={G} {what}':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
                     for op in ("select", "decode"):

@@ -4,6 +4,7 @@ Same names, signatures and meaning (the project's ORIGINAL_API.md), so that a mo
 against the original switches by changing one import::
 
     from infllmv2.compat import infllmv2_attn_stage1, max_pooling_1d_varlen, infllmv2_attn_varlen_func
+    from infllmv2.compat import infllmv2_attn_with_kvcache
 
 Mapping:
 
@@ -13,7 +14,8 @@ Mapping:
   ``block_size/stride + 1``, padding 1, compression window ``2*stride``), in the input's dtype.
 - ``infllmv2_attn_varlen_func`` -> ``ops.sparse_attn_varlen`` with ``topk_idx`` (autograd),
   ``ops.dense_attn_varlen`` without.
-- ``infllmv2_attn_with_kvcache`` (padded, paged, in-place cache append) is not offered yet.
+- ``infllmv2_attn_with_kvcache`` -> ``ops.sparse_decode_kvcache`` (padded or paged cache,
+  in-place append of new keys and values; no rotary, forward only).
 
 Accepted only at their defaults (anything else is a ``ValueError`` naming the argument):
 ``dropout_p=0``, ``window_size=(-1, -1)``, ``softcap=0``, ``alibi_slopes=None``,
@@ -246,3 +248,104 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     # the original runs the sparse kernel on q viewed as (total_q * G, Hk, D), rows t*G + h
     lse = lse.view(hk, q.shape[1] // hk, q.shape[0]).transpose(1, 2).reshape(hk, -1)
     return out, lse, None
+
+
+_KVCACHE_UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_leftpad", "alibi_slopes")
+
+
+def _dense_selection(heads_k, rows, capacity, device):
+    """Every block of a cache of ``capacity`` keys, for each row: dense attention as a selection."""
+    n_blocks = -(-capacity // 64)
+    if n_blocks > ops._KERNEL_MAX_TOPK:
+        raise ValueError(f"topk_idx=None (dense attention) needs a cache of at most {64 * ops._KERNEL_MAX_TOPK} keys a "
+                         f"sequence here, got a capacity of {capacity}: pass the selection (topk_idx)")
+    return torch.arange(n_blocks, dtype=torch.int32, device=device).expand(heads_k, rows, n_blocks)
+
+
+def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                               cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                               topk_idx=None):
+    """FlashAttention's ``flash_attn_with_kvcache`` with a block selection, forward only.
+
+    ``q (B, Sq, Hq, D)``. The cache: ``k_cache, v_cache (B_cache, S, Hk, D)`` padded (row ``b`` of
+    the batch is cache entry ``cache_batch_idx[b]``, or ``b``), or paged ``(num_pages, page_size,
+    Hk, D)`` with ``block_table`` int32 ``(B, pages_per_seq)`` (``page_size`` a multiple of 64).
+    ``cache_seqlens`` (int, or int ``(B,)``; None: the whole capacity) counts the keys already
+    cached. ``k, v (B, Sn, Hk, D)``, if given, are written into the cache in place at positions
+    ``cache_seqlens[b] ..`` (on the device, no host read), and attention then covers
+    ``cache_seqlens[b] + Sn`` keys. The queries are each sequence's last ``Sq`` tokens.
+    ``topk_idx`` int ``(Hk, B * Sq, K)`` of 64-token block indices (-1 unused, any order) runs
+    ``ops.sparse_decode_kvcache``; None runs dense attention, as the selection of every block
+    (caches of at most 8192 keys a sequence). Returns ``out (B, Sq, Hq, D)``, and with
+    ``return_softmax_lse`` also ``softmax_lse`` fp32 ``(B, Hq, Sq)``, FlashAttention's layout.
+
+    Not supported (a ``ValueError`` naming the argument): rotary embedding (apply it to q and k
+    first), ``cache_leftpad``, ``alibi_slopes``, ``window_size`` other than ``(-1, -1)``,
+    ``softcap``, and ``causal=False`` with ``Sq > 1`` (the kernels mask causally at token
+    granularity; one query a sequence sees its whole cache either way). ``cache_seqlens`` plus
+    ``Sn`` beyond the capacity is the caller's error, as in FlashAttention: such keys are
+    written to the last row of the capacity and the lengths clamped to it (no access outside
+    the cache). ``num_splits`` 0 lets the library pick, else at most 64.
+    """
+    for name, value in zip(_KVCACHE_UNSUPPORTED, (rotary_cos, rotary_sin, cache_leftpad, alibi_slopes)):
+        if value is not None:
+            raise ValueError(f"{name} must be None in infllmv2.compat.infllmv2_attn_with_kvcache (not supported)")
+    _check_defaults(0.0, window_size, softcap, None, None)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError("q must be a tensor of shape (batch, seqlen_q, heads, head_dim)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a tensor of shape (batch_cache or num_pages, seqlen or page_size, "
+                             f"heads_k, head_dim)")
+    batch, seqlen_q, heads, head_dim = q.shape
+    pages, page_size, heads_k = k_cache.shape[:3]
+    if not causal and seqlen_q > 1:
+        raise ValueError(f"causal=False needs one query a sequence (seqlen_q = 1), got seqlen_q={seqlen_q}: the sparse "
+                         "kernels mask causally at token granularity")
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx must be None with a block_table (a paged cache)")
+    if cache_batch_idx is not None:
+        # a padded cache read by batch entry is a paged one with one page a sequence
+        table = ops._index_vector(cache_batch_idx, "cache_batch_idx", batch, q.device).view(batch, 1)
+    else:
+        table = block_table
+    capacity = page_size * (table.shape[1] if isinstance(table, torch.Tensor) and table.dim() == 2 else 1)
+    if cache_seqlens is None:
+        lens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        lens = torch.full((batch,), _as_int(cache_seqlens, "cache_seqlens"), dtype=torch.int32, device=q.device)
+    else:
+        lens = ops._index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new tokens' keys and values), or neither")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
+                raise ValueError(f"{name} must have shape (batch={batch}, seqlen_new, heads_k={heads_k}, "
+                                 f"head_dim={k_cache.shape[3]}), got "
+                                 + (f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+        if v.shape[1] != k.shape[1]:
+            raise ValueError(f"k and v must hold as many new tokens, got {k.shape[1]} and {v.shape[1]}")
+        if isinstance(table, torch.Tensor) and (table.dim() != 2 or table.shape[0] != batch):
+            raise ValueError(f"block_table must have shape (batch={batch}, pages_per_seq), got {tuple(table.shape)}")
+        pos = (lens.view(batch, 1) + torch.arange(k.shape[1], device=q.device, dtype=torch.int32)).clamp_(max=capacity - 1)
+        if isinstance(table, torch.Tensor):
+            page = table.to(device=q.device, dtype=torch.long).gather(1, (pos // page_size).long())
+        else:
+            page = torch.arange(batch, device=q.device).view(batch, 1).expand_as(pos)
+        row = (pos % page_size).long()
+        k_cache[page, row] = k.to(k_cache.dtype)
+        v_cache[page, row] = v.to(v_cache.dtype)
+        lens = lens + k.shape[1]
+    if topk_idx is None:
+        topk_idx = _dense_selection(heads_k, batch * seqlen_q, capacity, q.device)
+    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    out, lse = ops.sparse_decode_kvcache(q.reshape(batch * seqlen_q, heads, head_dim), k_cache, v_cache, lens, cu_q,
+                                         topk_idx, table, max_seqlen_q=seqlen_q, softmax_scale=softmax_scale,
+                                         num_splits=_as_int(num_splits, "num_splits"), return_lse=True)
+    out = out.view(batch, seqlen_q, heads, head_dim)
+    if not return_softmax_lse:
+        return out
+    return out, lse.view(heads, batch, seqlen_q).permute(1, 0, 2)

@@ -358,10 +358,15 @@ def _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, block_si
     if topk_idx.device != q.device:
         raise ValueError(f"topk_idx is on {topk_idx.device} but q is on {q.device}")
     if q.is_cuda:
-        if block_size != _KERNEL_BLOCK:
-            raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
-        if not 1 <= topk_idx.shape[2] <= _KERNEL_MAX_TOPK:
-            raise ValueError(f"topk_idx holds K={topk_idx.shape[2]} blocks per row; CUDA supports 1..{_KERNEL_MAX_TOPK}")
+        _check_kernel_selection(topk_idx, block_size)
+
+
+def _check_kernel_selection(topk_idx, block_size):
+    """What the stage-2 kernels take of a selection beyond what the reference does."""
+    if block_size != _KERNEL_BLOCK:
+        raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
+    if not 1 <= topk_idx.shape[2] <= _KERNEL_MAX_TOPK:
+        raise ValueError(f"topk_idx holds K={topk_idx.shape[2]} blocks per row; CUDA supports 1..{_KERNEL_MAX_TOPK}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -369,6 +374,12 @@ def _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, block_si
 # --------------------------------------------------------------------------------------------
 
 _MAX_DECODE_SPLITS = 64
+
+
+def _check_num_splits(num_splits):
+    _check_int(num_splits, "num_splits", 0)
+    if num_splits > _MAX_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be at most {_MAX_DECODE_SPLITS} (0 lets the library pick), got {num_splits}")
 
 
 def _splits_or_raise(fn, splits):
@@ -380,8 +391,12 @@ def _splits_or_raise(fn, splits):
 
 def sparse_decode_splits(q, k, topk_idx, cu_seqlens_q, max_seqlen_q, num_splits=0) -> int:
     """The splits sparse_decode runs on q's device (``num_splits`` 0: its own choice)."""
+    return _decode_splits(q, k.shape[1], topk_idx, cu_seqlens_q, max_seqlen_q, num_splits)
+
+
+def _decode_splits(q, heads_k, topk_idx, cu_seqlens_q, max_seqlen_q, num_splits):
     with torch.cuda.device(q.device):
-        splits = _lib.lib().infllmv2_sparse_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, q.shape[1], k.shape[1],
+        splits = _lib.lib().infllmv2_sparse_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, q.shape[1], heads_k,
                                                           topk_idx.shape[2], num_splits)
     return _splits_or_raise("infllmv2_sparse_decode_splits", splits)
 
@@ -463,9 +478,7 @@ def _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, 
     if _needs_grad(q, k, v):
         raise ValueError("sparse_decode is forward only, but q, k or v requires grad: use sparse_attn_varlen, or call "
                          "it under torch.no_grad()")
-    _check_int(num_splits, "num_splits", 0)
-    if num_splits > _MAX_DECODE_SPLITS:
-        raise ValueError(f"num_splits must be at most {_MAX_DECODE_SPLITS} (0 lets the library pick), got {num_splits}")
+    _check_num_splits(num_splits)
     if q.is_cuda:
         max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
         rows = topk_idx if rows_sorted else sort_topk_idx(topk_idx)
@@ -473,6 +486,138 @@ def _sparse_decode(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqlen_q, 
                                      _scale_or_zero(softmax_scale), num_splits)
     else:
         out, lse = reference.sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale, block_size)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# sparse_decode_kvcache: sparse_decode with the keys and values in a padded or paged KV cache
+# --------------------------------------------------------------------------------------------
+
+
+def sparse_decode_kvcache_launch(q, k_cache, v_cache, topk_idx, cu_seqlens_q, cache_seqlens, block_table, max_seqlen_q,
+                                 softmax_scale, splits, out, lse, workspace):
+    """Runs the split forward over the cache into ``out`` and ``lse`` (already allocated);
+    topk_idx rows sorted, cache_seqlens and block_table int32."""
+    pages_per_seq = 0 if block_table is None else block_table.shape[1]
+    with torch.cuda.device(q.device):
+        status = _lib.lib().infllmv2_sparse_decode_kvcache(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(topk_idx),
+            _ptr(cu_seqlens_q), _ptr(out), _ptr(lse), _ptr(workspace), 0 if workspace is None else workspace.numel() * 4,
+            cu_seqlens_q.numel() - 1, q.shape[0], max_seqlen_q, k_cache.shape[0], k_cache.shape[1], pages_per_seq,
+            q.shape[1], k_cache.shape[2], q.shape[2], topk_idx.shape[2], splits, _KERNEL_DTYPES[q.dtype], softmax_scale,
+            _stream(q.device),
+        )
+    _lib.check(status)
+
+
+def sparse_decode_kvcache_workspace_floats(q, splits) -> int:
+    """fp32 elements of workspace sparse_decode_kvcache needs with this q and splits."""
+    return _floats(_lib.lib().infllmv2_sparse_decode_kvcache_workspace_size(q.shape[0], q.shape[1], q.shape[2], splits))
+
+
+@torch.library.custom_op("infllmv2::sparse_decode_kvcache", mutates_args=())
+def _sparse_decode_kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], max_seqlen_q: int, softmax_scale: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not q.is_cuda:
+        out, lse = reference.sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx,
+                                                   block_table, softmax_scale or None)
+        return out.clone(), lse.clone()
+    out, lse = _fwd_outputs(q)
+    splits = _decode_splits(q, k_cache.shape[2], topk_idx, cu_seqlens_q, max_seqlen_q, num_splits)
+    workspace = torch.empty(sparse_decode_kvcache_workspace_floats(q, splits), dtype=torch.float32, device=q.device)
+    sparse_decode_kvcache_launch(q, k_cache, v_cache, topk_idx, cu_seqlens_q, cache_seqlens, block_table, max_seqlen_q,
+                                 softmax_scale, splits, out, lse, workspace)
+    return out, lse
+
+
+@_sparse_decode_kvcache_op.register_fake
+def _(q, k_cache, v_cache, topk_idx, cu_seqlens_q, cache_seqlens, block_table, max_seqlen_q, softmax_scale, num_splits):
+    return _fwd_outputs(q)
+
+
+def _index_vector(t, name, length, device):
+    """An integer tensor of ``length`` entries on ``device``, as int32 (a device op: no host read)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D int32 (or int64) tensor of {length} entries, got "
+                         + (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if t.numel() != length:
+        raise ValueError(f"{name} must have {length} entries (one a sequence), got {t.numel()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    return t.to(torch.int32).contiguous()
+
+
+def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table=None,
+                          max_seqlen_q=None, softmax_scale=None, num_splits=0, block_size=64, return_lse=False):
+    """``sparse_decode`` with the keys and values in a KV cache, padded or paged.
+
+    ``k_cache, v_cache (num_pages, page_size, Hk, D)``: sequence ``b`` has ``cache_seqlens[b]``
+    keys, its key ``j`` at row ``j % page_size`` of page ``block_table[b, j // page_size]``
+    (``block_table`` int ``(batch, pages_per_seq)``; on CUDA ``page_size`` a multiple of 64 when
+    a sequence has several pages), or of page ``b`` when ``block_table`` is None (a padded cache,
+    ``page_size`` its capacity). The new tokens' keys are in the cache already: the queries
+    ``q (total_q, Hq, D)`` (packed by ``cu_seqlens_q``) are each sequence's last tokens, causal
+    bottom-right as in ``sparse_attn_varlen``, whose ``topk_idx`` this takes. Returns ``out``
+    (and ``lse`` with ``return_lse``). On CUDA the lengths and the table are read on the device
+    only (no host synchronisation when ``max_seqlen_q`` is given; lengths past a sequence's
+    capacity are clamped to it); on CPU, the reference.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a tensor of shape (total_q, Hq, D)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a tensor of shape (num_pages, page_size, Hk, D)")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k_cache and v_cache must both have shape (num_pages, page_size, Hk, D={q.shape[2]}), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of the cache's heads_k ({k_cache.shape[2]})")
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
+    batch = cu_seqlens_q.numel() - 1
+    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64) \
+                or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+            raise ValueError(f"block_table must be an int32 tensor of shape (batch={batch}, pages_per_seq >= 1), got "
+                             + (f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor)
+                                else type(block_table).__name__))
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        block_table = block_table.to(torch.int32).contiguous()
+    elif k_cache.shape[0] < batch:
+        raise ValueError(f"a padded cache (block_table None) needs a page a sequence: k_cache has {k_cache.shape[0]} "
+                         f"for a batch of {batch}")
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64) \
+            or topk_idx.dim() != 3 or topk_idx.shape[:2] != (k_cache.shape[2], q.shape[0]):
+        raise ValueError(f"topk_idx must be an int32 (or int64) tensor of shape (heads_k={k_cache.shape[2]}, "
+                         f"total_q={q.shape[0]}, K), got "
+                         + (f"{tuple(topk_idx.shape)}" if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__))
+    if topk_idx.device != q.device:
+        raise ValueError(f"topk_idx is on {topk_idx.device} but q is on {q.device}")
+    if _needs_grad(q, k_cache, v_cache):
+        raise ValueError("sparse_decode_kvcache is forward only, but q or the cache requires grad: call it under "
+                         "torch.no_grad()")
+    _check_num_splits(num_splits)
+    if q.is_cuda:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            _check_kernel_tensor(t, name)
+        if q.shape[1] // k_cache.shape[2] > 64:
+            raise ValueError(f"the group size heads/heads_k = {q.shape[1] // k_cache.shape[2]} exceeds 64 on CUDA")
+        _check_kernel_selection(topk_idx, block_size)
+        if block_table is not None and block_table.shape[1] > 1 and k_cache.shape[1] % _KERNEL_BLOCK:
+            raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of {_KERNEL_BLOCK} on CUDA when a "
+                             f"sequence has several pages, got {k_cache.shape[1]}")
+        max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+        out, lse = _sparse_decode_kvcache_op(q, k_cache, v_cache, sort_topk_idx(topk_idx), cu_seqlens_q, cache_seqlens,
+                                             block_table, max_seqlen_q, _scale_or_zero(softmax_scale), num_splits)
+    else:
+        out, lse = reference.sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx,
+                                                   block_table, softmax_scale, block_size)
     return (out, lse) if return_lse else out
 
 

@@ -638,6 +638,50 @@ def _attention_varlen(q, k, v, offs_q, offs_k, scale, chunk, causal, topk_idx, b
     return torch.cat(outs, 0), torch.cat(lses, 1)
 
 
+def kvcache_to_varlen(k_cache, v_cache, cache_seqlens, block_table=None):
+    """The keys and values a KV cache holds, packed: ``(k, v, cu_seqlens_k)``.
+
+    ``k_cache, v_cache (num_pages, page_size, Hk, D)``; sequence ``b`` has ``cache_seqlens[b]``
+    keys, its key ``j`` at row ``j % page_size`` of page ``block_table[b, j // page_size]``
+    (of page ``b`` when ``block_table`` is None: a padded cache). Reads the lengths and the table
+    on the host.
+    """
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise ValueError("k_cache must be a tensor of shape (num_pages, page_size, Hk, D)")
+    if not isinstance(v_cache, torch.Tensor) or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must have shape (num_pages, page_size, Hk, Dv) matching k_cache {tuple(k_cache.shape)}")
+    lens = [int(n) for n in cache_seqlens.tolist()]
+    pages, page_size = k_cache.shape[:2]
+    if block_table is None:
+        if len(lens) > pages:
+            raise ValueError(f"a padded cache needs a page a sequence: k_cache has {pages} for {len(lens)} sequences")
+        capacity = page_size
+    else:
+        if block_table.dim() != 2 or block_table.shape[0] != len(lens):
+            raise ValueError(f"block_table must have shape (batch={len(lens)}, pages_per_seq), got {tuple(block_table.shape)}")
+        capacity = page_size * block_table.shape[1]
+        table = block_table.long().cpu()
+        if table.numel() and (table.min() < 0 or table.max() >= pages):
+            raise ValueError(f"block_table holds pages outside [0, {pages})")
+    if any(n < 0 or n > capacity for n in lens):
+        raise ValueError(f"cache_seqlens must be in [0, {capacity}] (the capacity of a sequence), got {lens}")
+    rows = []
+    for b, n in enumerate(lens):
+        j = torch.arange(n)
+        page = table[b][j // page_size] if block_table is not None else torch.full_like(j, b)
+        rows.append(page * page_size + j % page_size)
+    index = torch.cat(rows).to(k_cache.device) if rows else torch.zeros(0, dtype=torch.long, device=k_cache.device)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(k_cache.device)
+    return k_cache.flatten(0, 1)[index], v_cache.flatten(0, 1)[index], cu
+
+
+def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table=None,
+                          softmax_scale=None, block_size=64):
+    """``sparse_attn_varlen`` over the keys and values of a KV cache (``kvcache_to_varlen``)."""
+    k, v, cu_k = kvcache_to_varlen(k_cache, v_cache, cache_seqlens, block_table)
+    return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_k, topk_idx, softmax_scale, block_size)
+
+
 def sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale=None, block_size=64,
                        chunk=_DEFAULT_CHUNK):
     """Block-sparse attention over the selected blocks (stage 2).

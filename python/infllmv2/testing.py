@@ -300,6 +300,39 @@ def assert_norm_close_to_reference(out, lowp, ref32, factor=2.0, what="output", 
                 f" + floor {floor:.3g}")
 
 
+def kv_cache_of(k, v, lengths_k, layout, seed=0, spare=37):
+    """k, v (packed by lengths_k) stored in a KV cache: (k_cache, v_cache, block_table or None).
+
+    Layouts: "padded" (a page of max(lengths_k) + spare rows a sequence, in batch order);
+    "batch_idx" (padded, 3 more pages than sequences, sequence b in page block_table[b, 0] of a
+    random permutation: FlashAttention's cache_batch_idx); "paged<P>" (pages of P keys, one more a
+    sequence than it needs, shuffled). Rows holding no key of the batch are NaN, which no result
+    may see."""
+    batch, (heads_k, D) = len(lengths_k), k.shape[1:]
+    g = torch.Generator().manual_seed(seed)
+    if layout in ("padded", "batch_idx"):
+        page = max(lengths_k) + spare
+        pages = batch + (3 if layout == "batch_idx" else 0)
+        table = torch.randperm(pages, generator=g)[:batch].view(batch, 1) if layout == "batch_idx" else None
+    else:
+        page = int(layout[5:])
+        per_seq = -(-max(lengths_k) // page) + 1
+        pages = batch * per_seq + 3
+        table = torch.randperm(pages, generator=g)[: batch * per_seq].view(batch, per_seq)
+    kc = torch.full((pages, page, heads_k, D), float("nan"), dtype=k.dtype)
+    vc = kc.clone()
+    start = 0
+    for b, n in enumerate(lengths_k):
+        for j in range(0, n, page):
+            m = min(page, n - j)
+            p = int(table[b, j // page]) if table is not None else b
+            kc[p, :m] = k[start + j : start + j + m].cpu()
+            vc[p, :m] = v[start + j : start + j + m].cpu()
+        start += n
+    dev = k.device
+    return kc.to(dev), vc.to(dev), None if table is None else table.to(device=dev, dtype=torch.int32)
+
+
 @contextlib.contextmanager
 def no_host_sync():
     """Raises if the body synchronises the host with the GPU (torch's sync debug mode), as a
