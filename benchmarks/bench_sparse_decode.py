@@ -7,7 +7,9 @@ of the token over the whole cache (SDPA cuDNN and flash backends) measured in th
 Configuration: bf16, D = 128, Hq = 32, Hk = 2 (G = 16), block 64, K = 96 selected blocks per
 token (MiniCPM4.1: the init block, the local window of 32 blocks plus the current one, the rest
 drawn from past blocks: `infllmv2.testing.realistic_topk`), caches of 32K and 128K keys, batch
-1, 8 and 32 (32K) or 1 and 8 (128K). Also one whole decoding step through `infllmv2.attention`
+1, 8 and 32 (32K) or 1 and 8 (128K). "paged": the same call over the same keys in a paged KV
+cache (`infllmv2.sparse_decode_kvcache`, pages of 64 keys in shuffled order, the library's split
+count). Also one whole decoding step through `infllmv2.attention`
 under no_grad (compression of the whole cache, selection and the split stage 2: no compressed
 cache is kept between steps yet).
 
@@ -37,10 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_attn import bench  # noqa: E402
 
 import infllmv2  # noqa: E402
-from infllmv2.ops import _sparse_decode, sort_topk_idx, sparse_attn_fwd_launch, sparse_decode_splits  # noqa: E402
+from infllmv2.ops import (_sparse_decode, _sparse_decode_kvcache_op, sort_topk_idx, sparse_attn_fwd_launch,  # noqa: E402
+                          sparse_decode_splits)
 from infllmv2.testing import cu_seqlens, library_identity, realistic_topk, visible_pairs  # noqa: E402
 
 D, HQ, HK, TOPK = 128, 32, 2, 96
+PAGE = 64
 CASES = [(32768, 1), (32768, 8), (32768, 32), (131072, 1), (131072, 8)]
 SWEEP = (2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -102,6 +106,23 @@ def dense_decode(cache, batch, backend, reps):
         torch.cuda.empty_cache()
 
 
+def paged_ms(qkv, batch, cache, idx, cu_q, reps):
+    """The split forward over the same keys in a paged cache, pages shuffled (one cache at a time:
+    the packed copies stay allocated)."""
+    n_pages = batch * cache // PAGE
+    g = torch.Generator(device="cpu").manual_seed(1)
+    perm = torch.randperm(n_pages, generator=g).cuda()
+    table = perm.view(batch, cache // PAGE).to(torch.int32)
+    lens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+    calls = []
+    for q, k, v in qkv[: max(1, len(qkv) // 2)]:
+        kc = torch.empty((n_pages, PAGE, HK, D), device="cuda", dtype=k.dtype)
+        vc = torch.empty_like(kc)
+        kc[perm], vc[perm] = k.view(n_pages, PAGE, HK, D), v.view(n_pages, PAGE, HK, D)
+        calls.append(lambda q=q, kc=kc, vc=vc: _sparse_decode_kvcache_op(q, kc, vc, idx, cu_q, lens, table, 1, 0.0, 0))
+    return graphed_ms(calls, reps)
+
+
 def sparse_decode_case(cache, batch, reps):
     lq, lk = [1] * batch, [cache] * batch
     n = copies_for(batch * cache * HK * D * 2 * 2)
@@ -121,9 +142,10 @@ def sparse_decode_case(cache, batch, reps):
                                                       rows_sorted=True) for q, k, v in qkv]
 
     row = {"cache": cache, "batch": batch, "topk": TOPK, "splits": splits, "visible_pairs": pairs,
-           "kv_bytes": pairs // (HQ // HK) * 2 * D * 2, "copies": n}
+           "kv_bytes": pairs // (HQ // HK) * 2 * D * 2, "copies": n, "page": PAGE}
     with torch.no_grad():
         row["split_ms"] = graphed_ms(split_calls(0), reps)
+        row["paged_ms"] = paged_ms(qkv, batch, cache, idx, cu_q, reps)
         row["plain_ms"] = graphed_ms([lambda q=q, k=k, v=v: sparse_attn_fwd_launch(q, k, v, idx, cu_q, cu_k, 1, 0.0, out,
                                                                                    lse) for q, k, v in qkv], reps)
         # the split count against forced ones: how the library's choice compares
@@ -160,9 +182,9 @@ def main():
         return "-" if a is None or b is None else f"{a / b:.1f}x"
 
     print(f"\n{gpu}, bf16, D = {D}, Hq = {HQ}, Hk = {HK}, K = {TOPK}, one query a sequence\n")
-    print("| cache | batch | splits | split ms | TFLOP/s | GB/s | plain ms | cuDNN ms (gqa) | flash ms (gqa) "
+    print("| cache | batch | splits | split ms | TFLOP/s | GB/s | paged ms | plain ms | cuDNN ms (gqa) | flash ms (gqa) "
           "| vs plain | vs cuDNN | attention() step ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         dense_bytes = r["batch"] * r["cache"] * HK * 2 * D * 2
 
@@ -173,7 +195,7 @@ def main():
 
         print(f"| {r['cache'] // 1024}K | {r['batch']} | {r['splits']} | {fmt(r['split_ms'])} "
               f"| {rate(r['split_ms'], 4 * D * r['visible_pairs'], 1e9)} | {rate(r['split_ms'], r['kv_bytes'], 1e6)} "
-              f"| {fmt(r['plain_ms'])} | {dense_col('cudnn')} | {dense_col('flash')} "
+              f"| {fmt(r['paged_ms'])} | {fmt(r['plain_ms'])} | {dense_col('cudnn')} | {dense_col('flash')} "
               f"| {ratio(r['plain_ms'], r['split_ms'])} | {ratio(r['cudnn_ms'], r['split_ms'])} | {fmt(r['step_ms'])} |")
     print("\nforced splits, ms: " + " | ".join(str(s) for s in SWEEP))
     for r in rows:
