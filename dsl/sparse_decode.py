@@ -66,10 +66,10 @@ def program(kernel, arch, dtype, head_dim):
 
 @T.macro
 def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, k0, len_q, len_k, groups, tile_tokens,
-                scale_log2, splits, key_row=None):
+                scale_log2, splits, cache_row=None):
     """One (tile, split) of the split forward: the tile's union, this split's range of it walked,
     the range's normalised O and LSE written to the partial rows split * total_q + token.
-    ``key_row`` maps a block to its first row of K and V in a cache (None: packed keys)."""
+    ``cache_row`` maps a block to its first row of K and V in a cache (None: packed keys)."""
     threads = 128
     dtype = Q.dtype
     D = Q.shape[2]
@@ -79,7 +79,7 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
     idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, bm_s = _union_buffers(T_MAX, threads)
     n_it = T.alloc_var("int32")
     lo = T.alloc_var("int32")
-    if key_row is not None:
+    if cache_row is not None:
         n_full = T.alloc_var("int32")
         part_at = T.alloc_shared([1], "int32")
         rows_s = T.alloc_shared([T_MAX * K_MAX], "int32")
@@ -104,7 +104,7 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
         # buffers: ranges differ by at most one block
         n_it = n_union[0] // splits + T.if_then_else(split < n_union[0] % splits, 1, 0)
         lo = split * (n_union[0] // splits) + T.min(split, n_union[0] % splits)
-        if key_row is None:
+        if cache_row is None:
             for e in T.serial(T_MAX * K_MAX // threads):
                 i = e * threads + tx
                 if i < n_it:
@@ -129,7 +129,7 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
                     keep_s[i] = umask_s[lo + src]
                     # each block's cache row, looked up by all threads at once: read by the walk
                     # block by block, every table read would delay its block's copies
-                    rows_s[i] = key_row(ublk_s[lo + src])
+                    rows_s[i] = cache_row(ublk_s[lo + src])
             n_full = n_it - T.if_then_else(part_at[0] < n_it, 1, 0)
         T.sync_threads()
         for r in T.Parallel(BLOCK_M):
@@ -139,8 +139,8 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
         T.fill(m_cur, NEG_INF)
         walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, idx_s, keep_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
                         acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, 1,
-                        None if key_row is None else (lambda it, blk: rows_s[it]),
-                        None if key_row is None else len_k, None if key_row is None else n_full)
+                        None if cache_row is None else (lambda it, blk: rows_s[it]),
+                        None if cache_row is None else len_k, None if cache_row is None else n_full)
         store_out(acc_o, l_sum, m_cur, O_part, LSE_part, split * total_q + q0 + t0, hk, n_tok, groups,
                   scale_log2)
 

@@ -16,6 +16,7 @@ constexpr int kMaxSplits = 64;  // dsl/sparse_decode.py MAX_SPLITS
 constexpr int kMinBlocksPerSplit = 4;
 constexpr int kTileRows = 64;   // dsl BLOCK_M: a tile is min(64 / G, kTileTokens) tokens x G heads
 constexpr int kTileTokens = 4;  // dsl T_MAX, checked against the unit at launch
+constexpr int kBlock = 64;      // keys a selected block (dsl BLOCK_N): a page must not split one
 
 // The split rule is resolve_splits' (runtime.h) with at least kMinBlocksPerSplit blocks a split.
 // 1 means the call is infllmv2_sparse_attn_fwd's, with no workspace. (H100, one token a
@@ -218,10 +219,10 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_decode_kvcache(
       return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
                   "%s: pages_per_seq must be >= 1 with a block_table (and batch x pages_per_seq < 2^31), got %d", op,
                   pages_per_seq);
-    if (pages_per_seq > 1 && page_size % kTileRows != 0)
+    if (pages_per_seq > 1 && page_size % kBlock != 0)
       return fail(INFLLMV2_ERR_UNSUPPORTED,
-                  "%s: page_size must be a multiple of 64 (the block size) with several pages a sequence, got %d", op,
-                  page_size);
+                  "%s: page_size must be a multiple of %d (the block size) with several pages a sequence, got %d", op,
+                  kBlock, page_size);
     if ((int64_t)pages_per_seq * page_size > INT32_MAX)
       return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: pages_per_seq x page_size must be < 2^31, got %d x %d", op,
                   pages_per_seq, page_size);

@@ -296,10 +296,15 @@ def _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k):
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k heads ({k.shape[1]})")
     _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
     if q.is_cuda:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            _check_kernel_tensor(t, name)
-        if q.shape[1] // k.shape[1] > 64:
-            raise ValueError(f"the group size heads/heads_k = {q.shape[1] // k.shape[1]} exceeds 64 on CUDA")
+        _check_kernel_attention(q, (("k", k), ("v", v)), k.shape[1])
+
+
+def _check_kernel_attention(q, named_kv, heads_k):
+    """What the attention kernels need of q and the named keys/values beyond what the reference accepts."""
+    for name, t in (("q", q), *named_kv):
+        _check_kernel_tensor(t, name)
+    if q.shape[1] // heads_k > 64:
+        raise ValueError(f"the group size heads/heads_k = {q.shape[1] // heads_k} exceeds 64 on CUDA")
 
 
 def _max_seqlen(cu, given, name, total=None):
@@ -349,20 +354,21 @@ def _sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, max_seqle
 def _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, block_size):
     """The arguments stage 2 (sparse_attn_varlen, sparse_decode) takes, checked."""
     _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_selection(topk_idx, q, k.shape[1], block_size)
+
+
+def _check_selection(topk_idx, q, heads_k, block_size):
+    """A stage-2 selection (heads_k, total_q, K) for q, and on CUDA what the kernels take of it."""
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError("topk_idx must be an int32 (or int64) tensor of shape (heads_k, total_q, K)")
-    if topk_idx.dim() != 3 or topk_idx.shape[:2] != (k.shape[1], q.shape[0]):
+    if topk_idx.dim() != 3 or topk_idx.shape[:2] != (heads_k, q.shape[0]):
         raise ValueError(
-            f"topk_idx must have shape (heads_k={k.shape[1]}, total_q={q.shape[0]}, K), got {tuple(topk_idx.shape)}"
+            f"topk_idx must have shape (heads_k={heads_k}, total_q={q.shape[0]}, K), got {tuple(topk_idx.shape)}"
         )
     if topk_idx.device != q.device:
         raise ValueError(f"topk_idx is on {topk_idx.device} but q is on {q.device}")
-    if q.is_cuda:
-        _check_kernel_selection(topk_idx, block_size)
-
-
-def _check_kernel_selection(topk_idx, block_size):
-    """What the stage-2 kernels take of a selection beyond what the reference does."""
+    if not q.is_cuda:
+        return
     if block_size != _KERNEL_BLOCK:
         raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
     if not 1 <= topk_idx.shape[2] <= _KERNEL_MAX_TOPK:
@@ -592,23 +598,13 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     elif k_cache.shape[0] < batch:
         raise ValueError(f"a padded cache (block_table None) needs a page a sequence: k_cache has {k_cache.shape[0]} "
                          f"for a batch of {batch}")
-    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64) \
-            or topk_idx.dim() != 3 or topk_idx.shape[:2] != (k_cache.shape[2], q.shape[0]):
-        raise ValueError(f"topk_idx must be an int32 (or int64) tensor of shape (heads_k={k_cache.shape[2]}, "
-                         f"total_q={q.shape[0]}, K), got "
-                         + (f"{tuple(topk_idx.shape)}" if isinstance(topk_idx, torch.Tensor) else type(topk_idx).__name__))
-    if topk_idx.device != q.device:
-        raise ValueError(f"topk_idx is on {topk_idx.device} but q is on {q.device}")
+    _check_selection(topk_idx, q, k_cache.shape[2], block_size)
     if _needs_grad(q, k_cache, v_cache):
         raise ValueError("sparse_decode_kvcache is forward only, but q or the cache requires grad: call it under "
                          "torch.no_grad()")
     _check_num_splits(num_splits)
     if q.is_cuda:
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            _check_kernel_tensor(t, name)
-        if q.shape[1] // k_cache.shape[2] > 64:
-            raise ValueError(f"the group size heads/heads_k = {q.shape[1] // k_cache.shape[2]} exceeds 64 on CUDA")
-        _check_kernel_selection(topk_idx, block_size)
+        _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
         if block_table is not None and block_table.shape[1] > 1 and k_cache.shape[1] % _KERNEL_BLOCK:
             raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of {_KERNEL_BLOCK} on CUDA when a "
                              f"sequence has several pages, got {k_cache.shape[1]}")
