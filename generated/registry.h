@@ -3,6 +3,40 @@
 #pragma once
 #include <cuda_runtime.h>
 
+// ---- attention_cache_offsets: call(cache_seqlens, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, capacity, cap_c, cap_n, batch, batch_plus_one, stream)
+typedef int (*infllmv2_attention_cache_offsets_call_fn)(void* cache_seqlens, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, int capacity, int cap_c, int cap_n, int batch, int batch_plus_one, cudaStream_t stream);
+struct infllmv2_attention_cache_offsets_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int (*init)(); infllmv2_attention_cache_offsets_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_attention_cache_offsets_sm80_init();
+extern "C" int infllmv2_attention_cache_offsets_sm80_call(void* cache_seqlens, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, int capacity, int cap_c, int cap_n, int batch, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_attention_cache_offsets_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_attention_cache_offsets_sm89_init();
+extern "C" int infllmv2_attention_cache_offsets_sm89_call(void* cache_seqlens, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, int capacity, int cap_c, int cap_n, int batch, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_attention_cache_offsets_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_attention_cache_offsets_sm90a_init();
+extern "C" int infllmv2_attention_cache_offsets_sm90a_call(void* cache_seqlens, void* cu_seqlens_k, void* cu_seqlens_c, void* cu_seqlens_n, int capacity, int cap_c, int cap_n, int batch, int batch_plus_one, cudaStream_t stream);
+extern "C" const char* infllmv2_attention_cache_offsets_sm90a_last_error();
+#endif
+static const infllmv2_attention_cache_offsets_unit infllmv2_attention_cache_offsets_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"attention_cache_offsets", "sm_80", 80, 0, 32, infllmv2_attention_cache_offsets_sm80_init, infllmv2_attention_cache_offsets_sm80_call, infllmv2_attention_cache_offsets_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"attention_cache_offsets", "sm_89", 89, 0, 32, infllmv2_attention_cache_offsets_sm89_init, infllmv2_attention_cache_offsets_sm89_call, infllmv2_attention_cache_offsets_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"attention_cache_offsets", "sm_90a", 90, 0, 32, infllmv2_attention_cache_offsets_sm90a_init, infllmv2_attention_cache_offsets_sm90a_call, infllmv2_attention_cache_offsets_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 // ---- attention_compressed_offsets: call(cu_seqlens_k, cu_seqlens_c, batch, kernel_size, kernel_stride, batch_plus_one, stream)
 typedef int (*infllmv2_attention_compressed_offsets_call_fn)(void* cu_seqlens_k, void* cu_seqlens_c, int batch, int kernel_size, int kernel_stride, int batch_plus_one, cudaStream_t stream);
 struct infllmv2_attention_compressed_offsets_unit {
@@ -142,6 +176,115 @@ static const infllmv2_compress_keys_unit infllmv2_compress_keys_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"compress_keys_fp16_d64", "sm_90a", 90, 8192, 128, 1, 64, 0, infllmv2_compress_keys_fp16_d64_sm90a_init, infllmv2_compress_keys_fp16_d64_sm90a_call, infllmv2_compress_keys_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- compress_keys_kvcache: call(K, block_table, cache_seqlens, C, new_keys, cap_c, window, stride, part, page_size, pages_per_seq, num_pages, cache_rows, heads_k, table_len, batch, c_rows, stream)
+typedef int (*infllmv2_compress_keys_kvcache_call_fn)(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+struct infllmv2_compress_keys_kvcache_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_c;
+  int (*init)(); infllmv2_compress_keys_kvcache_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_compress_keys_kvcache_unit infllmv2_compress_keys_kvcache_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_bf16_d128", "sm_80", 80, 33024, 128, 0, 128, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm80_init, infllmv2_compress_keys_kvcache_bf16_d128_sm80_call, infllmv2_compress_keys_kvcache_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_bf16_d128", "sm_89", 89, 33024, 128, 0, 128, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm89_init, infllmv2_compress_keys_kvcache_bf16_d128_sm89_call, infllmv2_compress_keys_kvcache_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_bf16_d128", "sm_90a", 90, 33024, 128, 0, 128, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_init, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_call, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_bf16_d64", "sm_80", 80, 16640, 128, 0, 64, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm80_init, infllmv2_compress_keys_kvcache_bf16_d64_sm80_call, infllmv2_compress_keys_kvcache_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_bf16_d64", "sm_89", 89, 16640, 128, 0, 64, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm89_init, infllmv2_compress_keys_kvcache_bf16_d64_sm89_call, infllmv2_compress_keys_kvcache_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_bf16_d64", "sm_90a", 90, 16640, 128, 0, 64, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_init, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_fp16_d128", "sm_80", 80, 33024, 128, 1, 128, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm80_init, infllmv2_compress_keys_kvcache_fp16_d128_sm80_call, infllmv2_compress_keys_kvcache_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_fp16_d128", "sm_89", 89, 33024, 128, 1, 128, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm89_init, infllmv2_compress_keys_kvcache_fp16_d128_sm89_call, infllmv2_compress_keys_kvcache_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_fp16_d128", "sm_90a", 90, 33024, 128, 1, 128, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_init, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_call, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_fp16_d64", "sm_80", 80, 16640, 128, 1, 64, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm80_init, infllmv2_compress_keys_kvcache_fp16_d64_sm80_call, infllmv2_compress_keys_kvcache_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_fp16_d64", "sm_89", 89, 16640, 128, 1, 64, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm89_init, infllmv2_compress_keys_kvcache_fp16_d64_sm89_call, infllmv2_compress_keys_kvcache_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_fp16_d64", "sm_90a", 90, 16640, 128, 1, 64, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_init, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_call, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -2291,6 +2434,15 @@ static const infllmv2_sparse_decode_kvcache_unit infllmv2_sparse_decode_kvcache_
 struct infllmv2_unit_info { const char* kernel; const char* name; const char* arch; int dynamic_smem; int threads; };
 static const infllmv2_unit_info infllmv2_all_units[] = {
 #if INFLLMV2_HAS_SM_80
+  {"attention_cache_offsets", "attention_cache_offsets", "sm_80", 0, 32},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"attention_cache_offsets", "attention_cache_offsets", "sm_89", 0, 32},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"attention_cache_offsets", "attention_cache_offsets", "sm_90a", 0, 32},
+#endif
+#if INFLLMV2_HAS_SM_80
   {"attention_compressed_offsets", "attention_compressed_offsets", "sm_80", 0, 32},
 #endif
 #if INFLLMV2_HAS_SM_89
@@ -2334,6 +2486,42 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"compress_keys", "compress_keys_fp16_d64", "sm_90a", 8192, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache", "compress_keys_kvcache_bf16_d128", "sm_80", 33024, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache", "compress_keys_kvcache_bf16_d128", "sm_89", 33024, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache", "compress_keys_kvcache_bf16_d128", "sm_90a", 33024, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache", "compress_keys_kvcache_bf16_d64", "sm_80", 16640, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache", "compress_keys_kvcache_bf16_d64", "sm_89", 16640, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache", "compress_keys_kvcache_bf16_d64", "sm_90a", 16640, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache", "compress_keys_kvcache_fp16_d128", "sm_80", 33024, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache", "compress_keys_kvcache_fp16_d128", "sm_89", 33024, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache", "compress_keys_kvcache_fp16_d128", "sm_90a", 33024, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache", "compress_keys_kvcache_fp16_d64", "sm_80", 16640, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache", "compress_keys_kvcache_fp16_d64", "sm_89", 16640, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache", "compress_keys_kvcache_fp16_d64", "sm_90a", 16640, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"compress_keys_phsa", "compress_keys_phsa_bf16_d128", "sm_80", 0, 128},

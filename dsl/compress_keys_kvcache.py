@@ -1,0 +1,150 @@
+"""compress_keys_kvcache: stage 0 kept up to date over a serving KV cache (SPEC.md, Decode: "the
+compressed caches C1/C2 grow incrementally as the cache grows").
+
+Decoding with ``compress_keys`` recompresses a sequence's whole cache at every step (121 us of a
+128K-key step on an H100, most of it), though a step of one token completes at most one new
+compressed key a level. This kernel writes only the compressed keys that the last ``new_keys``
+keys of each sequence completed, into a compressed cache the caller keeps across steps:
+
+    L = min(cache_seqlens[b], capacity),   n(x) = (x - window) // stride + 1 if x >= window else 0
+    C[b * cap_c + j, h, :] = mean(K[key j*stride .. j*stride + window - 1 of sequence b, h, :])
+        for j in [n(max(L - new_keys, 0)), min(n(L), cap_c))
+
+(at most ceil(new_keys / stride) of them). Key t of sequence b is row t % page_size of page
+block_table[b * pages_per_seq + t / page_size] (a paged cache) or row t of page b (a padded one,
+pages_per_seq 0), as sparse_decode_kvcache reads them; page numbers are clamped into the cache.
+Entries outside the range are left as they are. A prefill from an empty cache passes new_keys
+= L and writes every entry.
+
+The sums are those of ``compress_keys``: runs of ``part`` = gcd(window, stride) keys summed in
+key order, then each row's runs in order (or, where a block's rows need more than MAX_PARTS runs,
+each row's keys in order). So wherever both kernels take the same path (always for 32/16, 128/64,
+and whenever part is 1) an entry is bitwise the one ``compress_keys`` writes from the same keys
+packed, and recomputing an entry gives the same bits. No PHSA: the cache holds no punctuation
+mask.
+
+Grid: (ceil(max_nc / BLOCK_C), batch, heads_k), max_nc = ceil(new_keys / stride).
+"""
+
+import tilelang.language as T
+
+from dsl.compress_keys import BLOCK_C, MAX_PARTS, THREADS
+
+OP = "compress_keys_kvcache"
+
+VARIANTS = [{"dtype": dtype, "head_dim": head_dim} for dtype in ("bfloat16", "float16") for head_dim in (64, 128)]
+
+CHUNK = 64  # keys staged in shared memory a step
+
+# the block's scalars, held in registers (see select_decode's iv)
+LEN, FIRST, ROW0, ROWS, PARTS, CAP = range(6)
+
+
+def variant_name(dtype, head_dim):
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    return f"{OP}_{short}_d{head_dim}"
+
+
+def unit_constants(dtype, head_dim, arch):
+    return {"block_c": BLOCK_C}
+
+
+def program(dtype, head_dim):
+    D = head_dim
+    accum = "float32"
+    cache_rows = T.dynamic("cache_rows")  # num_pages x page_size
+    c_rows = T.dynamic("c_rows")  # batch x cap_c
+    heads_k = T.dynamic("heads_k")
+    table_len = T.dynamic("table_len")
+    batch = T.dynamic("batch")
+
+    def row_of(block_table, b, t, page_size, pages_per_seq, num_pages):
+        """The cache row of key t of sequence b (an expression: no statement inside)."""
+        return T.if_then_else(pages_per_seq > 0,
+                              T.clamp(block_table[b * pages_per_seq + t // page_size], 0, num_pages - 1),
+                              b) * page_size + t % page_size
+
+    def key(K, block_table, b, t, h, d, page_size, pages_per_seq, num_pages):
+        return T.cast(K[row_of(block_table, b, t, page_size, pages_per_seq, num_pages), h, d], accum)
+
+    @T.prim_func
+    def compress_keys_kvcache(
+        K: T.Tensor([cache_rows, heads_k, D], dtype),
+        block_table: T.Tensor([table_len], "int32"),
+        cache_seqlens: T.Tensor([batch], "int32"),
+        C: T.Tensor([c_rows, heads_k, D], dtype),
+        new_keys: T.int32,
+        cap_c: T.int32,
+        window: T.int32,
+        stride: T.int32,
+        part: T.int32,
+        page_size: T.int32,
+        pages_per_seq: T.int32,
+        num_pages: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(T.ceildiv(new_keys, stride), BLOCK_C), batch, heads_k, threads=THREADS) as (bx, b, h):
+            acc = T.alloc_fragment([BLOCK_C, D], accum)
+            S_s = T.alloc_shared([MAX_PARTS, D], accum)
+            K_s = T.alloc_shared([CHUNK, D], dtype)
+            rows_s = T.alloc_shared([CHUNK], "int32")
+            S_l = T.alloc_local([MAX_PARTS], accum)  # the run sums of column tx
+            run = T.alloc_local([2], "int32")
+            tx = T.get_thread_binding()
+            iv = T.alloc_local([6], "int32")
+            iv[CAP] = page_size * T.max(pages_per_seq, 1)
+            iv[LEN] = T.max(T.min(cache_seqlens[b], iv[CAP]), 0)
+            # the first entry the new keys completed: n(L - new_keys)
+            iv[FIRST] = T.max(iv[LEN] - new_keys, 0)
+            iv[FIRST] = T.if_then_else(iv[FIRST] >= window, (iv[FIRST] - window) // stride + 1, 0)
+            iv[ROW0] = iv[FIRST] + bx * BLOCK_C
+            # rows up to n(L), and within the compressed cache's capacity
+            iv[ROWS] = T.if_then_else(iv[LEN] >= window, (iv[LEN] - window) // stride + 1, 0)
+            iv[ROWS] = T.min(T.min(BLOCK_C, iv[ROWS] - iv[ROW0]), cap_c - iv[ROW0])
+            iv[PARTS] = (iv[ROWS] - 1) * (stride // part) + window // part
+            T.clear(acc)
+            if iv[ROWS] > 0 and iv[PARTS] <= MAX_PARTS:
+                # The runs' keys staged CHUNK rows at a time by all threads (each row's page looked
+                # up once), then summed in key order from shared memory into each thread's own
+                # column of run sums: a decoding step has one row, whose keys, read as the runs
+                # layout of compress_keys reads them (a few threads, a chain of dependent table and
+                # key loads each), took 0.1 ms, and summed into shared sums (a barrier a key) 15 us.
+                if tx < D:
+                    for p in T.serial(MAX_PARTS):
+                        S_l[p] = 0
+                run[0] = 0  # the run and the key within it that the next staged key adds to
+                run[1] = 0
+                for c in T.serial(T.ceildiv(iv[PARTS] * part, CHUNK)):
+                    for r in T.Parallel(CHUNK):
+                        rows_s[r] = row_of(block_table, b, T.min(iv[ROW0] * stride + c * CHUNK + r,
+                                                                  iv[ROW0] * stride + iv[PARTS] * part - 1),
+                                           page_size, pages_per_seq, num_pages)
+                    for r, d in T.Parallel(CHUNK, D):
+                        K_s[r, d] = K[rows_s[r], h, d]
+                    T.sync_threads()
+                    if tx < D:
+                        for t in T.serial(T.min(CHUNK, iv[PARTS] * part - c * CHUNK)):
+                            S_l[run[0]] += T.cast(K_s[t, tx], accum)
+                            run[1] += 1
+                            if run[1] == part:
+                                run[1] = 0
+                                run[0] += 1
+                    T.sync_threads()
+                if tx < D:
+                    for p in T.serial(MAX_PARTS):
+                        S_s[p, tx] = S_l[p]
+                T.sync_threads()
+                for q in T.serial(window // part):
+                    for i, d in T.Parallel(BLOCK_C, D):
+                        if i < iv[ROWS]:
+                            acc[i, d] += S_s[i * (stride // part) + q, d]
+            elif iv[ROWS] > 0:
+                for t in T.serial(window):
+                    for i, d in T.Parallel(BLOCK_C, D):
+                        if i < iv[ROWS]:
+                            acc[i, d] += key(K, block_table, b, (iv[ROW0] + i) * stride + t, h, d, page_size,
+                                             pages_per_seq, num_pages)
+            for i, d in T.Parallel(BLOCK_C, D):
+                if i < iv[ROWS]:
+                    C[b * cap_c + iv[ROW0] + i, h, d] = T.cast(acc[i, d] / T.cast(window, accum), dtype)
+
+    return compress_keys_kvcache
