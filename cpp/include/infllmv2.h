@@ -146,6 +146,38 @@ INFLLMV2_API infllmv2_status infllmv2_attention_compressed_offsets(
     int32_t kernel_stride, cudaStream_t stream);
 
 /*
+ * infllmv2_compress_keys_kvcache: stage 0 kept up to date over a KV cache (SPEC.md, Decode). For
+ * each sequence b (L = cache_seqlens[b] keys, clamped to the capacity) and KV head h, writes
+ *     ck_cache[b, j, h] = mean(k of keys j*s .. j*s + w - 1 of sequence b, h)
+ * for the entries j in [n(max(L - new_keys, 0)), n(L)) that the last new_keys keys completed
+ * (n(x) = (x - w) / s + 1 if x >= w else 0), and leaves every other entry as it is. A decoding
+ * step that appended one key a sequence passes new_keys = 1 (at most one entry a sequence and
+ * level); a prefill into an empty cache passes its length and writes them all; recomputing an
+ * entry gives the same bits. For w = 32, s = 16 and w = 128, s = 64 (and any w, s whose gcd is
+ * 1) the entries are bitwise those infllmv2_compress_keys writes from the same keys packed.
+ *
+ *   [in]  k_cache       (num_pages, page_size, heads_k, head_dim), dtype, contiguous; key t of
+ *                       sequence b as for infllmv2_sparse_decode_kvcache (padded: block_table
+ *                       NULL, pages_per_seq 0, row t of page b; paged: row t % page_size of page
+ *                       block_table[b * pages_per_seq + t / page_size], page numbers clamped into
+ *                       the cache, page_size a multiple of 64 with several pages a sequence)
+ *   [in]  cache_seqlens int32 (batch), device memory, the lengths after the new keys
+ *   [out] ck_cache      (batch, capacity_c, heads_k, head_dim), dtype, contiguous
+ *   [in]  capacity_c    at least n(capacity), the capacity being page_size (padded) or
+ *                       pages_per_seq x page_size; batch x capacity_c < 2^31
+ *   [in]  new_keys      >= 0: keys each sequence gained since ck_cache was last brought up to
+ *                       date (an upper bound; 0 does nothing)
+ *   [in]  kernel_size, kernel_stride  w >= 1, s >= 1 (32/16 fine, 128/64 coarse)
+ *   k_cache and ck_cache 16-byte aligned. No PHSA (the cache holds no punctuation mask). No
+ *   workspace, no host synchronisation: usable inside CUDA graphs.
+ */
+INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
+    const void* k_cache, const int32_t* block_table, const int32_t* cache_seqlens, void* ck_cache, int32_t batch,
+    int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t new_keys,
+    int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, int32_t kernel_size, int32_t kernel_stride,
+    cudaStream_t stream);
+
+/*
  * infllmv2_sparse_attn_fwd: stage 2, block-sparse attention over selected 64-key blocks.
  *
  *   For query i of sequence b (Lq queries, Lk keys; position p = Lk - Lq + i) and query head
@@ -440,6 +472,44 @@ INFLLMV2_API size_t infllmv2_select_decode_workspace_size(int32_t batch, int64_t
                                                           int32_t heads, int32_t heads_k, int32_t head_dim,
                                                           int32_t approx_lse, int32_t norm_kernel_stride,
                                                           int32_t splits);
+
+/*
+ * infllmv2_select_decode_kvcache: infllmv2_select_decode's selection over compressed caches kept by
+ * infllmv2_compress_keys_kvcache, so that a decoding step does not recompress its whole cache.
+ * Sequence b has L = min(cache_seqlens[b], capacity) keys (its queries, cu_seqlens_q, are the
+ * last ones, bottom-right aligned); its fine compressed keys are ck_cache[b, 0 .. n(L)) (window
+ * 32, stride 16) and its normaliser keys nk_cache[b, 0 .. ) (norm_kernel_size /
+ * norm_kernel_stride; NULL: the exact normaliser over the fine keys). Rows at or past n(L) are
+ * never read into a score, so they may hold anything. Same result as
+ * infllmv2_select_blocks_from_keys / infllmv2_select_decode on the same keys packed (ties and the
+ * split merge order as there).
+ *
+ *   [in]  ck_cache       (batch, capacity_c, heads_k, head_dim), dtype
+ *   [in]  nk_cache       (batch, capacity_n, heads_k, head_dim), dtype, or NULL
+ *   [in]  cache_seqlens  int32 (batch), device memory
+ *   [in]  capacity       the most keys a sequence may have (lengths are clamped to it); it sizes
+ *                        the block scores, as max_seqlen_k does for infllmv2_select_decode
+ *   [in]  capacity_c, capacity_n  rows a sequence in ck_cache / nk_cache: at least the compressed
+ *                        keys of `capacity` keys
+ *   [in]  splits         1 .. 64, from infllmv2_select_decode_splits(batch, max_seqlen_q,
+ *                        capacity, ...)
+ *   [in]  workspace      infllmv2_select_decode_kvcache_workspace_size() bytes (with any splits)
+ *   Other arguments as for infllmv2_select_decode. No host synchronisation.
+ */
+INFLLMV2_API infllmv2_status infllmv2_select_decode_kvcache(
+    const void* q, const void* ck_cache, const void* nk_cache, const int32_t* cache_seqlens,
+    const int32_t* cu_seqlens_q, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch,
+    int64_t total_q, int32_t max_seqlen_q, int32_t capacity, int32_t capacity_c, int32_t capacity_n, int32_t heads,
+    int32_t heads_k, int32_t head_dim, int32_t topk, int32_t init_blocks, int32_t local_blocks,
+    int32_t norm_kernel_size, int32_t norm_kernel_stride, infllmv2_dtype dtype, float softmax_scale, int32_t splits,
+    cudaStream_t stream);
+
+/* Bytes of device workspace infllmv2_select_decode_kvcache needs with `splits`: the offsets it
+ * makes on the device, plus (splits > 1) infllmv2_select_decode's partials and block scores.
+ * 0 on a bad argument. */
+INFLLMV2_API size_t infllmv2_select_decode_kvcache_workspace_size(int32_t batch, int64_t total_q,
+                                                                  int32_t max_seqlen_q, int32_t capacity,
+                                                                  int32_t heads, int32_t heads_k, int32_t splits);
 
 /*
  * infllmv2_group_scores: S itself, fp32 (heads_k, total_q, width), column j = the sequence's

@@ -200,6 +200,37 @@ infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int 
   return INFLLMV2_OK;
 }
 
+infllmv2_status check_cache_layout(const char* op, const int32_t* block_table, int32_t batch, int64_t num_pages,
+                                   int32_t page_size, int32_t pages_per_seq, int block) {
+  if (page_size < 1)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: page_size must be >= 1, got %d", op, page_size);
+  if (num_pages < 1 || num_pages > INT32_MAX / page_size)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: num_pages must be in [1, 2^31 / page_size = %d], got %lld", op,
+                INT32_MAX / page_size, (long long)num_pages);
+  if (block_table == nullptr) {
+    if (pages_per_seq != 0)
+      return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                  "%s: pages_per_seq must be 0 for a padded cache (block_table NULL), got %d", op, pages_per_seq);
+    if (num_pages < batch)
+      return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                  "%s: a padded cache (block_table NULL) needs a page a sequence: num_pages (%lld) < batch (%d)", op,
+                  (long long)num_pages, batch);
+    return INFLLMV2_OK;
+  }
+  if (pages_per_seq < 1 || (int64_t)pages_per_seq * batch > INT32_MAX)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: pages_per_seq must be >= 1 with a block_table (and batch x pages_per_seq < 2^31), got %d", op,
+                pages_per_seq);
+  if (pages_per_seq > 1 && page_size % block != 0)
+    return fail(INFLLMV2_ERR_UNSUPPORTED,
+                "%s: page_size must be a multiple of %d (the block size) with several pages a sequence, got %d", op,
+                block, page_size);
+  if ((int64_t)pages_per_seq * page_size > INT32_MAX)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: pages_per_seq x page_size must be < 2^31, got %d x %d", op,
+                pages_per_seq, page_size);
+  return INFLLMV2_OK;
+}
+
 infllmv2_status check_key_blocks_on_grid(const char* op, int32_t max_seqlen_k, int block) {
   if (((int64_t)max_seqlen_k + block - 1) / block > kMaxGridYZ)
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: max_seqlen_k must be at most %d in the backward, got %d", op,

@@ -197,36 +197,12 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_decode_kvcache(
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream) {
   static const char* op = "infllmv2_sparse_decode_kvcache";
   clear_error();
-  if (page_size < 1)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: page_size must be >= 1, got %d", op, page_size);
-  if (num_pages < 1 || num_pages > INT32_MAX / page_size)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: num_pages must be in [1, 2^31 / page_size = %d], got %lld", op,
-                INT32_MAX / page_size, (long long)num_pages);
-  const int64_t cache_rows = num_pages * page_size;
-  infllmv2_status st = check_split_args(op, dtype, head_dim, batch, heads, heads_k, topk, splits, total_q, cache_rows,
-                                        max_seqlen_q, softmax_scale);
+  infllmv2_status st = check_cache_layout(op, block_table, batch, num_pages, page_size, pages_per_seq, kBlock);
   if (st != INFLLMV2_OK) return st;
-  if (block_table == nullptr) {
-    if (pages_per_seq != 0)
-      return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                  "%s: pages_per_seq must be 0 for a padded cache (block_table NULL), got %d", op, pages_per_seq);
-    if (num_pages < batch)
-      return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                  "%s: a padded cache (block_table NULL) needs a page a sequence: num_pages (%lld) < batch (%d)", op,
-                  (long long)num_pages, batch);
-  } else {
-    if (pages_per_seq < 1 || (int64_t)pages_per_seq * batch > INT32_MAX)
-      return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                  "%s: pages_per_seq must be >= 1 with a block_table (and batch x pages_per_seq < 2^31), got %d", op,
-                  pages_per_seq);
-    if (pages_per_seq > 1 && page_size % kBlock != 0)
-      return fail(INFLLMV2_ERR_UNSUPPORTED,
-                  "%s: page_size must be a multiple of %d (the block size) with several pages a sequence, got %d", op,
-                  kBlock, page_size);
-    if ((int64_t)pages_per_seq * page_size > INT32_MAX)
-      return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: pages_per_seq x page_size must be < 2^31, got %d x %d", op,
-                  pages_per_seq, page_size);
-  }
+  const int64_t cache_rows = num_pages * page_size;
+  if ((st = check_split_args(op, dtype, head_dim, batch, heads, heads_k, topk, splits, total_q, cache_rows,
+                             max_seqlen_q, softmax_scale)) != INFLLMV2_OK)
+    return st;
   if (total_q > 0 && (st = check_workspace(op, "infllmv2_sparse_decode_kvcache_workspace_size", workspace_size,
                                            partial_bytes(splits, total_q, heads, head_dim))) != INFLLMV2_OK)
     return st;

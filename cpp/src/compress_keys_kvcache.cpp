@@ -1,0 +1,72 @@
+// infllmv2_compress_keys_kvcache: the compressed keys that a KV cache's newest keys completed,
+// written into a compressed cache kept across decoding steps.
+#include <algorithm>
+#include <climits>
+#include <numeric>
+#include <string>
+
+#include "registry.h"
+#include "runtime.h"
+#include "stage1.h"
+
+using namespace infllmv2;
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
+    const void* k_cache, const int32_t* block_table, const int32_t* cache_seqlens, void* ck_cache, int32_t batch,
+    int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t new_keys,
+    int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, int32_t kernel_size, int32_t kernel_stride,
+    cudaStream_t stream) {
+  static const char* op = "infllmv2_compress_keys_kvcache";
+  clear_error();
+  if (dtype != INFLLMV2_DTYPE_BF16 && dtype != INFLLMV2_DTYPE_FP16)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: dtype must be INFLLMV2_DTYPE_BF16 or INFLLMV2_DTYPE_FP16, got %d", op,
+                (int)dtype);
+  if (head_dim != 64 && head_dim != 128)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: head_dim must be 64 or 128, got %d", op, head_dim);
+  if (batch < 1 || batch > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, batch);
+  if (heads_k < 1 || heads_k > kMaxGridYZ)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads_k must be in [1, %d], got %d", op, kMaxGridYZ, heads_k);
+  if (kernel_size < 1 || kernel_stride < 1)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: kernel_size and kernel_stride must be >= 1, got %d and %d", op,
+                kernel_size, kernel_stride);
+  if (new_keys < 0)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: new_keys must be >= 0, got %d", op, new_keys);
+  infllmv2_status st = check_cache_layout(op, block_table, batch, num_pages, page_size, pages_per_seq, kBlock);
+  if (st != INFLLMV2_OK) return st;
+  const int64_t capacity = (int64_t)page_size * std::max(pages_per_seq, 1);
+  // the compressed keys of a full cache all have their row, so no length is read on the host
+  const int64_t need = windows(capacity, kernel_size, kernel_stride);
+  if (capacity_c < std::max<int64_t>(need, 1) || (int64_t)batch * capacity_c > INT_MAX)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: capacity_c must hold the %lld compressed keys (window %d, stride %d) of a full cache of capacity "
+                "%lld, with batch x capacity_c < 2^31; got %d",
+                op, (long long)need, kernel_size, kernel_stride, (long long)capacity, capacity_c);
+
+  Device dev;
+  if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_device_pointers(op, dev, {{"k_cache", k_cache}, {"cache_seqlens", cache_seqlens},
+                                            {"ck_cache", ck_cache}})) != INFLLMV2_OK)
+    return st;
+  if (block_table != nullptr && (st = check_device_pointers(op, dev, {{"block_table", block_table}})) != INFLLMV2_OK)
+    return st;
+  if ((st = check_aligned(op, {{"k_cache", k_cache}, {"ck_cache", ck_cache}})) != INFLLMV2_OK) return st;
+  const infllmv2_compress_keys_kvcache_unit* unit = nullptr;
+  if ((st = pick_unit(op, infllmv2_compress_keys_kvcache_units, dev,
+                      [&](const infllmv2_compress_keys_kvcache_unit& u) {
+                        return u.dtype == dtype && u.head_dim == head_dim;
+                      },
+                      config_desc(dtype, head_dim), &unit)) != INFLLMV2_OK)
+    return st;
+  // keys past the capacity are never read: a larger count recomputes the same entries
+  const int32_t fresh = (int32_t)std::min<int64_t>(new_keys, capacity);
+  if (fresh == 0) return INFLLMV2_OK;
+  // a padded cache has no table: the kernel gets cache_seqlens in its place and never reads it
+  const int32_t* table = block_table != nullptr ? block_table : cache_seqlens;
+  const int table_len = block_table != nullptr ? batch * pages_per_seq : batch;
+  int rc = unit->call(const_cast<void*>(k_cache), const_cast<int32_t*>(table), const_cast<int32_t*>(cache_seqlens),
+                      ck_cache, fresh, capacity_c, kernel_size, kernel_stride, std::gcd(kernel_size, kernel_stride),
+                      page_size, pages_per_seq, (int)num_pages, (int)(num_pages * page_size), heads_k, table_len, batch,
+                      batch * capacity_c, stream);
+  return launch_result(op, unit->name, rc, unit->last_error);
+}
