@@ -14,9 +14,10 @@ from ._lib import (
     selected_arch,
     set_arch_override,
 )
-from .ops import (compress_keys, dense_attn_varlen, group_scores, max_pool_blocks, select_blocks, select_decode,
-                  sparse_attn_varlen, sparse_decode, sparse_decode_kvcache)
-from .attention import SparseConfig, attention, attention_padded
+from .ops import (compress_keys, compress_keys_kvcache, compressed_capacity, dense_attn_varlen, group_scores,
+                  max_pool_blocks, select_blocks, select_decode, select_decode_kvcache, sparse_attn_varlen, sparse_decode,
+                  sparse_decode_kvcache)
+from .attention import SparseConfig, attention, attention_kvcache, attention_padded
 from .module import InfLLMv2Attention
 
 try:
@@ -29,16 +30,20 @@ except PackageNotFoundError:  # a source checkout on sys.path
 __all__ = [
     "attention",
     "attention_padded",
+    "attention_kvcache",
     "SparseConfig",
     "InfLLMv2Attention",
     "phsa",
     "dense_attn_varlen",
     "compress_keys",
+    "compress_keys_kvcache",
+    "compressed_capacity",
     "sparse_attn_varlen",
     "sparse_decode",
     "sparse_decode_kvcache",
     "select_blocks",
     "select_decode",
+    "select_decode_kvcache",
     "group_scores",
     "max_pool_blocks",
     "build_info",

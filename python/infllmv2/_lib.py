@@ -66,6 +66,10 @@ _SIGNATURES = {
          _c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_int,
          _c.c_int32, _c.c_int32, _c.c_void_p],
     ),
+    "infllmv2_compress_keys_kvcache": (
+        _c.c_int,
+        [_c.c_void_p] * 4 + [_c.c_int32, _c.c_int64] + [_c.c_int32] * 6 + [_c.c_int, _c.c_int32, _c.c_int32, _c.c_void_p],
+    ),
     "infllmv2_attention_compressed_offsets": (
         _c.c_int, [_c.c_void_p, _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_void_p],
     ),
@@ -102,6 +106,12 @@ _SIGNATURES = {
         _c.c_int,
         [_c.c_void_p] * 5 + [_c.c_float, _c.c_void_p, _c.c_void_p, _c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64]
         + [_c.c_int32] * 11 + [_c.c_int, _c.c_float, _c.c_int32, _c.c_void_p],
+    ),
+    "infllmv2_select_decode_kvcache_workspace_size": (_c.c_size_t, [_c.c_int32, _c.c_int64] + [_c.c_int32] * 5),
+    "infllmv2_select_decode_kvcache": (
+        _c.c_int,
+        [_c.c_void_p] * 7 + [_c.c_size_t, _c.c_int32, _c.c_int64] + [_c.c_int32] * 12
+        + [_c.c_int, _c.c_float, _c.c_int32, _c.c_void_p],
     ),
     "infllmv2_dense_attn_fwd": (
         _c.c_int,

@@ -181,3 +181,65 @@ def attention_padded(q, k, v, config=None, softmax_scale=None, punct_mask=None, 
     if not return_lse:
         return out
     return out, res[1].reshape(Hq, B, Sq).transpose(0, 1)
+
+
+def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache=None, new_keys=None,
+                      block_table=None, config=None, softmax_scale=None, max_seqlen_q=None, max_seqlen_k=None,
+                      num_splits=0, return_lse=False):
+    """``attention`` for new tokens against a KV cache (decoding, speculative decoding, chunked
+    prefill), forward only, with the compressed keys kept across calls.
+
+    The new tokens' keys and values are in ``k_cache``/``v_cache`` already (``(num_pages,
+    page_size, Hk, D)``, padded or paged by ``block_table`` as ``sparse_decode_kvcache`` reads
+    them), ``cache_seqlens`` counting them; ``q (total_q, Hq, D)``, packed by ``cu_seqlens_q``, holds
+    each sequence's last tokens. ``ck_cache (batch, capacity_c, Hk, D)`` and, with
+    ``config.approx_lse``, ``nk_cache`` are the sequences' fine and normaliser compressed caches
+    (``ops.compressed_capacity`` sizes them; zeros or anything to start with): the call first
+    brings them up to date with ``compress_keys_kvcache`` for the last ``new_keys`` keys
+    (default ``max_seqlen_q``, the new tokens), so that a step compresses only the keys it added,
+    not the whole cache (SPEC.md, Decode). Then, as ``attention``: dense attention (every block
+    selected) when ``max_seqlen_k`` (the longest sequence; read from ``cache_seqlens`` on the host
+    when not given) is below ``config.dense_len``, else ``select_decode_kvcache`` and
+    ``sparse_decode_kvcache``. Returns ``out`` (and ``lse (Hq, total_q)`` with ``return_lse``).
+    With ``max_seqlen_q`` and ``max_seqlen_k`` given there is no host synchronisation (CUDA).
+    """
+    from .ops import (_cache_capacity, _check_block_table, _index_vector, _sparse_decode_kvcache, compress_keys_kvcache,
+                      every_block_selection, select_decode_kvcache)
+
+    cfg = _config(config)
+    _check_tensor3(q, "q")
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise ValueError("k_cache must be a tensor of shape (num_pages, page_size, Hk, D)")
+    batch = cu_seqlens_q.numel() - 1
+    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    block_table = _check_block_table(block_table, k_cache, batch)
+    capacity = _cache_capacity(k_cache, block_table)
+    if cfg.approx_lse and nk_cache is None:
+        raise ValueError("nk_cache (the normaliser keys' compressed cache) is needed with config.approx_lse; pass "
+                         "one, or a config with approx_lse=False")
+    max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.shape[0])
+    new_keys = max_seqlen_q if new_keys is None else new_keys
+    if max_seqlen_k is None:
+        max_seqlen_k = int(cache_seqlens.max().item()) if batch else 0
+    _check_int(max_seqlen_k, "max_seqlen_k", 0)
+    with torch.no_grad():
+        compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table, cfg.kernel_size,
+                              cfg.kernel_stride)
+        if cfg.approx_lse:
+            compress_keys_kvcache(k_cache, cache_seqlens, nk_cache, new_keys, block_table, cfg.norm_kernel_size,
+                                  cfg.norm_kernel_stride)
+        if max_seqlen_k < cfg.dense_len:
+            topk_idx = every_block_selection(k_cache.shape[2], q.shape[0], min(capacity, max(max_seqlen_k, 1)),
+                                             q.device)
+        else:
+            topk_idx = select_decode_kvcache(
+                q, ck_cache, nk_cache if cfg.approx_lse else None, cache_seqlens, cu_seqlens_q, capacity,
+                topk=cfg.num_selected, kernel_size=cfg.kernel_size, kernel_stride=cfg.kernel_stride,
+                block_size=cfg.block_size, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
+                norm_kernel_size=cfg.norm_kernel_size, norm_kernel_stride=cfg.norm_kernel_stride,
+                softmax_scale=softmax_scale, max_seqlen_q=max_seqlen_q, num_splits=num_splits)
+        # both selections' rows are ascending with -1 last, as the kernels read them
+        return _sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table,
+                                      max_seqlen_q, softmax_scale, num_splits, cfg.block_size, return_lse,
+                                      rows_sorted=True)

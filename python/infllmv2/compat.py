@@ -253,15 +253,6 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 _KVCACHE_UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_leftpad", "alibi_slopes")
 
 
-def _dense_selection(heads_k, rows, capacity, device):
-    """Every block of a cache of ``capacity`` keys, for each row: dense attention as a selection."""
-    n_blocks = -(-capacity // 64)
-    if n_blocks > ops._KERNEL_MAX_TOPK:
-        raise ValueError(f"topk_idx=None (dense attention) needs a cache of at most {64 * ops._KERNEL_MAX_TOPK} keys a "
-                         f"sequence here, got a capacity of {capacity}: pass the selection (topk_idx)")
-    return torch.arange(n_blocks, dtype=torch.int32, device=device).expand(heads_k, rows, n_blocks)
-
-
 def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -340,7 +331,7 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         v_cache[page, row] = v.to(v_cache.dtype)
         lens = lens + k.shape[1]
     if topk_idx is None:
-        topk_idx = _dense_selection(heads_k, batch * seqlen_q, capacity, q.device)
+        topk_idx = ops.every_block_selection(heads_k, batch * seqlen_q, capacity, q.device)
     cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
     out, lse = ops.sparse_decode_kvcache(q.reshape(batch * seqlen_q, heads, head_dim), k_cache, v_cache, lens, cu_q,
                                          topk_idx, table, max_seqlen_q=seqlen_q, softmax_scale=softmax_scale,

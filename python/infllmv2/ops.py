@@ -123,6 +123,80 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
     return ck, cu_seqlens_c
 
 
+def compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride):
+    """Runs the kernel: cache_seqlens and block_table int32 (or None), checked."""
+    pages_per_seq = 0 if block_table is None else block_table.shape[1]
+    with torch.cuda.device(k_cache.device):
+        status = _lib.lib().infllmv2_compress_keys_kvcache(
+            _ptr(k_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(ck_cache), cache_seqlens.numel(),
+            k_cache.shape[0], k_cache.shape[1], pages_per_seq, ck_cache.shape[1], new_keys, k_cache.shape[2],
+            k_cache.shape[3], _KERNEL_DTYPES[k_cache.dtype], kernel_size, kernel_stride, _stream(k_cache.device))
+    _lib.check(status)
+
+
+@torch.library.custom_op("infllmv2::compress_keys_kvcache", mutates_args=("ck_cache",))
+def _compress_keys_kvcache_op(
+    k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], ck_cache: torch.Tensor,
+    new_keys: int, kernel_size: int, kernel_stride: int,
+) -> None:
+    compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride)
+
+
+@_compress_keys_kvcache_op.register_fake
+def _(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride):
+    return None
+
+
+def compressed_capacity(capacity, kernel_size=32, kernel_stride=16) -> int:
+    """Rows a sequence's compressed cache needs: the compressed keys of ``capacity`` keys (at least 1)."""
+    return max(reference._num_windows(capacity, kernel_size, kernel_stride), 1)
+
+
+def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table=None, kernel_size=32,
+                          kernel_stride=16):
+    """Stage 0 kept up to date over a KV cache: writes into ``ck_cache`` the compressed keys that
+    each sequence's last ``new_keys`` keys completed, and returns it.
+
+    ``k_cache (num_pages, page_size, Hk, D)`` with ``block_table`` as ``sparse_decode_kvcache``
+    reads it (None: a padded cache); ``cache_seqlens`` the lengths after the new keys;
+    ``ck_cache (batch, capacity_c, Hk, D)`` in k_cache's dtype, ``capacity_c`` at least
+    ``compressed_capacity(capacity, kernel_size, kernel_stride)``. Entry ``j`` of sequence ``b``
+    is ``mean(key j*s .. j*s + w - 1)``; the call writes ``j`` in ``[n(L - new_keys), n(L))`` and
+    leaves the others (``n`` the count of ``compress_keys``; ``new_keys`` an upper bound: a decoding
+    step passes the tokens it appended, a prefill into an empty cache its length). For 32/16 and
+    128/64 the entries are bitwise ``compress_keys``' on the same keys packed. In place, no host
+    synchronisation (CUDA); CPU runs the reference. No PHSA.
+    """
+    _check_cache_tensor(k_cache, "k_cache", k_cache, "k_cache")
+    batch = ck_cache.shape[0] if isinstance(ck_cache, torch.Tensor) and ck_cache.dim() == 4 else None
+    if batch is None or ck_cache.shape[2:] != k_cache.shape[2:] or ck_cache.dtype != k_cache.dtype \
+            or ck_cache.device != k_cache.device:
+        raise ValueError(f"ck_cache must be a tensor of shape (batch, capacity_c, Hk={k_cache.shape[2]}, "
+                         f"D={k_cache.shape[3]}) with k_cache's dtype and device ({k_cache.dtype}, {k_cache.device}), got "
+                         + (f"{ck_cache.dtype} {tuple(ck_cache.shape)} on {ck_cache.device}"
+                            if isinstance(ck_cache, torch.Tensor) else type(ck_cache).__name__))
+    _check_int(new_keys, "new_keys", 0)
+    _check_int(kernel_size, "kernel_size", 1)
+    _check_int(kernel_stride, "kernel_stride", 1)
+    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, k_cache.device)
+    block_table = _check_block_table(block_table, k_cache, batch)
+    need = compressed_capacity(_cache_capacity(k_cache, block_table), kernel_size, kernel_stride)
+    if ck_cache.shape[1] < need:
+        raise ValueError(f"ck_cache holds {ck_cache.shape[1]} entries a sequence; a full cache of "
+                         f"{_cache_capacity(k_cache, block_table)} keys has {need} (window {kernel_size}, stride "
+                         f"{kernel_stride}): compressed_capacity() gives it")
+    if not ck_cache.is_contiguous():
+        raise ValueError("ck_cache must be contiguous (it is written in place)")
+    if not k_cache.is_cuda:
+        ck_cache.copy_(reference.compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table,
+                                                       kernel_size, kernel_stride))
+        return ck_cache
+    _check_kernel_tensor(k_cache, "k_cache")
+    _check_kernel_pages(block_table, k_cache)
+    _compress_keys_kvcache_op(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride)
+    return ck_cache
+
+
 def _lengths(cu):
     return cu[1:] - cu[:-1]
 
@@ -556,6 +630,54 @@ def _index_vector(t, name, length, device):
     return t.to(torch.int32).contiguous()
 
 
+def _check_cache_tensor(t, name, like, like_name):
+    """A 4-D cache tensor with ``like``'s dtype and device."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        raise ValueError(f"{name} must be a tensor of shape (num_pages, page_size, Hk, D), got "
+                         + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    if t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name} must match {like_name}'s dtype and device ({like.dtype}, {like.device}), got {t.dtype}, "
+                         f"{t.device}")
+
+
+def _check_block_table(block_table, k_cache, batch):
+    """The block table as int32 (None for a padded cache, which needs a page a sequence)."""
+    if block_table is None:
+        if k_cache.shape[0] < batch:
+            raise ValueError(f"a padded cache (block_table None) needs a page a sequence: k_cache has "
+                             f"{k_cache.shape[0]} for a batch of {batch}")
+        return None
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64) \
+            or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must be an int32 tensor of shape (batch={batch}, pages_per_seq >= 1), got "
+                         + (f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor)
+                            else type(block_table).__name__))
+    if block_table.device != k_cache.device:
+        raise ValueError(f"block_table is on {block_table.device} but the cache is on {k_cache.device}")
+    return block_table.to(torch.int32).contiguous()
+
+
+def _check_kernel_pages(block_table, k_cache):
+    if block_table is not None and block_table.shape[1] > 1 and k_cache.shape[1] % _KERNEL_BLOCK:
+        raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of {_KERNEL_BLOCK} on CUDA when a "
+                         f"sequence has several pages, got {k_cache.shape[1]}")
+
+
+def _cache_capacity(k_cache, block_table) -> int:
+    """Keys a sequence of the cache can hold."""
+    return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+
+
+def every_block_selection(heads_k, rows, capacity, device):
+    """Every block of a cache of ``capacity`` keys, for each row: dense attention as a selection."""
+    n_blocks = -(-capacity // _KERNEL_BLOCK)
+    if n_blocks > _KERNEL_MAX_TOPK:
+        raise ValueError(f"dense attention over a cache (every block selected) needs a cache of at most "
+                         f"{_KERNEL_BLOCK * _KERNEL_MAX_TOPK} keys a sequence here, got a capacity of {capacity}: pass "
+                         f"a selection (topk_idx)")
+    return torch.arange(n_blocks, dtype=torch.int32, device=device).expand(heads_k, rows, n_blocks)
+
+
 def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table=None,
                           max_seqlen_q=None, softmax_scale=None, num_splits=0, block_size=64, return_lse=False):
     """``sparse_decode`` with the keys and values in a KV cache, padded or paged.
@@ -571,13 +693,18 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     only (no host synchronisation when ``max_seqlen_q`` is given; lengths past a sequence's
     capacity are clamped to it); on CPU, the reference.
     """
+    return _sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table, max_seqlen_q,
+                                  softmax_scale, num_splits, block_size, return_lse, rows_sorted=False)
+
+
+def _sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table, max_seqlen_q,
+                           softmax_scale, num_splits, block_size, return_lse, rows_sorted):
+    """sparse_decode_kvcache; ``rows_sorted``: topk_idx rows are ascending with -1 last already (a
+    selection's output), so the sort is skipped."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor of shape (total_q, Hq, D)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a tensor of shape (num_pages, page_size, Hk, D)")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} must match q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}")
+        _check_cache_tensor(t, name, q, "q")
     if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"k_cache and v_cache must both have shape (num_pages, page_size, Hk, D={q.shape[2]}), got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -586,18 +713,7 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
     batch = cu_seqlens_q.numel() - 1
     cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
-    if block_table is not None:
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype not in (torch.int32, torch.int64) \
-                or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-            raise ValueError(f"block_table must be an int32 tensor of shape (batch={batch}, pages_per_seq >= 1), got "
-                             + (f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor)
-                                else type(block_table).__name__))
-        if block_table.device != q.device:
-            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
-        block_table = block_table.to(torch.int32).contiguous()
-    elif k_cache.shape[0] < batch:
-        raise ValueError(f"a padded cache (block_table None) needs a page a sequence: k_cache has {k_cache.shape[0]} "
-                         f"for a batch of {batch}")
+    block_table = _check_block_table(block_table, k_cache, batch)
     _check_selection(topk_idx, q, k_cache.shape[2], block_size)
     if _needs_grad(q, k_cache, v_cache):
         raise ValueError("sparse_decode_kvcache is forward only, but q or the cache requires grad: call it under "
@@ -605,11 +721,10 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     _check_num_splits(num_splits)
     if q.is_cuda:
         _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
-        if block_table is not None and block_table.shape[1] > 1 and k_cache.shape[1] % _KERNEL_BLOCK:
-            raise ValueError(f"page_size (k_cache.shape[1]) must be a multiple of {_KERNEL_BLOCK} on CUDA when a "
-                             f"sequence has several pages, got {k_cache.shape[1]}")
+        _check_kernel_pages(block_table, k_cache)
         max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
-        out, lse = _sparse_decode_kvcache_op(q, k_cache, v_cache, sort_topk_idx(topk_idx), cu_seqlens_q, cache_seqlens,
+        idx = topk_idx.to(torch.int32).contiguous() if rows_sorted else sort_topk_idx(topk_idx)
+        out, lse = _sparse_decode_kvcache_op(q, k_cache, v_cache, idx, cu_seqlens_q, cache_seqlens,
                                              block_table, max_seqlen_q, _scale_or_zero(softmax_scale), num_splits)
     else:
         out, lse = reference.sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx,
@@ -989,6 +1104,105 @@ def select_decode(q, k, cu_seqlens_q, cu_seqlens_k, topk=96, kernel_size=32, ker
     return _select(q, k, cu_seqlens_q, cu_seqlens_k, topk, kernel_size, kernel_stride, block_size, init_blocks,
                    local_blocks, approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, punct_mask,
                    phsa_lambda, max_seqlen_q, max_seqlen_k, num_splits)
+
+
+def select_decode_kvcache_launch(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, out, capacity, max_seqlen_q,
+                                 init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale,
+                                 splits):
+    """Runs the selection into ``out`` (Hk, total_q, topk) int32; arguments checked."""
+    batch = cu_seqlens_q.numel() - 1
+    lib = _lib.lib()
+    size = lib.infllmv2_select_decode_kvcache_workspace_size(batch, q.shape[0], max_seqlen_q, capacity, q.shape[1],
+                                                             ck_cache.shape[2], splits)
+    workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+    with torch.cuda.device(q.device):
+        status = lib.infllmv2_select_decode_kvcache(
+            _ptr(q), _ptr(ck_cache), _ptr(nk_cache), _ptr(cache_seqlens), _ptr(cu_seqlens_q), _ptr(out),
+            _ptr(workspace), size, batch, q.shape[0], max_seqlen_q, capacity, ck_cache.shape[1],
+            0 if nk_cache is None else nk_cache.shape[1], q.shape[1], ck_cache.shape[2], q.shape[2], out.shape[2],
+            init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, _KERNEL_DTYPES[q.dtype], softmax_scale,
+            splits, _stream(q.device))
+    _lib.check(status)
+
+
+@torch.library.custom_op("infllmv2::select_decode_kvcache", mutates_args=())
+def _select_decode_kvcache_op(
+    q: torch.Tensor, ck_cache: torch.Tensor, nk_cache: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, topk: int, capacity: int, max_seqlen_q: int, init_blocks: int, local_blocks: int,
+    norm_kernel_size: int, norm_kernel_stride: int, softmax_scale: float, num_splits: int,
+) -> torch.Tensor:
+    out = torch.empty((ck_cache.shape[2], q.shape[0], topk), dtype=torch.int32, device=q.device)
+    # one sequence's rows: (capacity_c, Hk, D), the shape select_decode_splits reads heads_k from
+    splits = select_decode_splits(q, ck_cache[0], cu_seqlens_q, max_seqlen_q, capacity, num_splits)
+    select_decode_kvcache_launch(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, out, capacity, max_seqlen_q,
+                                 init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, splits)
+    return out
+
+
+@_select_decode_kvcache_op.register_fake
+def _(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, topk, capacity, max_seqlen_q, init_blocks, local_blocks,
+      norm_kernel_size, norm_kernel_stride, softmax_scale, num_splits):
+    return q.new_empty((ck_cache.shape[2], q.shape[0], topk), dtype=torch.int32)
+
+
+def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, capacity, topk=96, kernel_size=32,
+                          kernel_stride=16, block_size=64, init_blocks=1, local_blocks=32, norm_kernel_size=128,
+                          norm_kernel_stride=64, softmax_scale=None, max_seqlen_q=None, num_splits=0):
+    """``select_decode`` over compressed caches kept by ``compress_keys_kvcache``: a decoding step
+    that does not recompress its whole cache.
+
+    Sequence ``b`` has ``cache_seqlens[b]`` keys (clamped to ``capacity``, the most a sequence can
+    hold; the new tokens' keys included) and its queries ``q (total_q, Hq, D)``, packed by
+    ``cu_seqlens_q``, are its last tokens. ``ck_cache (batch, capacity_c, Hk, D)`` holds its fine
+    compressed keys (``kernel_size``/``kernel_stride``) in rows ``0 .. n(L)``, ``nk_cache``
+    likewise the normaliser keys (``norm_kernel_size``/``norm_kernel_stride``; None: the exact
+    normaliser over the fine keys); rows past them may hold anything. Returns ``topk_idx``
+    ``(Hk, total_q, topk)`` as ``select_blocks`` on the same keys packed (with ``num_splits`` > 1
+    merged as ``select_decode`` merges). No host synchronisation when ``max_seqlen_q`` is given.
+    CPU runs the reference.
+    """
+    _check_tensor3(q, "q")
+    _check_cache_tensor(ck_cache, "ck_cache", q, "q")
+    if ck_cache.shape[3] != q.shape[2] or q.shape[1] % ck_cache.shape[2] != 0:
+        raise ValueError(f"ck_cache must have shape (batch, capacity_c, Hk, D={q.shape[2]}) with Hk dividing q's "
+                         f"{q.shape[1]} heads, got {tuple(ck_cache.shape)}")
+    if nk_cache is not None:
+        _check_cache_tensor(nk_cache, "nk_cache", q, "q")
+        if nk_cache.shape[0] != ck_cache.shape[0] or nk_cache.shape[2:] != ck_cache.shape[2:]:
+            raise ValueError(f"nk_cache must have shape (batch={ck_cache.shape[0]}, capacity_n, Hk={ck_cache.shape[2]}, "
+                             f"D={ck_cache.shape[3]}), got {tuple(nk_cache.shape)}")
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
+    batch = cu_seqlens_q.numel() - 1
+    if ck_cache.shape[0] != batch:
+        raise ValueError(f"ck_cache must hold a sequence per batch entry ({batch}), got {ck_cache.shape[0]}")
+    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    for value, name, minimum in ((capacity, "capacity", 0), (topk, "topk", 1), (init_blocks, "init_blocks", 0),
+                                 (local_blocks, "local_blocks", 0), (num_splits, "num_splits", 0)):
+        _check_int(value, name, minimum)
+    for cache, name, w, st in ((ck_cache, "ck_cache", kernel_size, kernel_stride),
+                               (nk_cache, "nk_cache", norm_kernel_size, norm_kernel_stride)):
+        if cache is not None and cache.shape[1] < compressed_capacity(capacity, w, st):
+            raise ValueError(f"{name} holds {cache.shape[1]} rows a sequence; {capacity} keys (the capacity) have "
+                             f"{compressed_capacity(capacity, w, st)} compressed keys of window {w}, stride {st}")
+    if not q.is_cuda:
+        return reference.select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens.clamp(0, capacity), cu_seqlens_q,
+                                               topk, kernel_size, kernel_stride, block_size, init_blocks, local_blocks,
+                                               norm_kernel_size, norm_kernel_stride, softmax_scale)
+    if block_size != _KERNEL_BLOCK:
+        raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
+    if topk > _KERNEL_MAX_SELECT_TOPK:
+        raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
+    if num_splits > _MAX_SELECT_SPLITS:
+        raise ValueError(f"num_splits must be at most {_MAX_SELECT_SPLITS} (0 lets the library pick), got {num_splits}")
+    # the scoring kernels' limits (dtype, head_dim, group size, 32/16, scale) on one sequence's rows
+    _check_scoring_qk(q, ck_cache[0], "ck_cache", kernel_size, kernel_stride, softmax_scale)
+    for name, t in (("ck_cache", ck_cache), ("nk_cache", nk_cache)):
+        if t is not None:
+            _check_kernel_tensor(t, name)
+    max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+    return _select_decode_kvcache_op(q.detach(), ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, topk, capacity,
+                                     max_seqlen_q, init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
+                                     _scale_or_zero(softmax_scale), num_splits)
 
 
 def group_scores(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32, kernel_stride=16,

@@ -682,6 +682,60 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_k, topk_idx, softmax_scale, block_size)
 
 
+def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table=None, kernel_size=32,
+                          kernel_stride=16):
+    """The compressed cache ``ck_cache (batch, capacity_c, Hk, D)`` brought up to date after each
+    sequence gained (at most) ``new_keys`` keys: a copy in which entries ``[n(L - new_keys),
+    n(L))`` of sequence ``b`` (``L = cache_seqlens[b]``, ``n`` the count of ``compress_keys``) are
+    ``compress_keys`` of its keys (``kvcache_to_varlen``) and every other entry is unchanged."""
+    _check_int(new_keys, "new_keys", 0)
+    k, _, cu_k = kvcache_to_varlen(k_cache, k_cache, cache_seqlens, block_table)
+    ck, cu_c = compress_keys(k, cu_k, kernel_size, kernel_stride)
+    if ck_cache.dim() != 4 or ck_cache.shape[0] != cu_k.numel() - 1 or ck_cache.shape[2:] != k_cache.shape[2:]:
+        raise ValueError(f"ck_cache must have shape (batch={cu_k.numel() - 1}, capacity_c, Hk, D) matching k_cache "
+                         f"{tuple(k_cache.shape)}, got {tuple(ck_cache.shape)}")
+    out = ck_cache.clone()
+    lens = (cu_k[1:] - cu_k[:-1]).tolist()
+    for b, (n_k, c0) in enumerate(zip(lens, cu_c[:-1].tolist())):
+        lo, hi = _num_windows(max(n_k - new_keys, 0), kernel_size, kernel_stride), _num_windows(n_k, kernel_size,
+                                                                                                kernel_stride)
+        if hi > out.shape[1]:
+            raise ValueError(f"ck_cache holds {out.shape[1]} entries a sequence, sequence {b} needs {hi}")
+        out[b, lo:hi] = ck[c0 + lo:c0 + hi].to(out.dtype)
+    return out
+
+
+def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, topk=96, kernel_size=32,
+                          kernel_stride=16, block_size=64, init_blocks=1, local_blocks=32, norm_kernel_size=128,
+                          norm_kernel_stride=64, softmax_scale=None, return_scores=False):
+    """``select_blocks`` from compressed caches: sequence ``b`` has ``L = cache_seqlens[b]`` keys
+    (its queries, packed by ``cu_seqlens_q``, are the last ones) and its compressed keys are rows
+    ``0 .. n(L)`` of ``ck_cache[b]`` (and of ``nk_cache[b]``, the normaliser keys; None: the
+    exact normaliser over the fine keys). Rows past them are never read."""
+    lens = [int(n) for n in cache_seqlens.tolist()]
+    cu_k = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    def packed(cache, w, s):
+        n = [_num_windows(x, w, s) for x in lens]
+        if any(x > cache.shape[1] for x in n):
+            raise ValueError(f"a compressed cache of {cache.shape[1]} rows a sequence holds fewer than the {max(n)} "
+                             f"keys (window {w}, stride {s}) of {max(lens)} keys")
+        rows = [cache[b, :x] for b, x in enumerate(n)]
+        return torch.cat(rows), torch.tensor([0] + n, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    with torch.no_grad():
+        q = q.detach()
+        ck, cu_c = packed(ck_cache, kernel_size, kernel_stride)
+        nk, cu_n = packed(nk_cache, norm_kernel_size, norm_kernel_stride) if nk_cache is not None else (None, None)
+        cu_q = cu_seqlens_q.cpu()
+        scores = group_scores(q.cpu(), ck.cpu(), cu_q, cu_k, cu_c, kernel_size, kernel_stride, softmax_scale,
+                              None if nk is None else nk.cpu(), cu_n, norm_kernel_size, norm_kernel_stride)
+        blocks = max_pool_blocks(scores, cu_q, cu_k, cu_c, kernel_size, kernel_stride, block_size, init_blocks,
+                                 local_blocks)
+        idx = topk_blocks(blocks, cu_q, cu_k, topk, block_size).to(q.device)
+    return (idx, blocks) if return_scores else idx
+
+
 def sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale=None, block_size=64,
                        chunk=_DEFAULT_CHUNK):
     """Block-sparse attention over the selected blocks (stage 2).

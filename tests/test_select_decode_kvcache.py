@@ -1,0 +1,207 @@
+"""select_decode_kvcache (the selection over compressed caches) and attention_kvcache (a whole
+decoding step against a KV cache, the compressed caches kept across steps)."""
+
+import pytest
+import torch
+
+import infllmv2
+from infllmv2 import SparseConfig, _lib, reference
+from infllmv2.testing import (assert_close_to_reference, cu_seqlens, kv_cache_of, no_host_sync, oracle_block_scores,
+                              random_tokens, selection_mismatch)
+
+LAYOUTS = ("padded", "batch_idx", "paged64", "paged256")  # kv_cache_of's
+# (query lengths, cache lengths)
+LENGTH_MIXES = {
+    "decode1": ([1], [1]),
+    "decode65": ([1], [65]),
+    "decode_mix": ([1, 1, 1, 1, 1], [3000, 63, 64, 65, 777]),
+    "spec": ([3, 5, 1, 2], [2000, 65, 130, 4001]),
+    "prefill": ([1, 63, 64, 65, 200], [1, 63, 64, 65, 700]),
+}
+SMALL = dict(topk=6, local_blocks=2)
+
+
+def _case(lengths_q, lengths_k, G, D, dtype, layout, seed=0, heads_k=2, approx_lse=True):
+    """q, the packed keys and their cache, and compressed caches brought up to date from NaN
+    (their unused rows stay NaN, which no selection may read)."""
+    q = random_tokens(lengths_q, G * heads_k, D, dtype, "cuda", seed=seed)
+    k = random_tokens(lengths_k, heads_k, D, dtype, "cuda", seed=seed + 1)
+    kc, _, table = kv_cache_of(k, k, lengths_k, layout, seed)
+    lens = torch.tensor(lengths_k, dtype=torch.int32, device="cuda")
+    cap = kc.shape[1] * (1 if table is None else table.shape[1])
+    caches = []
+    for w, s in ((32, 16), (128, 64)) if approx_lse else ((32, 16),):
+        c = torch.full((len(lengths_k), infllmv2.compressed_capacity(cap, w, s), heads_k, D), float("nan"),
+                       dtype=dtype, device="cuda")
+        caches.append(infllmv2.compress_keys_kvcache(kc, lens, c, max(lengths_k), table, w, s))
+    return dict(q=q, k=k, kc=kc, table=table, lens=lens, cap=cap, ck=caches[0],
+                nk=caches[1] if approx_lse else None, cu_q=cu_seqlens(lengths_q, "cuda"),
+                cu_k=cu_seqlens(lengths_k, "cuda"))
+
+
+def _select(c, num_splits=0, **kw):
+    return infllmv2.select_decode_kvcache(c["q"], c["ck"], c["nk"], c["lens"], c["cu_q"], c["cap"],
+                                          num_splits=num_splits, **{**SMALL, **kw})
+
+
+# ---------------------------------------------------------------------------------- CPU tier
+
+
+def test_cpu_reference_is_select_blocks_on_the_packed_keys():
+    lengths_q, lengths_k = [1, 3, 1], [700, 200, 65]
+    q = random_tokens(lengths_q, 8, 64, torch.float32, seed=1)
+    k = random_tokens(lengths_k, 2, 64, torch.float32, seed=2)
+    kc, _, table = kv_cache_of(k, k, lengths_k, "paged64")
+    lens = torch.tensor(lengths_k, dtype=torch.int32)
+    cap = kc.shape[1] * table.shape[1]
+    ck = torch.zeros((3, infllmv2.compressed_capacity(cap), 2, 64))
+    nk = torch.zeros((3, infllmv2.compressed_capacity(cap, 128, 64), 2, 64))
+    infllmv2.compress_keys_kvcache(kc, lens, ck, 1000, table)
+    infllmv2.compress_keys_kvcache(kc, lens, nk, 1000, table, 128, 64)
+    got = infllmv2.select_decode_kvcache(q, ck, nk, lens, cu_seqlens(lengths_q), cap, **SMALL)
+    want = reference.select_blocks(q, k, cu_seqlens(lengths_q), cu_seqlens(lengths_k), **SMALL)
+    assert torch.equal(got, want)
+
+
+def test_bad_inputs_name_the_argument():
+    q = random_tokens([1, 1], 8, 64, torch.float32)
+    ck = torch.zeros((2, 10, 2, 64))
+    lens = torch.tensor([100, 100], dtype=torch.int32)
+    with pytest.raises(ValueError, match="ck_cache holds 10 rows a sequence"):
+        infllmv2.select_decode_kvcache(q, ck, None, lens, cu_seqlens([1, 1]), 1000)
+    with pytest.raises(ValueError, match="ck_cache must hold a sequence per batch entry"):
+        infllmv2.select_decode_kvcache(q, ck[:1], None, lens, cu_seqlens([1, 1]), 100)
+    with pytest.raises(ValueError, match="nk_cache must have shape"):
+        infllmv2.select_decode_kvcache(q, ck, ck[:, :, :1], lens, cu_seqlens([1, 1]), 100)
+    with pytest.raises(ValueError, match="ck_cache must match q's dtype"):
+        infllmv2.select_decode_kvcache(q, ck.double(), None, lens, cu_seqlens([1, 1]), 100)
+    with pytest.raises(ValueError, match="nk_cache .* is needed with config.approx_lse"):
+        infllmv2.attention_kvcache(q, torch.zeros((2, 128, 2, 64)), torch.zeros((2, 128, 2, 64)), lens,
+                                   cu_seqlens([1, 1]), ck)
+
+
+# ---------------------------------------------------------------------------------- GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("G", [1, 4, 16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mix", list(LENGTH_MIXES))
+def test_cuda_equals_select_decode_on_the_packed_keys(dtype, head_dim, G, layout, mix):
+    """With the same split count, the selection over the compressed caches is select_decode's on
+    the packed keys bit for bit (the same compressed keys, the same kernels), and it is a valid
+    top-K of the reference block scores (tie-aware)."""
+    lengths_q, lengths_k = LENGTH_MIXES[mix]
+    c = _case(lengths_q, lengths_k, G, head_dim, dtype, layout, seed=G)
+    for splits in (1, 3):
+        with no_host_sync():
+            got = _select(c, splits, max_seqlen_q=max(lengths_q))
+        want = infllmv2.select_decode(c["q"], c["k"], c["cu_q"], c["cu_k"], num_splits=splits, **SMALL,
+                                      max_seqlen_k=c["cap"])
+        assert torch.equal(got, want), f"splits {splits}"
+    blocks = oracle_block_scores(c["q"], c["k"], c["cu_q"], c["cu_k"], 1, SMALL["local_blocks"])
+    why = selection_mismatch(_select(c).cpu(), blocks, SMALL["topk"])
+    assert why is None, why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ("padded", "paged64"))
+def test_cuda_exact_normaliser(layout):
+    lengths_q, lengths_k = LENGTH_MIXES["spec"]
+    c = _case(lengths_q, lengths_k, 16, 128, torch.bfloat16, layout, approx_lse=False)
+    got = _select(c, 4)
+    want = infllmv2.select_decode(c["q"], c["k"], c["cu_q"], c["cu_k"], num_splits=4, approx_lse=False,
+                                  max_seqlen_k=c["cap"], **SMALL)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_cuda_c_abi_errors_name_the_argument():
+    lib = _lib.lib()
+    c = _case([1, 1], [300, 100], 16, 128, torch.bfloat16, "paged64")
+    out = torch.empty((2, 2, 6), dtype=torch.int32, device="cuda")
+    ws = torch.empty(lib.infllmv2_select_decode_kvcache_workspace_size(2, 2, 1, c["cap"], 32, 2, 2),
+                     dtype=torch.uint8, device="cuda")
+
+    def call(**over):
+        a = dict(cap=c["cap"], cap_c=c["ck"].shape[1], cap_n=c["nk"].shape[1], ws_size=ws.numel(), splits=2,
+                 lens=c["lens"])
+        a.update(over)
+        st = lib.infllmv2_select_decode_kvcache(
+            c["q"].data_ptr(), c["ck"].data_ptr(), c["nk"].data_ptr(), a["lens"].data_ptr(), c["cu_q"].data_ptr(),
+            out.data_ptr(), ws.data_ptr(), a["ws_size"], 2, 2, 1, a["cap"], a["cap_c"], a["cap_n"], 32, 2, 128, 6,
+            1, 2, 128, 64, _lib.DTYPE_BF16, 0.0, a["splits"], None)
+        return st, lib.infllmv2_last_error().decode()
+
+    assert call()[0] == _lib.OK
+    st, msg = call(cap_c=3)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "capacity_c must hold the" in msg
+    st, msg = call(cap_n=1)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "capacity_n must hold the" in msg
+    st, msg = call(ws_size=16)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "infllmv2_select_decode_kvcache_workspace_size() asks" in msg
+    st, msg = call(splits=65)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "splits must be in [1, 64]" in msg
+    st, msg = call(lens=c["lens"].cpu())
+    assert st == _lib.ERR_INVALID_ARGUMENT and "cache_seqlens" in msg
+
+
+def _step_reference_check(out, q, k, v, cu_q, cu_k, idx, what):
+    ref = []
+    for dt in (torch.float32, q.dtype):
+        o = reference.sparse_attn_varlen(*(t.cpu().to(dt) for t in (q, k, v)), cu_q.cpu(), cu_k.cpu(), idx.cpu())[0]
+        ref.append(o)
+    assert_close_to_reference(out.cpu(), ref[1], ref[0], what=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("G", [4, 16])
+def test_cuda_attention_kvcache_decoding_loop(layout, G):
+    """A prefill into empty compressed caches, then decoding steps of one token a sequence (and a
+    speculative step of three): after every step the compressed caches are compress_keys' of the
+    keys so far (bitwise), the selection is a valid top-K of the reference scores, and the output
+    is the reference attention over it by the 2x rule. The sparse path (dense_len 256) and the
+    dense one (the default dense_len) both."""
+    torch.manual_seed(0)
+    final = [900, 300, 1200]
+    dtype, D, hk = torch.bfloat16, 128, 2
+    k_all = random_tokens(final, hk, D, dtype, "cuda", seed=3)
+    v_all = random_tokens(final, hk, D, dtype, "cuda", seed=4)
+    kc, vc, table = kv_cache_of(k_all, v_all, final, layout)
+    cap = kc.shape[1] * (1 if table is None else table.shape[1])
+    for cfg in (SparseConfig(dense_len=256, window_size=128, topk=4), SparseConfig()):
+        ck = torch.full((3, infllmv2.compressed_capacity(cap), hk, D), float("nan"), dtype=dtype, device="cuda")
+        nk = torch.full((3, infllmv2.compressed_capacity(cap, 128, 64), hk, D), float("nan"), dtype=dtype,
+                        device="cuda")
+        now = [n - 6 for n in final]
+        for new in (now, 1, 3, 1, 1):  # the prefill brings the caches up from nothing
+            now = now if isinstance(new, list) else [n + new for n in now]
+            n_q = 1 if isinstance(new, list) else new
+            lens = torch.tensor(now, dtype=torch.int32, device="cuda")
+            starts = torch.tensor([0] + final[:-1]).cumsum(0).tolist()
+            k = torch.cat([k_all[s:s + n] for s, n in zip(starts, now)])
+            v = torch.cat([v_all[s:s + n] for s, n in zip(starts, now)])
+            cu_k = cu_seqlens(now, "cuda")
+            cu_q = cu_seqlens([n_q] * 3, "cuda")
+            q = random_tokens([n_q] * 3, hk * G, D, dtype, "cuda", seed=sum(now))
+            new_keys = max(now) if isinstance(new, list) else new
+            with no_host_sync():
+                out = infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, ck, nk, new_keys, table, cfg,
+                                                 max_seqlen_q=n_q, max_seqlen_k=max(now))
+            for cache, (w, s) in ((ck, (32, 16)), (nk, (128, 64))):
+                packed, cu_c = infllmv2.compress_keys(k, cu_k, w, s)
+                for b in range(3):
+                    want = packed[cu_c[b]:cu_c[b + 1]]
+                    assert torch.equal(cache[b, :want.shape[0]], want), f"{w}/{s} cache of sequence {b}"
+            if max(now) < cfg.dense_len:
+                idx = infllmv2.ops.every_block_selection(hk, q.shape[0], max(now), "cuda")
+            else:
+                idx = infllmv2.select_decode_kvcache(q, ck, nk, lens, cu_q, cap, topk=cfg.num_selected,
+                                                     local_blocks=cfg.local_blocks)
+                blocks = oracle_block_scores(q, k, cu_q, cu_k, cfg.init_blocks, cfg.local_blocks)
+                why = selection_mismatch(idx.cpu(), blocks, cfg.num_selected)
+                assert why is None, why
+            _step_reference_check(out, q, k, v, cu_q, cu_k, idx, f"step to {now} (dense_len {cfg.dense_len})")
