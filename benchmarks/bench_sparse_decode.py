@@ -9,9 +9,10 @@ token (MiniCPM4.1: the init block, the local window of 32 blocks plus the curren
 drawn from past blocks: `infllmv2.testing.realistic_topk`), caches of 32K and 128K keys, batch
 1, 8 and 32 (32K) or 1 and 8 (128K). "paged": the same call over the same keys in a paged KV
 cache (`infllmv2.sparse_decode_kvcache`, pages of 64 keys in shuffled order, the library's split
-count). Also one whole decoding step through `infllmv2.attention`
-under no_grad (compression of the whole cache, selection and the split stage 2: no compressed
-cache is kept between steps yet).
+count). Also one whole decoding step two ways: through `infllmv2.attention`
+under no_grad on the packed keys (compression of the whole cache, selection and the split stage
+2), and through `infllmv2.attention_kvcache` on the paged cache with compressed caches kept
+across steps (the step compresses only what its one new key completed).
 
 Times are per call: each case captures calls on enough copies of its cache to exceed the L2
 (256 MB together; one copy where a cache alone is larger) as one CUDA graph, as a decoding loop
@@ -106,20 +107,42 @@ def dense_decode(cache, batch, backend, reps):
         torch.cuda.empty_cache()
 
 
-def paged_ms(qkv, batch, cache, idx, cu_q, reps):
-    """The split forward over the same keys in a paged cache, pages shuffled (one cache at a time:
-    the packed copies stay allocated)."""
+def paged_caches(qkv, batch, cache):
+    """The same keys and values in paged caches, pages of PAGE keys shuffled, for half the copies
+    (the packed copies stay allocated): [(q, k_cache, v_cache)], block_table, cache_seqlens."""
     n_pages = batch * cache // PAGE
     g = torch.Generator(device="cpu").manual_seed(1)
     perm = torch.randperm(n_pages, generator=g).cuda()
     table = perm.view(batch, cache // PAGE).to(torch.int32)
     lens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
-    calls = []
+    caches = []
     for q, k, v in qkv[: max(1, len(qkv) // 2)]:
         kc = torch.empty((n_pages, PAGE, HK, D), device="cuda", dtype=k.dtype)
         vc = torch.empty_like(kc)
         kc[perm], vc[perm] = k.view(n_pages, PAGE, HK, D), v.view(n_pages, PAGE, HK, D)
-        calls.append(lambda q=q, kc=kc, vc=vc: _sparse_decode_kvcache_op(q, kc, vc, idx, cu_q, lens, table, 1, 0.0, 0))
+        caches.append((q, kc, vc))
+    return caches, table, lens
+
+
+def paged_ms(caches, table, lens, idx, cu_q, reps):
+    """The split forward over the paged caches."""
+    return graphed_ms([lambda q=q, kc=kc, vc=vc: _sparse_decode_kvcache_op(q, kc, vc, idx, cu_q, lens, table, 1, 0.0, 0)
+                       for q, kc, vc in caches], reps)
+
+
+def cache_step_ms(caches, table, lens, cu_q, cache, reps):
+    """A whole decoding step through `infllmv2.attention_kvcache` on the paged caches: the
+    compressed caches (built once, before) updated for the step's one new key, the selection
+    over them, the split stage 2."""
+    cfg = infllmv2.SparseConfig()
+    calls = []
+    for q, kc, vc in caches:
+        ck, nk = (torch.empty((len(lens), infllmv2.compressed_capacity(cache, w, s), HK, D), device="cuda",
+                              dtype=kc.dtype) for w, s in ((32, 16), (128, 64)))
+        infllmv2.compress_keys_kvcache(kc, lens, ck, cache, table)
+        infllmv2.compress_keys_kvcache(kc, lens, nk, cache, table, 128, 64)
+        calls.append(lambda q=q, kc=kc, vc=vc, ck=ck, nk=nk: infllmv2.attention_kvcache(
+            q, kc, vc, lens, cu_q, ck, nk, 1, table, cfg, max_seqlen_q=1, max_seqlen_k=cache))
     return graphed_ms(calls, reps)
 
 
@@ -145,7 +168,10 @@ def sparse_decode_case(cache, batch, reps):
            "kv_bytes": pairs // (HQ // HK) * 2 * D * 2, "copies": n, "page": PAGE}
     with torch.no_grad():
         row["split_ms"] = graphed_ms(split_calls(0), reps)
-        row["paged_ms"] = paged_ms(qkv, batch, cache, idx, cu_q, reps)
+        caches, table, lens = paged_caches(qkv, batch, cache)
+        row["paged_ms"] = paged_ms(caches, table, lens, idx, cu_q, reps)
+        row["cache_step_ms"] = cache_step_ms(caches, table, lens, cu_q, cache, reps)
+        del caches
         row["plain_ms"] = graphed_ms([lambda q=q, k=k, v=v: sparse_attn_fwd_launch(q, k, v, idx, cu_q, cu_k, 1, 0.0, out,
                                                                                    lse) for q, k, v in qkv], reps)
         # the split count against forced ones: how the library's choice compares
@@ -183,8 +209,8 @@ def main():
 
     print(f"\n{gpu}, bf16, D = {D}, Hq = {HQ}, Hk = {HK}, K = {TOPK}, one query a sequence\n")
     print("| cache | batch | splits | split ms | TFLOP/s | GB/s | paged ms | plain ms | cuDNN ms (gqa) | flash ms (gqa) "
-          "| vs plain | vs cuDNN | attention() step ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| vs plain | vs cuDNN | attention() step ms | attention_kvcache() step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         dense_bytes = r["batch"] * r["cache"] * HK * 2 * D * 2
 
@@ -196,7 +222,8 @@ def main():
         print(f"| {r['cache'] // 1024}K | {r['batch']} | {r['splits']} | {fmt(r['split_ms'])} "
               f"| {rate(r['split_ms'], 4 * D * r['visible_pairs'], 1e9)} | {rate(r['split_ms'], r['kv_bytes'], 1e6)} "
               f"| {fmt(r['paged_ms'])} | {fmt(r['plain_ms'])} | {dense_col('cudnn')} | {dense_col('flash')} "
-              f"| {ratio(r['plain_ms'], r['split_ms'])} | {ratio(r['cudnn_ms'], r['split_ms'])} | {fmt(r['step_ms'])} |")
+              f"| {ratio(r['plain_ms'], r['split_ms'])} | {ratio(r['cudnn_ms'], r['split_ms'])} | {fmt(r['step_ms'])} "
+              f"| {fmt(r['cache_step_ms'])} |")
     print("\nforced splits, ms: " + " | ".join(str(s) for s in SWEEP))
     for r in rows:
         print(f"{r['cache'] // 1024}K x {r['batch']} (library: {r['splits']}): "
