@@ -18,22 +18,16 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
     cudaStream_t stream) {
   static const char* op = "infllmv2_compress_keys_kvcache";
   clear_error();
-  if (dtype != INFLLMV2_DTYPE_BF16 && dtype != INFLLMV2_DTYPE_FP16)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: dtype must be INFLLMV2_DTYPE_BF16 or INFLLMV2_DTYPE_FP16, got %d", op,
-                (int)dtype);
-  if (head_dim != 64 && head_dim != 128)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: head_dim must be 64 or 128, got %d", op, head_dim);
-  if (batch < 1 || batch > kMaxGridYZ)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: batch must be in [1, %d], got %d", op, kMaxGridYZ, batch);
-  if (heads_k < 1 || heads_k > kMaxGridYZ)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads_k must be in [1, %d], got %d", op, kMaxGridYZ, heads_k);
+  // dtype, head_dim, and batch and heads_k within a grid axis (one head a group: no query heads here)
+  infllmv2_status st = check_group_layout(op, dtype, head_dim, batch, heads_k, heads_k);
+  if (st != INFLLMV2_OK) return st;
   if (kernel_size < 1 || kernel_stride < 1)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: kernel_size and kernel_stride must be >= 1, got %d and %d", op,
                 kernel_size, kernel_stride);
   if (new_keys < 0)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: new_keys must be >= 0, got %d", op, new_keys);
-  infllmv2_status st = check_cache_layout(op, block_table, batch, num_pages, page_size, pages_per_seq, kBlock);
-  if (st != INFLLMV2_OK) return st;
+  if ((st = check_cache_layout(op, block_table, batch, num_pages, page_size, pages_per_seq, kBlock)) != INFLLMV2_OK)
+    return st;
   const int64_t capacity = (int64_t)page_size * std::max(pages_per_seq, 1);
   // the compressed keys of a full cache all have their row, so no length is read on the host
   const int64_t need = windows(capacity, kernel_size, kernel_stride);

@@ -30,12 +30,29 @@ from infllmv2.testing import (
 )
 
 
-def _check_compress_keys(device, dtype, head_dim, phsa, geometry):
+def _cached_compression(k, lengths, geometry, layout="paged64"):
+    """compress_keys_kvcache of k stored in a KV cache, from an empty compressed cache: the
+    entries packed as compress_keys returns them."""
+    kc, _, table = kv_cache_of(k, k, lengths, layout)
+    cap = kc.shape[1] * (1 if table is None else table.shape[1])
+    cache = torch.zeros((len(lengths), infllmv2.compressed_capacity(cap, *geometry), *k.shape[1:]), dtype=k.dtype,
+                        device=k.device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=k.device)
+    infllmv2.compress_keys_kvcache(kc, lens, cache, max(lengths), table, *geometry)
+    n = [(x - geometry[0]) // geometry[1] + 1 if x >= geometry[0] else 0 for x in lengths]
+    return torch.cat([cache[b, :m] for b, m in enumerate(n)]), cache, kc, table, lens
+
+
+def _check_compress_keys(device, dtype, head_dim, phsa, geometry, cached=False):
+    """compress_keys, or (cached) compress_keys_kvcache over a paged cache."""
     lengths = [1, 63, 64, 65, 257, 1000]
     k = random_tokens(lengths, 2, head_dim, dtype, device, seed=head_dim + phsa)
     cu = cu_seqlens(lengths, device)
     mask = random_mask(k.shape[0], 0.05, device) if phsa else None
-    out, _ = infllmv2.compress_keys(k, cu, *geometry, punct_mask=mask, phsa_lambda=0.25)
+    if cached:
+        out = _cached_compression(k, lengths, geometry)[0]
+    else:
+        out, _ = infllmv2.compress_keys(k, cu, *geometry, punct_mask=mask, phsa_lambda=0.25)
     lowp, _ = reference.compress_keys(k.cpu(), cu.cpu(), *geometry, punct_mask=None if mask is None else mask.cpu(), phsa_lambda=0.25)
     ref32, _ = reference.compress_keys(k.cpu().float(), cu.cpu(), *geometry, punct_mask=None if mask is None else mask.cpu(), phsa_lambda=0.25)
     return within_error_rule(out.cpu(), lowp, ref32)
@@ -82,7 +99,8 @@ def _check_attention(device, dtype, head_dim, G, op):
 
 def _check_select_blocks(device, dtype, head_dim, G, op):
     """Scores (fp32 tolerance) and selections (tie-aware) against the fp32 reference on the CPU: of
-    select_blocks (op "select"), or select_decode split 3 ways (op "decode")."""
+    select_blocks (op "select"), select_decode split 3 ways (op "decode"), or select_decode_kvcache
+    split 3 ways over compressed caches of a paged cache (op "kvcache")."""
     lengths_q, lengths_k = [1, 31, 64, 65, 700, 1, 900], [1, 31, 64, 65, 700, 2000, 1500]
     q = random_tokens(lengths_q, 2 * G, head_dim, dtype, device, seed=G)
     k = random_tokens(lengths_k, 2, head_dim, dtype, device, seed=G + 1)
@@ -94,6 +112,11 @@ def _check_select_blocks(device, dtype, head_dim, G, op):
     S = infllmv2.group_scores(q, ck, cu_q, cu_k, cu_c, norm_keys=nk, cu_seqlens_norm=cu_n)
     if op == "decode":
         idx = infllmv2.select_decode(q, k, cu_q, cu_k, topk=12, local_blocks=4, num_splits=3)
+    elif op == "kvcache":
+        _, c1, kc, table, lens = _cached_compression(k, lengths_k, (32, 16))
+        c2 = _cached_compression(k, lengths_k, (128, 64))[1]
+        idx = infllmv2.select_decode_kvcache(q, c1, c2, lens, cu_q, kc.shape[1] * table.shape[1], topk=12,
+                                             local_blocks=4, num_splits=3)
     else:
         idx = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=12, local_blocks=4)
     cpu = [t.cpu() for t in (cu_q, cu_k, cu_c, cu_n)]
@@ -139,6 +162,13 @@ def check() -> int:
                             variant = f"{'phsa ' if phsa else ''}{geometry[0]}/{geometry[1]}"
                             print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  {variant:<14}"
                                   f"{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
+                    for geometry in ((32, 16), (128, 64)):
+                        ok, err, base = _check_compress_keys("cuda" if gpu else "cpu", dtype, head_dim, 0, geometry,
+                                                             cached=True)
+                        failures += not ok
+                        print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
+                              f"{f'paged {geometry[0]}/{geometry[1]}':<14}{err:>10.2e}{base:>11.2e}  "
+                              f"{'ok' if ok else 'FAIL'}")
                     for op in ("sparse", "dense", "decode", "kvcache"):
                         for G in (1, 4, 16):
                             ok, err, base = _check_attention("cuda" if gpu else "cpu", dtype, head_dim, G, op)
@@ -148,14 +178,15 @@ def check() -> int:
                                 op, (op + "_attn", "fwd+bwd"))
                             print(f"{name:<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
                                   f"{f'G={G} {what}':<14}{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
-                    for op in ("select", "decode"):
+                    for op in ("select", "decode", "kvcache"):
                         for G in (1, 4, 16):
                             # fp32 computations on both sides: no PyTorch low-precision error to compare with
                             ok, err, _ = _check_select_blocks("cuda" if gpu else "cpu", dtype, head_dim, G, op)
                             failures += not ok
-                            name = "select_decode" if op == "decode" else "select_blocks"
+                            name = "select_blocks" if op == "select" else "select_decode"
                             print(f"{name:<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
-                                  f"{f'G={G}':<14}{err:>10.2e}{'-':>11}  {'ok' if ok else 'FAIL'}")
+                                  f"{f'G={G}' + (' paged' if op == 'kvcache' else ''):<14}{err:>10.2e}{'-':>11}  "
+                                  f"{'ok' if ok else 'FAIL'}")
         finally:
             if arch is not None:
                 infllmv2.set_arch_override(None)
