@@ -71,6 +71,40 @@ static const infllmv2_attention_compressed_offsets_unit infllmv2_attention_compr
   {nullptr, nullptr, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
+// ---- attention_every_block: call(topk_idx, rows, cols, stream)
+typedef int (*infllmv2_attention_every_block_call_fn)(void* topk_idx, int rows, int cols, cudaStream_t stream);
+struct infllmv2_attention_every_block_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int (*init)(); infllmv2_attention_every_block_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_attention_every_block_sm80_init();
+extern "C" int infllmv2_attention_every_block_sm80_call(void* topk_idx, int rows, int cols, cudaStream_t stream);
+extern "C" const char* infllmv2_attention_every_block_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_attention_every_block_sm89_init();
+extern "C" int infllmv2_attention_every_block_sm89_call(void* topk_idx, int rows, int cols, cudaStream_t stream);
+extern "C" const char* infllmv2_attention_every_block_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_attention_every_block_sm90a_init();
+extern "C" int infllmv2_attention_every_block_sm90a_call(void* topk_idx, int rows, int cols, cudaStream_t stream);
+extern "C" const char* infllmv2_attention_every_block_sm90a_last_error();
+#endif
+static const infllmv2_attention_every_block_unit infllmv2_attention_every_block_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"attention_every_block", "sm_80", 80, 0, 128, infllmv2_attention_every_block_sm80_init, infllmv2_attention_every_block_sm80_call, infllmv2_attention_every_block_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"attention_every_block", "sm_89", 89, 0, 128, infllmv2_attention_every_block_sm89_init, infllmv2_attention_every_block_sm89_call, infllmv2_attention_every_block_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"attention_every_block", "sm_90a", 90, 0, 128, infllmv2_attention_every_block_sm90a_init, infllmv2_attention_every_block_sm90a_call, infllmv2_attention_every_block_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
 // ---- compress_keys: call(K, cu_seqlens_k, cu_seqlens_c, C, batch, max_nc, window, stride, part, total_k, heads_k, batch_plus_one, total_c, stream)
 typedef int (*infllmv2_compress_keys_call_fn)(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 struct infllmv2_compress_keys_unit {
@@ -2450,6 +2484,15 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"attention_compressed_offsets", "attention_compressed_offsets", "sm_90a", 0, 32},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"attention_every_block", "attention_every_block", "sm_80", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"attention_every_block", "attention_every_block", "sm_89", 0, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"attention_every_block", "attention_every_block", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"compress_keys", "compress_keys_bf16_d128", "sm_80", 16384, 128},

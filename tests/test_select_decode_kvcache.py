@@ -205,3 +205,69 @@ def test_cuda_attention_kvcache_decoding_loop(layout, G):
                 why = selection_mismatch(idx.cpu(), blocks, cfg.num_selected)
                 assert why is None, why
             _step_reference_check(out, q, k, v, cu_q, cu_k, idx, f"step to {now} (dense_len {cfg.dense_len})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ("padded", "paged64"))
+@pytest.mark.parametrize("approx_lse", [True, False])
+def test_cuda_c_attention_kvcache_equals_the_torch_layer(layout, approx_lse):
+    """infllmv2_attention_kvcache, the step in one C call, against infllmv2.attention_kvcache (the
+    same kernels and split counts): bitwise out, lse and compressed caches, on the sparse and the
+    dense path; and its argument errors."""
+    import ctypes
+
+    from infllmv2.ops import _stream
+
+    lib = _lib.lib()
+    lengths, dtype, D, hk, G = [900, 300, 1200], torch.bfloat16, 128, 2, 16
+    k = random_tokens(lengths, hk, D, dtype, "cuda", seed=5)
+    v = random_tokens(lengths, hk, D, dtype, "cuda", seed=6)
+    kc, vc, table = kv_cache_of(k, v, lengths, layout)
+    pps = 0 if table is None else table.shape[1]
+    cap = kc.shape[1] * max(pps, 1)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = random_tokens([1, 1, 1], hk * G, D, dtype, "cuda", seed=7)
+    cu_q = cu_seqlens([1, 1, 1], "cuda")
+    for dense_len in (256, 8192):
+        cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=4, approx_lse=approx_lse)
+        c = _lib.SparseConfigC(**{f: int(getattr(cfg, f)) for f, _ in _lib.SparseConfigC._fields_})
+        caches = []
+        for _ in range(2):  # one set for each side
+            ck = torch.full((3, infllmv2.compressed_capacity(cap), hk, D), float("nan"), dtype=dtype, device="cuda")
+            nk = torch.full((3, infllmv2.compressed_capacity(cap, 128, 64), hk, D), float("nan"), dtype=dtype,
+                            device="cuda")
+            caches.append((ck, nk))
+        want, want_lse = infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, *caches[0], max(lengths), table, cfg,
+                                                    max_seqlen_q=1, max_seqlen_k=max(lengths), return_lse=True)
+        size = lib.infllmv2_attention_kvcache_workspace_size(3, 3, 1, max(lengths), kc.shape[0], kc.shape[1], pps,
+                                                            hk * G, hk, D, ctypes.byref(c))
+        assert size > 0, lib.infllmv2_last_error().decode()
+        ws = torch.full((size,), 255, dtype=torch.uint8, device="cuda")
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[1], 3), float("nan"), device="cuda")
+        ck, nk = caches[1]
+
+        def call(**over):
+            a = dict(ws_size=size, max_k=max(lengths), nk=nk.data_ptr() if approx_lse else None, new=max(lengths))
+            a.update(over)
+            return lib.infllmv2_attention_kvcache(
+                q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if table is None else table.data_ptr(),
+                lens.data_ptr(), cu_q.data_ptr(), ck.data_ptr(), a["nk"], out.data_ptr(), lse.data_ptr(),
+                ws.data_ptr(), a["ws_size"], 3, 3, 1, a["max_k"], kc.shape[0], kc.shape[1], pps, ck.shape[1],
+                nk.shape[1], a["new"], hk * G, hk, D, _lib.DTYPE_BF16, 0.0, ctypes.byref(c), _stream(q.device))
+
+        with no_host_sync():
+            st = call()
+        assert st == _lib.OK, lib.infllmv2_last_error().decode()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), f"dense_len {dense_len}"
+        assert torch.equal(ck.nan_to_num(7.0), caches[0][0].nan_to_num(7.0))
+        if approx_lse:
+            assert torch.equal(nk.nan_to_num(7.0), caches[0][1].nan_to_num(7.0))
+        assert call(ws_size=16) == _lib.ERR_INVALID_ARGUMENT
+        assert "infllmv2_attention_kvcache_workspace_size() asks" in lib.infllmv2_last_error().decode()
+        assert call(max_k=cap + 1) == _lib.ERR_INVALID_ARGUMENT
+        assert "max_seqlen_k must be in" in lib.infllmv2_last_error().decode()
+        if approx_lse:
+            assert call(nk=None) == _lib.ERR_INVALID_ARGUMENT
+            assert "nk_cache" in lib.infllmv2_last_error().decode()

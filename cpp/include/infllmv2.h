@@ -620,6 +620,45 @@ INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
     int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
     infllmv2_dtype dtype, float softmax_scale, const infllmv2_sparse_config* config, cudaStream_t stream);
 
+/*
+ * infllmv2_attention_kvcache: one decoding (or speculative, or chunked-prefill) step of the
+ * InfLLM-V2 attention against a KV cache, forward only, with the compressed caches kept across
+ * steps: what infllmv2.attention_kvcache does, in one call.
+ *   1. infllmv2_compress_keys_kvcache brings ck_cache (window/stride config kernel_size /
+ *      kernel_stride) and, with config approx_lse, nk_cache (norm_kernel_size / _stride) up to
+ *      date for the last new_keys keys of each sequence (the first call after filling a cache:
+ *      new_keys = its length);
+ *   2. max_seqlen_k < config dense_len: every block selected (dense attention; at most 128
+ *      blocks, 8192 keys); else infllmv2_select_decode_kvcache picks topk + window_size /
+ *      block_size blocks a token;
+ *   3. infllmv2_sparse_decode_kvcache writes out and lse.
+ * Split counts are the library's (infllmv2_select_decode_splits, infllmv2_sparse_decode_splits).
+ *   [in]  q, k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_q, out, lse, num_pages,
+ *         page_size, pages_per_seq  as for infllmv2_sparse_decode_kvcache (the new tokens'
+ *         keys and values in the cache already, cache_seqlens counting them)
+ *   [in,out] ck_cache, nk_cache  (batch, capacity_c / capacity_n, heads_k, head_dim), as for
+ *         infllmv2_compress_keys_kvcache; nk_cache may be NULL with approx_lse = 0
+ *   [in]  max_seqlen_q, max_seqlen_k  the longest query run and key sequence (the switch and
+ *         the grids; max_seqlen_k at most the capacity of a sequence)
+ *   [in]  workspace    infllmv2_attention_kvcache_workspace_size() bytes, 16-byte aligned
+ *   [in]  config       as for infllmv2_attention_fwd
+ * No host synchronisation: usable inside CUDA graphs. Errors of the calls it makes carry their
+ * names.
+ */
+INFLLMV2_API size_t infllmv2_attention_kvcache_workspace_size(int32_t batch, int64_t total_q, int32_t max_seqlen_q,
+                                                             int32_t max_seqlen_k, int64_t num_pages,
+                                                             int32_t page_size, int32_t pages_per_seq, int32_t heads,
+                                                             int32_t heads_k, int32_t head_dim,
+                                                             const infllmv2_sparse_config* config);
+
+INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
+    const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table, const int32_t* cache_seqlens,
+    const int32_t* cu_seqlens_q, void* ck_cache, void* nk_cache, void* out, float* lse, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int32_t max_seqlen_q, int32_t max_seqlen_k,
+    int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t capacity_n,
+    int32_t new_keys, int32_t heads, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
+    const infllmv2_sparse_config* config, cudaStream_t stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

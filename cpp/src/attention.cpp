@@ -308,3 +308,149 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
                                   workspace_size, batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k,
                                   head_dim, selected(c), dtype, softmax_scale, stream);
 }
+
+namespace {
+
+constexpr const char* kCacheOp = "infllmv2_attention_kvcache";
+
+// The decoding step's workspace: the selection (heads_k, total_q, cols) int32, then the split
+// selection's (sparse path), then stage 2's partials. The split counts are the library's, as
+// infllmv2_select_decode_splits and infllmv2_sparse_decode_splits pick them on this device.
+struct CacheLayout {
+  bool dense = false;
+  int cols = 0;
+  int32_t select_splits = 0, decode_splits = 0;
+  size_t idx = 0, select = 0, decode = 0, total = 0;
+};
+
+infllmv2_status cache_step_layout(const char* op, int32_t batch, int64_t total_q, int32_t max_seqlen_q,
+                                  int32_t max_seqlen_k, int32_t capacity, int32_t heads, int32_t heads_k,
+                                  int32_t head_dim, const infllmv2_sparse_config& c, CacheLayout* l) {
+  l->dense = max_seqlen_k < c.dense_len;
+  // the dense path selects every block of the longest sequence
+  const int32_t keys = std::min(capacity, std::max(max_seqlen_k, 1));
+  l->cols = l->dense ? (keys + kBlock - 1) / kBlock : selected(c);
+  if (l->cols > kMaxK)
+    return fail(INFLLMV2_ERR_UNSUPPORTED,
+                "%s: the dense path (max_seqlen_k %d below config dense_len %d) selects every block, at most %d (%d "
+                "keys a sequence), got %d",
+                op, max_seqlen_k, c.dense_len, kMaxK, kMaxK * kBlock, l->cols);
+  if (!l->dense &&
+      (l->select_splits = infllmv2_select_decode_splits(batch, max_seqlen_q, capacity, heads, heads_k, 0)) < 1)
+    return fail(INFLLMV2_ERR_CUDA, "%s: no split count for the selection: %s", op, infllmv2_last_error());
+  if ((l->decode_splits = infllmv2_sparse_decode_splits(batch, max_seqlen_q, heads, heads_k, l->cols, 0)) < 1)
+    return fail(INFLLMV2_ERR_CUDA, "%s: no split count for stage 2: %s", op, infllmv2_last_error());
+  size_t at = 0;
+  l->idx = at, at += align256((size_t)heads_k * (size_t)total_q * (size_t)l->cols * sizeof(int32_t));
+  l->select = at;
+  if (!l->dense)
+    at += align256(infllmv2_select_decode_kvcache_workspace_size(batch, total_q, max_seqlen_q, capacity, heads,
+                                                                 heads_k, l->select_splits));
+  l->decode = at, at += align256(infllmv2_sparse_decode_kvcache_workspace_size(total_q, heads, head_dim,
+                                                                              l->decode_splits));
+  l->total = at;
+  return INFLLMV2_OK;
+}
+
+// The checks of the step's own arguments (the ops it calls check theirs).
+infllmv2_status check_cache_step(const char* op, const infllmv2_sparse_config* config, infllmv2_dtype dtype,
+                                 int32_t head_dim, int32_t batch, int32_t heads, int32_t heads_k, int64_t total_q,
+                                 int32_t max_seqlen_q, int32_t max_seqlen_k, bool paged, int64_t num_pages,
+                                 int32_t page_size, int32_t pages_per_seq, int32_t* capacity) {
+  infllmv2_status st = check_config(op, config);
+  if (st == INFLLMV2_OK) st = check_group_layout(op, dtype, head_dim, batch, heads, heads_k);
+  if (st == INFLLMV2_OK) st = check_cache_layout(op, paged, batch, num_pages, page_size, pages_per_seq, kBlock);
+  if (st != INFLLMV2_OK) return st;
+  *capacity = page_size * std::max(pages_per_seq, 1);
+  if (total_q < 0 || total_q > INT32_MAX || max_seqlen_q < 0 || max_seqlen_q > total_q)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: total_q must be in [0, 2^31) and max_seqlen_q in [0, total_q], got %lld and %d", op,
+                (long long)total_q, max_seqlen_q);
+  if (max_seqlen_k < max_seqlen_q || max_seqlen_k > *capacity)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: max_seqlen_k must be in [max_seqlen_q = %d, the capacity %d of a sequence], got %d", op,
+                max_seqlen_q, *capacity, max_seqlen_k);
+  return INFLLMV2_OK;
+}
+
+}  // namespace
+
+extern "C" INFLLMV2_API size_t infllmv2_attention_kvcache_workspace_size(
+    int32_t batch, int64_t total_q, int32_t max_seqlen_q, int32_t max_seqlen_k, int64_t num_pages, int32_t page_size,
+    int32_t pages_per_seq, int32_t heads, int32_t heads_k, int32_t head_dim, const infllmv2_sparse_config* config) {
+  int32_t capacity = 0;
+  CacheLayout l;
+  if (check_cache_step(kCacheOp, config, INFLLMV2_DTYPE_BF16, head_dim, batch, heads, heads_k, total_q, max_seqlen_q,
+                       max_seqlen_k, pages_per_seq > 0, num_pages, page_size, pages_per_seq, &capacity) != INFLLMV2_OK ||
+      cache_step_layout(kCacheOp, batch, total_q, max_seqlen_q, max_seqlen_k, capacity, heads, heads_k, head_dim,
+                        *config, &l) != INFLLMV2_OK)
+    return 0;
+  return l.total;
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
+    const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table, const int32_t* cache_seqlens,
+    const int32_t* cu_seqlens_q, void* ck_cache, void* nk_cache, void* out, float* lse, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int32_t max_seqlen_q, int32_t max_seqlen_k,
+    int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t capacity_n,
+    int32_t new_keys, int32_t heads, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
+    const infllmv2_sparse_config* config, cudaStream_t stream) {
+  clear_error();
+  int32_t capacity = 0;
+  infllmv2_status st = check_cache_step(kCacheOp, config, dtype, head_dim, batch, heads, heads_k, total_q,
+                                        max_seqlen_q, max_seqlen_k, block_table != nullptr, num_pages, page_size,
+                                        pages_per_seq, &capacity);
+  if (st != INFLLMV2_OK) return st;
+  const infllmv2_sparse_config& c = *config;
+  if (c.approx_lse && nk_cache == nullptr)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: nk_cache (the normaliser keys' compressed cache) must not be NULL with config approx_lse = 1", kCacheOp);
+  CacheLayout l;
+  if ((st = cache_step_layout(kCacheOp, batch, total_q, max_seqlen_q, max_seqlen_k, capacity, heads, heads_k, head_dim,
+                              c, &l)) != INFLLMV2_OK)
+    return st;
+  if (workspace_size < l.total)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: workspace_size is %zu bytes, infllmv2_attention_kvcache_workspace_size() asks for %zu", kCacheOp,
+                workspace_size, l.total);
+  Device dev;
+  if ((st = current_device(kCacheOp, &dev)) != INFLLMV2_OK) return st;
+  if ((st = check_device_pointer(kCacheOp, "workspace", workspace, dev)) != INFLLMV2_OK) return st;
+  if ((st = check_aligned(kCacheOp, {{"workspace", workspace}})) != INFLLMV2_OK) return st;
+
+  // the compressed caches brought up to date for the new keys, on either side of the switch, so
+  // that a later step past dense_len finds them complete
+  if ((st = infllmv2_compress_keys_kvcache(k_cache, block_table, cache_seqlens, ck_cache, batch, num_pages, page_size,
+                                           pages_per_seq, capacity_c, new_keys, heads_k, head_dim, dtype,
+                                           c.kernel_size, c.kernel_stride, stream)) != INFLLMV2_OK)
+    return st;
+  if (c.approx_lse &&
+      (st = infllmv2_compress_keys_kvcache(k_cache, block_table, cache_seqlens, nk_cache, batch, num_pages, page_size,
+                                           pages_per_seq, capacity_n, new_keys, heads_k, head_dim, dtype,
+                                           c.norm_kernel_size, c.norm_kernel_stride, stream)) != INFLLMV2_OK)
+    return st;
+  int32_t* idx = at<int32_t>(workspace, l.idx);
+  if (l.dense) {
+    const infllmv2_attention_every_block_unit* unit = nullptr;
+    if ((st = pick_unit(kCacheOp, infllmv2_attention_every_block_units, dev,
+                        [](const infllmv2_attention_every_block_unit&) { return true; }, "every-block selection",
+                        &unit)) != INFLLMV2_OK)
+      return st;
+    const int64_t rows = (int64_t)heads_k * total_q;
+    if (rows > 0) {
+      int rc = unit->call(idx, (int)rows, l.cols, stream);
+      if ((st = launch_result(kCacheOp, unit->name, rc, unit->last_error)) != INFLLMV2_OK) return st;
+    }
+  } else if ((st = infllmv2_select_decode_kvcache(
+                  q, ck_cache, c.approx_lse ? nk_cache : nullptr, cache_seqlens, cu_seqlens_q, idx,
+                  at<void>(workspace, l.select), l.decode - l.select, batch, total_q, max_seqlen_q, capacity,
+                  capacity_c, capacity_n, heads, heads_k, head_dim, l.cols, c.init_blocks, c.window_size / c.block_size,
+                  c.norm_kernel_size, c.norm_kernel_stride, dtype, softmax_scale, l.select_splits, stream)) !=
+             INFLLMV2_OK) {
+    return st;
+  }
+  return infllmv2_sparse_decode_kvcache(q, k_cache, v_cache, block_table, cache_seqlens, idx, cu_seqlens_q, out, lse,
+                                        at<void>(workspace, l.decode), l.total - l.decode, batch, total_q,
+                                        max_seqlen_q, num_pages, page_size, pages_per_seq, heads, heads_k, head_dim,
+                                        l.cols, l.decode_splits, dtype, softmax_scale, stream);
+}

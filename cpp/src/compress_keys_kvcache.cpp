@@ -26,7 +26,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
                 kernel_size, kernel_stride);
   if (new_keys < 0)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: new_keys must be >= 0, got %d", op, new_keys);
-  if ((st = check_cache_layout(op, block_table, batch, num_pages, page_size, pages_per_seq, kBlock)) != INFLLMV2_OK)
+  if ((st = check_cache_layout(op, block_table != nullptr, batch, num_pages, page_size, pages_per_seq, kBlock)) !=
+      INFLLMV2_OK)
     return st;
   const int64_t capacity = (int64_t)page_size * std::max(pages_per_seq, 1);
   // the compressed keys of a full cache all have their row, so no length is read on the host

@@ -200,14 +200,14 @@ infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int 
   return INFLLMV2_OK;
 }
 
-infllmv2_status check_cache_layout(const char* op, const int32_t* block_table, int32_t batch, int64_t num_pages,
+infllmv2_status check_cache_layout(const char* op, bool paged, int32_t batch, int64_t num_pages,
                                    int32_t page_size, int32_t pages_per_seq, int block) {
   if (page_size < 1)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: page_size must be >= 1, got %d", op, page_size);
   if (num_pages < 1 || num_pages > INT32_MAX / page_size)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: num_pages must be in [1, 2^31 / page_size = %d], got %lld", op,
                 INT32_MAX / page_size, (long long)num_pages);
-  if (block_table == nullptr) {
+  if (!paged) {
     if (pages_per_seq != 0)
       return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
                   "%s: pages_per_seq must be 0 for a padded cache (block_table NULL), got %d", op, pages_per_seq);

@@ -73,10 +73,10 @@ infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_
                                  int32_t max_seqlen_k, float softmax_scale);
 
 // The KV-cache layout the *_kvcache ops share (infllmv2.h, infllmv2_sparse_decode_kvcache):
-// num_pages pages of page_size rows; a padded cache (block_table NULL, pages_per_seq 0) has a
+// num_pages pages of page_size rows; a padded cache (no block table, pages_per_seq 0) has a
 // page a sequence, a paged one pages_per_seq table entries a sequence, pages a multiple of
 // `block` rows when a sequence has several; every row index below 2^31.
-infllmv2_status check_cache_layout(const char* op, const int32_t* block_table, int32_t batch, int64_t num_pages,
+infllmv2_status check_cache_layout(const char* op, bool paged, int32_t batch, int64_t num_pages,
                                    int32_t page_size, int32_t pages_per_seq, int block);
 
 // The dense dK/dV kernel puts a sequence's key blocks on the grid's z axis (the blocks every

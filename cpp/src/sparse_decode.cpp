@@ -197,7 +197,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_decode_kvcache(
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream) {
   static const char* op = "infllmv2_sparse_decode_kvcache";
   clear_error();
-  infllmv2_status st = check_cache_layout(op, block_table, batch, num_pages, page_size, pages_per_seq, kBlock);
+  infllmv2_status st =
+      check_cache_layout(op, block_table != nullptr, batch, num_pages, page_size, pages_per_seq, kBlock);
   if (st != INFLLMV2_OK) return st;
   const int64_t cache_rows = num_pages * page_size;
   if ((st = check_split_args(op, dtype, head_dim, batch, heads, heads_k, topk, splits, total_q, cache_rows,

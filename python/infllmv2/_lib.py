@@ -133,6 +133,14 @@ _SIGNATURES = {
         [_c.c_void_p] * 9 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64] + [_c.c_int32] * 5
         + [_c.c_int, _c.c_float, _c.c_void_p, _c.c_void_p],
     ),
+    "infllmv2_attention_kvcache_workspace_size": (
+        _c.c_size_t, [_c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int64] + [_c.c_int32] * 5 + [_c.c_void_p],
+    ),
+    "infllmv2_attention_kvcache": (
+        _c.c_int,
+        [_c.c_void_p] * 11 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int64]
+        + [_c.c_int32] * 8 + [_c.c_int, _c.c_float, _c.c_void_p, _c.c_void_p],
+    ),
     "infllmv2_attention_bwd_workspace_size": (
         _c.c_size_t, [_c.c_int32, _c.c_int64, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_void_p],
     ),
