@@ -29,6 +29,7 @@ Grid: (ceil(max_nc / BLOCK_C), batch, heads_k), max_nc = ceil(new_keys / stride)
 import tilelang.language as T
 
 from dsl.compress_keys import BLOCK_C, MAX_PARTS, THREADS
+from dsl.sparse_decode import cache_key_row
 
 OP = "compress_keys_kvcache"
 
@@ -58,14 +59,12 @@ def program(dtype, head_dim):
     table_len = T.dynamic("table_len")
     batch = T.dynamic("batch")
 
-    def row_of(block_table, b, t, page_size, pages_per_seq, num_pages):
-        """The cache row of key t of sequence b (an expression: no statement inside)."""
-        return T.if_then_else(pages_per_seq > 0,
-                              T.clamp(block_table[b * pages_per_seq + t // page_size], 0, num_pages - 1),
-                              b) * page_size + t % page_size
-
     def key(K, block_table, b, t, h, d, page_size, pages_per_seq, num_pages):
-        return T.cast(K[row_of(block_table, b, t, page_size, pages_per_seq, num_pages), h, d], accum)
+        return T.cast(K[cache_key_row(block_table, b, t, page_size, pages_per_seq, num_pages), h, d], accum)
+
+    def windows(n_keys, window, stride):
+        """n(n_keys): the compressed keys of n_keys keys (an expression)."""
+        return T.if_then_else(n_keys >= window, (n_keys - window) // stride + 1, 0)
 
     @T.prim_func
     def compress_keys_kvcache(
@@ -95,10 +94,10 @@ def program(dtype, head_dim):
             iv[LEN] = T.max(T.min(cache_seqlens[b], iv[CAP]), 0)
             # the first entry the new keys completed: n(L - new_keys)
             iv[FIRST] = T.max(iv[LEN] - new_keys, 0)
-            iv[FIRST] = T.if_then_else(iv[FIRST] >= window, (iv[FIRST] - window) // stride + 1, 0)
+            iv[FIRST] = windows(iv[FIRST], window, stride)
             iv[ROW0] = iv[FIRST] + bx * BLOCK_C
             # rows up to n(L), and within the compressed cache's capacity
-            iv[ROWS] = T.if_then_else(iv[LEN] >= window, (iv[LEN] - window) // stride + 1, 0)
+            iv[ROWS] = windows(iv[LEN], window, stride)
             iv[ROWS] = T.min(T.min(BLOCK_C, iv[ROWS] - iv[ROW0]), cap_c - iv[ROW0])
             iv[PARTS] = (iv[ROWS] - 1) * (stride // part) + window // part
             T.clear(acc)
@@ -115,9 +114,9 @@ def program(dtype, head_dim):
                 run[1] = 0
                 for c in T.serial(T.ceildiv(iv[PARTS] * part, CHUNK)):
                     for r in T.Parallel(CHUNK):
-                        rows_s[r] = row_of(block_table, b, T.min(iv[ROW0] * stride + c * CHUNK + r,
-                                                                  iv[ROW0] * stride + iv[PARTS] * part - 1),
-                                           page_size, pages_per_seq, num_pages)
+                        rows_s[r] = cache_key_row(block_table, b, T.min(iv[ROW0] * stride + c * CHUNK + r,
+                                                                        iv[ROW0] * stride + iv[PARTS] * part - 1),
+                                                  page_size, pages_per_seq, num_pages)
                     for r, d in T.Parallel(CHUNK, D):
                         K_s[r, d] = K[rows_s[r], h, d]
                     T.sync_threads()

@@ -176,16 +176,20 @@ def _fwd(dtype, D):
     return sparse_decode_fwd
 
 
+def cache_key_row(block_table, b, t, page_size, pages_per_seq, num_pages):
+    """The cache row of key t of sequence b, for a paged cache or a padded one (pages_per_seq 0:
+    page b); page numbers are clamped into the cache, so a bad table reads wrong keys, never past
+    it. An expression (no statement), for every kernel that reads a KV cache."""
+    page = T.if_then_else(pages_per_seq > 0,
+                          T.clamp(block_table[b * pages_per_seq + t // page_size], 0, num_pages - 1), b)
+    return page * page_size + t % page_size
+
+
 def _cache_rows(block_table, b, page_size, pages_per_seq, num_pages):
-    """The first cache row of block blk of sequence b, for a paged cache or a padded one
-    (pages_per_seq 0: page b); page numbers are clamped into the cache, so a bad table reads
-    wrong keys, never past it."""
+    """The first cache row of block blk of sequence b."""
 
     def cache_row(blk):
-        page = T.if_then_else(
-            pages_per_seq > 0,
-            T.clamp(block_table[b * pages_per_seq + blk * BLOCK_N // page_size], 0, num_pages - 1), b)
-        return page * page_size + blk * BLOCK_N % page_size
+        return cache_key_row(block_table, b, blk * BLOCK_N, page_size, pages_per_seq, num_pages)
 
     return cache_row
 
