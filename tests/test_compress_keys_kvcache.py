@@ -32,10 +32,6 @@ def _packed(k, lengths, w, s):
     return [ck[a:b] for a, b in zip(cu_c[:-1].tolist(), cu_c[1:].tolist())]
 
 
-def _n(length, w, s):
-    return (length - w) // s + 1 if length >= w else 0
-
-
 # ---------------------------------------------------------------------------------- CPU tier
 
 
@@ -49,7 +45,7 @@ def test_cpu_reference_writes_only_the_new_entries(layout):
     assert got is ck
     full = _packed(k, lengths, 32, 16)
     for b, n_k in enumerate(lengths):
-        lo, hi = _n(max(n_k - new, 0), 32, 16), _n(n_k, 32, 16)
+        lo, hi = (reference._num_windows(n, 32, 16) for n in (max(n_k - new, 0), n_k))
         assert torch.equal(ck[b, lo:hi], full[b][lo:hi])
         assert torch.isnan(ck[b, :lo]).all() and torch.isnan(ck[b, hi:]).all()
 
@@ -57,7 +53,7 @@ def test_cpu_reference_writes_only_the_new_entries(layout):
 def test_bad_inputs_name_the_argument():
     k, kc, table, lens = _cache([100, 50], torch.float32, 64, "paged64", device="cpu")
     ck = _empty_compressed(kc, table, 2, 32, 16)
-    with pytest.raises(ValueError, match="ck_cache holds 3 entries a sequence"):
+    with pytest.raises(ValueError, match="ck_cache holds 3 rows a sequence"):
         infllmv2.compress_keys_kvcache(kc, lens, ck[:, :3], 1, table)
     with pytest.raises(ValueError, match="new_keys"):
         infllmv2.compress_keys_kvcache(kc, lens, ck, -1, table)
@@ -107,7 +103,7 @@ def test_cuda_decode_steps_write_only_what_the_new_keys_completed(layout, step):
         ck.fill_(float("nan"))
         infllmv2.compress_keys_kvcache(kc, torch.tensor(now, dtype=torch.int32, device="cuda"), ck, step, table)
         for b, n_k in enumerate(now):
-            lo, hi = _n(max(n_k - step, 0), 32, 16), _n(n_k, 32, 16)
+            lo, hi = (reference._num_windows(n, 32, 16) for n in (max(n_k - step, 0), n_k))
             assert torch.isnan(ck[b, :lo]).all() and torch.isnan(ck[b, hi:]).all(), f"step {i} sequence {b}"
             assert torch.equal(ck[b, lo:hi], full[b][lo:hi]), f"step {i} sequence {b}"
 

@@ -11,6 +11,17 @@
 
 using namespace infllmv2;
 
+infllmv2_status infllmv2::check_compressed_capacity(const char* op, const char* name, int32_t capacity_c,
+                                                    int64_t capacity, int w, int s, int32_t batch) {
+  const int64_t need = windows(capacity, w, s);
+  if (capacity_c < std::max<int64_t>(need, 1) || (int64_t)batch * capacity_c > INT_MAX)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
+                "%s: %s must hold the %lld compressed keys (window %d, stride %d) of a full cache of capacity %lld, "
+                "with batch x %s < 2^31; got %d",
+                op, name, (long long)std::max<int64_t>(need, 1), w, s, (long long)capacity, name, capacity_c);
+  return INFLLMV2_OK;
+}
+
 extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
     const void* k_cache, const int32_t* block_table, const int32_t* cache_seqlens, void* ck_cache, int32_t batch,
     int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t new_keys,
@@ -30,13 +41,9 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
       INFLLMV2_OK)
     return st;
   const int64_t capacity = (int64_t)page_size * std::max(pages_per_seq, 1);
-  // the compressed keys of a full cache all have their row, so no length is read on the host
-  const int64_t need = windows(capacity, kernel_size, kernel_stride);
-  if (capacity_c < std::max<int64_t>(need, 1) || (int64_t)batch * capacity_c > INT_MAX)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                "%s: capacity_c must hold the %lld compressed keys (window %d, stride %d) of a full cache of capacity "
-                "%lld, with batch x capacity_c < 2^31; got %d",
-                op, (long long)need, kernel_size, kernel_stride, (long long)capacity, capacity_c);
+  if ((st = check_compressed_capacity(op, "capacity_c", capacity_c, capacity, kernel_size, kernel_stride, batch)) !=
+      INFLLMV2_OK)
+    return st;
 
   Device dev;
   if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
@@ -56,12 +63,10 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
   // keys past the capacity are never read: a larger count recomputes the same entries
   const int32_t fresh = (int32_t)std::min<int64_t>(new_keys, capacity);
   if (fresh == 0) return INFLLMV2_OK;
-  // a padded cache has no table: the kernel gets cache_seqlens in its place and never reads it
-  const int32_t* table = block_table != nullptr ? block_table : cache_seqlens;
-  const int table_len = block_table != nullptr ? batch * pages_per_seq : batch;
-  int rc = unit->call(const_cast<void*>(k_cache), const_cast<int32_t*>(table), const_cast<int32_t*>(cache_seqlens),
+  const CacheTable t = cache_table(block_table, cache_seqlens, batch, pages_per_seq);
+  int rc = unit->call(const_cast<void*>(k_cache), t.table, const_cast<int32_t*>(cache_seqlens),
                       ck_cache, fresh, capacity_c, kernel_size, kernel_stride, std::gcd(kernel_size, kernel_stride),
-                      page_size, pages_per_seq, (int)num_pages, (int)(num_pages * page_size), heads_k, table_len, batch,
+                      page_size, pages_per_seq, (int)num_pages, (int)(num_pages * page_size), heads_k, t.len, batch,
                       batch * capacity_c, stream);
   return launch_result(op, unit->name, rc, unit->last_error);
 }

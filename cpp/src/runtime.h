@@ -79,6 +79,18 @@ infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_
 infllmv2_status check_cache_layout(const char* op, bool paged, int32_t batch, int64_t num_pages,
                                    int32_t page_size, int32_t pages_per_seq, int block);
 
+// The table a KV-cache kernel takes: a padded cache has none, so the kernel gets cache_seqlens in
+// its place, whose entry 0 is the only one it may read (it never uses what it reads).
+struct CacheTable {
+  int32_t* table;
+  int len;
+};
+inline CacheTable cache_table(const int32_t* block_table, const int32_t* cache_seqlens, int32_t batch,
+                              int32_t pages_per_seq) {
+  if (block_table != nullptr) return {const_cast<int32_t*>(block_table), batch * pages_per_seq};
+  return {const_cast<int32_t*>(cache_seqlens), batch};
+}
+
 // The dense dK/dV kernel puts a sequence's key blocks on the grid's z axis (the blocks every
 // query sees must start in the first wave): at most kMaxGridYZ blocks of `block` keys.
 infllmv2_status check_key_blocks_on_grid(const char* op, int32_t max_seqlen_k, int block);

@@ -292,21 +292,13 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_select_decode_kvcache(
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: capacity must be >= 0, got %d", op, capacity);
   // every compressed key of a full cache has its row: the kernels read row j only where key j is
   // visible, so only below n(capacity)
-  const int64_t need_c = windows(capacity, kFineW, kFineS);
-  const int64_t need_n = approx_lse ? windows(capacity, norm_kernel_size, norm_kernel_stride) : 0;
-  if (capacity_c < std::max<int64_t>(need_c, 1) || (int64_t)batch * capacity_c > INT_MAX)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                "%s: capacity_c must hold the %lld fine compressed keys (window %d, stride %d) of a full cache of "
-                "capacity %d, with batch x capacity_c < 2^31; got %d",
-                op, (long long)need_c, kFineW, kFineS, capacity, capacity_c);
-  if (approx_lse && (capacity_n < std::max<int64_t>(need_n, 1) || (int64_t)batch * capacity_n > INT_MAX))
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                "%s: capacity_n must hold the %lld normaliser keys (window %d, stride %d) of a full cache of capacity "
-                "%d, with batch x capacity_n < 2^31; got %d",
-                op, (long long)need_n, norm_kernel_size, norm_kernel_stride, capacity, capacity_n);
-  infllmv2_status st = check_split_selection(op, dtype, head_dim, batch, heads, heads_k, topk, init_blocks,
-                                             local_blocks, total_q, max_seqlen_q, capacity, softmax_scale);
+  infllmv2_status st = check_compressed_capacity(op, "capacity_c", capacity_c, capacity, kFineW, kFineS, batch);
+  if (st == INFLLMV2_OK && approx_lse)
+    st = check_compressed_capacity(op, "capacity_n", capacity_n, capacity, norm_kernel_size, norm_kernel_stride, batch);
   if (st != INFLLMV2_OK) return st;
+  if ((st = check_split_selection(op, dtype, head_dim, batch, heads, heads_k, topk, init_blocks, local_blocks,
+                                  total_q, max_seqlen_q, capacity, softmax_scale)) != INFLLMV2_OK)
+    return st;
   const size_t need = infllmv2_select_decode_kvcache_workspace_size(batch, total_q, max_seqlen_q, capacity, heads,
                                                                      heads_k, splits);
   if (workspace_size < need)

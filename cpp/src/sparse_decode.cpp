@@ -226,15 +226,12 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_decode_kvcache(
                                max_seqlen_q, total_q, workspace, &c)) != INFLLMV2_OK)
     return st;
   if (total_q == 0 || max_seqlen_q == 0) return INFLLMV2_OK;
-  // a padded cache has no table: the kernel gets cache_seqlens in its place, whose entry 0 is the
-  // only one it may read (it never uses what it reads)
-  const int32_t* table = block_table != nullptr ? block_table : cache_seqlens;
-  const int table_len = block_table != nullptr ? batch * pages_per_seq : batch;
+  const CacheTable t = cache_table(block_table, cache_seqlens, batch, pages_per_seq);
   int rc = c.fwd->call(const_cast<void*>(q), const_cast<void*>(k_cache), const_cast<void*>(v_cache),
-                       const_cast<int32_t*>(topk_idx), const_cast<int32_t*>(cu_seqlens_q), const_cast<int32_t*>(table),
+                       const_cast<int32_t*>(topk_idx), const_cast<int32_t*>(cu_seqlens_q), t.table,
                        const_cast<int32_t*>(cache_seqlens), c.part.o, c.part.lse, c.tiles, c.groups, c.tokens,
                        attn_scale_log2(softmax_scale, head_dim), splits, page_size, pages_per_seq, (int)num_pages,
-                       (int)total_q, heads, (int)cache_rows, heads_k, topk, batch + 1, table_len, batch, c.part.rows,
+                       (int)total_q, heads, (int)cache_rows, heads_k, topk, batch + 1, t.len, batch, c.part.rows,
                        stream);
   if ((st = launch_result(op, c.fwd->name, rc, c.fwd->last_error)) != INFLLMV2_OK) return st;
   return run_combine(op, c.comb, c.part, cu_seqlens_q, out, lse, batch, splits, heads, total_q, stream);

@@ -15,6 +15,12 @@ constexpr int kFineW = 32, kFineS = 16, kBlock = 64;
 // Compressed keys of `len` keys with window w and stride s.
 inline int64_t windows(int64_t len, int w, int s) { return len >= w ? (len - w) / s + 1 : 0; }
 
+// A compressed cache (batch, capacity_c, ...) must hold the compressed keys (window w, stride s)
+// of a full KV cache of `capacity` keys, so that no length is read on the host, and its rows
+// must be indexable in int32. `name` is the C argument (capacity_c, capacity_n).
+infllmv2_status check_compressed_capacity(const char* op, const char* name, int32_t capacity_c, int64_t capacity,
+                                          int w, int s, int32_t batch);
+
 template <class T>
 T* at(void* base, size_t offset) { return reinterpret_cast<T*>(static_cast<char*>(base) + offset); }
 

@@ -39,7 +39,7 @@ def _cached_compression(k, lengths, geometry, layout="paged64"):
                         device=k.device)
     lens = torch.tensor(lengths, dtype=torch.int32, device=k.device)
     infllmv2.compress_keys_kvcache(kc, lens, cache, max(lengths), table, *geometry)
-    n = [(x - geometry[0]) // geometry[1] + 1 if x >= geometry[0] else 0 for x in lengths]
+    n = [reference._num_windows(x, *geometry) for x in lengths]
     return torch.cat([cache[b, :m] for b, m in enumerate(n)]), cache, kc, table, lens
 
 

@@ -13,7 +13,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .ops import _check_int, _check_offsets, _check_tensor3, _max_seqlen, _stage2, dense_attn_varlen, select_decode
+from .ops import (_cache_capacity, _check_block_table, _check_int, _check_offsets, _check_tensor3, _index_vector,
+                  _max_seqlen, _sparse_decode_kvcache, _stage2, compress_keys_kvcache, dense_attn_varlen,
+                  every_block_selection, select_decode, select_decode_kvcache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +205,6 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     ``sparse_decode_kvcache``. Returns ``out`` (and ``lse (Hq, total_q)`` with ``return_lse``).
     With ``max_seqlen_q`` and ``max_seqlen_k`` given there is no host synchronisation (CUDA).
     """
-    from .ops import (_cache_capacity, _check_block_table, _index_vector, _sparse_decode_kvcache, compress_keys_kvcache,
-                      every_block_selection, select_decode_kvcache)
-
     cfg = _config(config)
     _check_tensor3(q, "q")
     _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)

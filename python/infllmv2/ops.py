@@ -152,6 +152,15 @@ def compressed_capacity(capacity, kernel_size=32, kernel_stride=16) -> int:
     return max(reference._num_windows(capacity, kernel_size, kernel_stride), 1)
 
 
+def _check_compressed_rows(cache, name, capacity, kernel_size, kernel_stride):
+    """A compressed cache holds the compressed keys of a full KV cache of ``capacity`` keys."""
+    need = compressed_capacity(capacity, kernel_size, kernel_stride)
+    if cache.shape[1] < need:
+        raise ValueError(f"{name} holds {cache.shape[1]} rows a sequence; a full cache of {capacity} keys has {need} "
+                         f"compressed keys (window {kernel_size}, stride {kernel_stride}): compressed_capacity() "
+                         f"gives the rows")
+
+
 def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table=None, kernel_size=32,
                           kernel_stride=16):
     """Stage 0 kept up to date over a KV cache: writes into ``ck_cache`` the compressed keys that
@@ -180,11 +189,7 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
     _check_int(kernel_stride, "kernel_stride", 1)
     cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, k_cache.device)
     block_table = _check_block_table(block_table, k_cache, batch)
-    need = compressed_capacity(_cache_capacity(k_cache, block_table), kernel_size, kernel_stride)
-    if ck_cache.shape[1] < need:
-        raise ValueError(f"ck_cache holds {ck_cache.shape[1]} entries a sequence; a full cache of "
-                         f"{_cache_capacity(k_cache, block_table)} keys has {need} (window {kernel_size}, stride "
-                         f"{kernel_stride}): compressed_capacity() gives it")
+    _check_compressed_rows(ck_cache, "ck_cache", _cache_capacity(k_cache, block_table), kernel_size, kernel_stride)
     if not ck_cache.is_contiguous():
         raise ValueError("ck_cache must be contiguous (it is written in place)")
     if not k_cache.is_cuda:
@@ -1179,11 +1184,9 @@ def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, ca
     for value, name, minimum in ((capacity, "capacity", 0), (topk, "topk", 1), (init_blocks, "init_blocks", 0),
                                  (local_blocks, "local_blocks", 0), (num_splits, "num_splits", 0)):
         _check_int(value, name, minimum)
-    for cache, name, w, st in ((ck_cache, "ck_cache", kernel_size, kernel_stride),
-                               (nk_cache, "nk_cache", norm_kernel_size, norm_kernel_stride)):
-        if cache is not None and cache.shape[1] < compressed_capacity(capacity, w, st):
-            raise ValueError(f"{name} holds {cache.shape[1]} rows a sequence; {capacity} keys (the capacity) have "
-                             f"{compressed_capacity(capacity, w, st)} compressed keys of window {w}, stride {st}")
+    _check_compressed_rows(ck_cache, "ck_cache", capacity, kernel_size, kernel_stride)
+    if nk_cache is not None:
+        _check_compressed_rows(nk_cache, "nk_cache", capacity, norm_kernel_size, norm_kernel_stride)
     if not q.is_cuda:
         return reference.select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens.clamp(0, capacity), cu_seqlens_q,
                                                topk, kernel_size, kernel_stride, block_size, init_blocks, local_blocks,
