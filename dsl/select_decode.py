@@ -20,7 +20,8 @@ Kernels (one PrimFunc each; `splits` ranges a tile, tile-major in grid x):
           so a split recomputes its range's previous chunk (one chunk more per split) rather
           than depending on another split.          grid (tiles x splits, batch, Hk)
   topk    per tile: the scores into shared memory (blocks past the computed ones -inf), then
-          select_blocks' top-K (radix select, one warp per token)   grid (tiles, batch, Hk)
+          select_blocks' radix top-K, by the whole thread block a token
+                                                          grid (tiles, batch, Hk)
 Every sum runs in a fixed order: the result is deterministic, and independent of `splits` up
 to the rounding of the normaliser's merge (ties at the K-th score then may resolve otherwise).
 """
@@ -30,12 +31,18 @@ import tilelang.language as T
 from dsl import EXP_NVCC_FLAGS
 from dsl.group_rows import load_rows
 from dsl.select_blocks import (BLOCK, BLOCK_M, BN, BPC, FINE_S, FINE_W, KEY_NEG_INF, NEG_INF, P_PAD, POOL, THREADS,
-                               T_MAX, UNROLL, WARPS, _n_visible, _score_cap, fetch, key_into,
+                               T_MAX, UNROLL, _n_visible, _score_cap, fetch, key_into,
                                lse_pass)
 
 OP = "select_decode"
 NVCC_FLAGS = EXP_NVCC_FLAGS
 MAX_SPLITS = 64
+# The top-K's thread block: a decoding token's 2048 block scores at 128K are 4 a thread (measured
+# with 128 threads, 16 a thread: 19 us, most of a 128K step's selection)
+TOPK_THREADS = 512
+TOPK_WARPS = TOPK_THREADS // 32
+# the top-K's int32 registers
+RS_CNT, RS_KLEFT, RS_GPREV, RS_EPREV, RS_BIN, RS_A, RS_B, RS_C, RS_GT, RS_EQ = range(10)
 
 KERNELS = ("lse", "scores")
 VARIANTS = [
@@ -197,13 +204,6 @@ def _scores(dtype, D):
     sig = _signature(dtype, D)
     score_stride = T.dynamic("score_stride")
 
-    @T.macro
-    def group_sum(P_s, vw, j, t, c, groups):
-        """vw[j] = the sum of token t's G rows of column c (-inf where the column is invisible)."""
-        vw[j] = 0
-        for h in T.serial(groups):
-            vw[j] += P_s[t * groups + h, c]
-
     @T.prim_func
     def select_decode_scores(
         Q: sig["Q"](), CK: sig["CK"](), cu_seqlens_q: sig["cu"](), cu_seqlens_k: sig["cu"](), cu_seqlens_c: sig["cu"](),
@@ -217,7 +217,9 @@ def _scores(dtype, D):
             Q_f = T.alloc_fragment([BLOCK_M, D], dtype)
             K_s = T.alloc_shared([BN, D], dtype)
             P_s = T.alloc_shared([BLOCK_M, BN + P_PAD], accum)
-            carry_s = T.alloc_shared([T_MAX], accum)  # per token: the group sum of the previous chunk's last key
+            # per token, the group sums of the chunk's columns from 1 on; column 0 holds the
+            # previous chunk's last one
+            G_s = T.alloc_shared([T_MAX, BN + 1], accum)
             Mp_s = T.alloc_shared([MAX_SPLITS, BLOCK_M], accum)
             Lp_s = T.alloc_shared([MAX_SPLITS, BLOCK_M], accum)
             acc_s = T.alloc_fragment([BLOCK_M, BN], accum)
@@ -226,7 +228,8 @@ def _scores(dtype, D):
             m_safe = T.alloc_fragment([BLOCK_M], accum)
             lse2 = T.alloc_fragment([BLOCK_M], accum)
             rowpos = T.alloc_fragment([BLOCK_M], "int32")
-            vw = T.alloc_local([2], accum)  # a column's group sum, the block's running max
+            vw = T.alloc_local([1], accum)  # a block's running max
+            colv = T.alloc_local([T_MAX * BN // THREADS], accum)  # this thread's columns' group sums
             iv = T.alloc_local([N_IV], "int32")
             tx = T.get_thread_binding()
             tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, tile_tokens, max_tiles, splits, bx, b)
@@ -266,7 +269,7 @@ def _scores(dtype, D):
                         if l_run[r] == 0:
                             lse2[r] = M_fine[hk, iv[SLOT], r] * scale_log2 + T.log2(L_fine[hk, iv[SLOT], r])
                 for t in T.Parallel(T_MAX):
-                    carry_s[t] = NEG_INF
+                    G_s[t, 0] = NEG_INF
                 for i in T.serial(iv[HI] - iv[START]):
                     fetch(CK, iv[C0], hk, iv[START] + i, K_s)
                     T.clear(acc_s)
@@ -280,59 +283,69 @@ def _scores(dtype, D):
                             NEG_INF,
                         )
                     T.sync_threads()
+                    # every column's group sums at once (a serial sum of a token's G rows each),
+                    # then the pools read them: the pool of a (token, block) summing its five
+                    # columns itself kept most threads idle for a decoding token
+                    # (summed into registers first: TileLang's barrier planner put two barriers
+                    # into every step of a loop that read P_s and wrote G_s)
+                    for e in T.unroll(T_MAX * BN // THREADS):
+                        colv[e] = 0
+                        if e * THREADS + tx < iv[N_TOK] * BN:
+                            for h in T.serial(groups):
+                                colv[e] += P_s[((e * THREADS + tx) // BN) * groups + h, (e * THREADS + tx) % BN]
+                    for e in T.unroll(T_MAX * BN // THREADS):
+                        if e * THREADS + tx < iv[N_TOK] * BN:
+                            G_s[(e * THREADS + tx) // BN, (e * THREADS + tx) % BN + 1] = colv[e]
+                    T.sync_threads()
                     if iv[START] + i >= iv[LO]:
                         # block (start + i) * BPC + bb pools the group sums of keys 4bb - 1 .. 4bb + 3
                         for e in T.serial(T.ceildiv(iv[N_TOK] * BPC, THREADS)):
                             if e * THREADS + tx < iv[N_TOK] * BPC:
-                                if (e * THREADS + tx) % BPC == 0:
-                                    vw[1] = carry_s[(e * THREADS + tx) // BPC]
-                                else:
-                                    group_sum(P_s, vw, 1, (e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL - 1,
-                                              groups)
+                                vw[0] = G_s[(e * THREADS + tx) // BPC, ((e * THREADS + tx) % BPC) * POOL]
                                 for k in T.serial(POOL):
-                                    group_sum(P_s, vw, 0, (e * THREADS + tx) // BPC,
-                                              ((e * THREADS + tx) % BPC) * POOL + k, groups)
-                                    vw[1] = T.max(vw[1], vw[0])
+                                    vw[0] = T.max(vw[0], G_s[(e * THREADS + tx) // BPC,
+                                                              ((e * THREADS + tx) % BPC) * POOL + k + 1])
                                 if ((iv[START] + i) * BPC + (e * THREADS + tx) % BPC
                                         <= (iv[P0] + (e * THREADS + tx) // BPC) // BLOCK
                                         and (iv[START] + i) * BPC + (e * THREADS + tx) % BPC < score_stride):
                                     SC[hk, iv[Q0] + iv[T0] + (e * THREADS + tx) // BPC,
-                                       (iv[START] + i) * BPC + (e * THREADS + tx) % BPC] = vw[1]
-                    T.sync_threads()  # carry_s is read above before it is replaced
+                                       (iv[START] + i) * BPC + (e * THREADS + tx) % BPC] = vw[0]
+                    T.sync_threads()  # the carry is read above before it is replaced
                     if tx < iv[N_TOK]:
-                        group_sum(P_s, vw, 0, tx, BN - 1, groups)
-                        carry_s[tx] = vw[0]
-                    T.sync_threads()
+                        G_s[tx, 0] = G_s[tx, BN]
                 if iv[HI] == iv[N_LOAD] and tx < iv[N_TOK]:
                     # the block after the last chunk sees only that chunk's last key
                     if iv[N_LOAD] * BPC <= (iv[P0] + tx) // BLOCK and iv[N_LOAD] * BPC < score_stride:
-                        SC[hk, iv[Q0] + iv[T0] + tx, iv[N_LOAD] * BPC] = carry_s[tx]
+                        SC[hk, iv[Q0] + iv[T0] + tx, iv[N_LOAD] * BPC] = G_s[tx, 0]
 
     return select_decode_scores
 
 
 def _make_block_top_k(topk):
     """A macro: per token, the topk best of its block scores, ascending, -1 padded, by the whole
-    thread block. select_blocks' top-K gives each token one warp, which leaves three of four
-    warps idle for a decoding token (40 us for 2048 blocks on an H100). Same keys, same 8-bit
+    thread block (TOPK_THREADS). select_blocks' top-K gives each token one warp, which leaves the
+    other warps idle for a decoding token (40 us for 2048 blocks on an H100). Same keys, same 8-bit
     radix select and the same rule (key > threshold, or == threshold among the first k_left in
-    block order), with each warp histogramming a quarter of the blocks and the ordered output
-    written 128 blocks a round by block-wide prefix counts.
+    block order), with every thread histogramming its blocks into one shared histogram and the
+    ordered output written TOPK_THREADS blocks a round. A block's slot is the blocks above the
+    threshold before it plus min(the blocks equal to it before it, k_left): each round needs the
+    warps' two counts once (one barrier; the counts are double-buffered by round).
 
-    rs = [count, k_left, pos, eq_seen, bin, lane count, suffix, scratch]; ru = [prefix, mask, key,
-    threshold]; cnt_s (2, WARPS) int32 per-warp counts of a round."""
+    rs: see RS_* ; ru = [prefix, mask, key, threshold]; cnt_s (3, 2, TOPK_WARPS) int32 per-warp
+    counts (rounds by parity, and the candidate count in slot 2)."""
 
     @T.macro
-    def block_rank(cnt_s, j, rs, bits, base, below, warp, lane):
-        """rs[7] = base + the set bits of rs[bits] (this warp's ballot) in earlier warps and lanes;
-        cnt_s[j, :] keeps the warps' counts for the caller's round total."""
-        if lane == 0:
-            cnt_s[j, warp] = T.popcount(T.cast(rs[bits], "uint32"))
-        T.sync_threads()
-        rs[7] = base + T.popcount(T.cast(rs[bits], "uint32") & below)
-        for w in T.serial(WARPS):
-            if w < warp:
-                rs[7] += cnt_s[j, w]
+    def warp_prefix(cnt_s, j, kind, rs, out, tot, warp, lane):
+        """rs[out] = the sum of cnt_s[j, kind, w] over warps w < warp, rs[tot] = over all warps."""
+        rs[out] = T.if_then_else(lane < TOPK_WARPS, cnt_s[j, kind, T.min(lane, TOPK_WARPS - 1)], 0)
+        for sh in T.serial(5):
+            rs[tot] = T.shfl_up(rs[out], 1 << sh)
+            if lane >= (1 << sh):
+                rs[out] += rs[tot]
+        rs[tot] = T.shfl_sync(rs[out], 31)
+        rs[out] = T.shfl_sync(rs[out], T.max(warp - 1, 0))
+        if warp == 0:
+            rs[out] = 0
 
     @T.macro
     def block_top_k(topk_idx, SC_s, hist_s, st_s, cnt_s, rs, ru, kk, bins, tx, hk, row0, n_tok, p0, score_stride,
@@ -344,97 +357,98 @@ def _make_block_top_k(topk):
             qb = (p0 + t) // BLOCK
             nbt = T.min(qb + 1, score_stride)
             # the scores become their keys in place, once, and the candidates are counted
-            rs[0] = 0
-            for i in T.serial(T.ceildiv(nbt, THREADS)):
-                if i * THREADS + tx < nbt:
-                    key_into(ru, SC_s, t * score_stride, i * THREADS + tx, qb, init_blocks, local_blocks)
-                    SC_s[t * score_stride + i * THREADS + tx] = T.reinterpret(ru[2], "float32")
+            rs[RS_CNT] = 0
+            for i in T.serial(T.ceildiv(nbt, TOPK_THREADS)):
+                if i * TOPK_THREADS + tx < nbt:
+                    key_into(ru, SC_s, t * score_stride, i * TOPK_THREADS + tx, qb, init_blocks, local_blocks)
+                    SC_s[t * score_stride + i * TOPK_THREADS + tx] = T.reinterpret(ru[2], "float32")
                     if ru[2] > T.uint32(KEY_NEG_INF):
-                        rs[0] += 1
-            rs[0] = T.warp_reduce_sum(rs[0])
+                        rs[RS_CNT] += 1
+            rs[RS_CNT] = T.warp_reduce_sum(rs[RS_CNT])
             if lane == 0:
-                cnt_s[0, warp] = rs[0]
+                cnt_s[2, 0, warp] = rs[RS_CNT]
             T.sync_threads()
-            rs[0] = cnt_s[0, 0] + cnt_s[0, 1] + cnt_s[0, 2] + cnt_s[0, 3]
+            warp_prefix(cnt_s, 2, 0, rs, RS_A, RS_CNT, warp, lane)
             ru[3] = T.uint32(KEY_NEG_INF)
-            rs[1] = 0
-            if rs[0] > topk:
+            rs[RS_KLEFT] = 0
+            if rs[RS_CNT] > topk:
                 ru[0] = T.uint32(0)
                 ru[1] = T.uint32(0)
-                rs[1] = topk
+                rs[RS_KLEFT] = topk
                 for dgt in T.serial(4):
-                    for q in T.serial(8):
-                        hist_s[warp, lane * 8 + q] = 0
+                    if tx < 256:
+                        hist_s[tx] = 0
                     T.sync_threads()
-                    # warp w histograms blocks [w * quarter, (w + 1) * quarter)
-                    for i in T.serial(T.ceildiv(T.ceildiv(nbt, WARPS), 32 * UNROLL)):
+                    for i in T.serial(T.ceildiv(nbt, TOPK_THREADS * UNROLL)):
                         for u in T.unroll(UNROLL):
-                            rs[7] = warp * T.ceildiv(nbt, WARPS) + (i * UNROLL + u) * 32 + lane
-                            kk[u] = T.reinterpret(SC_s[t * score_stride + T.min(rs[7], nbt - 1)], "uint32")
+                            rs[RS_A] = (i * UNROLL + u) * TOPK_THREADS + tx
+                            kk[u] = T.reinterpret(SC_s[t * score_stride + T.min(rs[RS_A], nbt - 1)], "uint32")
                             bins[u] = T.if_then_else(
-                                (i * UNROLL + u) * 32 + lane < T.ceildiv(nbt, WARPS) and rs[7] < nbt
-                                and kk[u] > T.uint32(KEY_NEG_INF) and (kk[u] & ru[1]) == ru[0],
+                                rs[RS_A] < nbt and kk[u] > T.uint32(KEY_NEG_INF) and (kk[u] & ru[1]) == ru[0],
                                 T.cast((kk[u] >> T.cast(24 - 8 * dgt, "uint32")) & T.uint32(255), "int32"),
                                 256,
                             )
                         for u in T.unroll(UNROLL):
-                            rs[4] = T.cast(T.match_any_sync(bins[u]), "int32")
-                            if bins[u] < 256 and T.popcount(T.cast(rs[4], "uint32") & below) == 0:
-                                T.atomic_add(hist_s[warp, bins[u]], T.popcount(T.cast(rs[4], "uint32")))
+                            # one atomic a distinct bin a warp
+                            rs[RS_A] = T.cast(T.match_any_sync(bins[u]), "int32")
+                            if bins[u] < 256 and T.popcount(T.cast(rs[RS_A], "uint32") & below) == 0:
+                                T.atomic_add(hist_s[bins[u]], T.popcount(T.cast(rs[RS_A], "uint32")))
                     T.sync_threads()
                     if warp == 0:
-                        # bin totals over the warps; lane l holds bins 8l .. 8l + 7
-                        rs[5] = 0
+                        # lane l holds bins 8l .. 8l + 7; the threshold bin is where the count of
+                        # keys in higher bins first reaches k_left
+                        rs[RS_A] = 0
                         for q in T.serial(8):
-                            rs[5] += (hist_s[0, lane * 8 + q] + hist_s[1, lane * 8 + q] + hist_s[2, lane * 8 + q]
-                                      + hist_s[3, lane * 8 + q])
-                        rs[6] = rs[5]
+                            rs[RS_A] += hist_s[lane * 8 + q]
+                        rs[RS_B] = rs[RS_A]
                         for sh in T.serial(5):
-                            rs[7] = T.shfl_down(rs[6], 1 << sh)
+                            rs[RS_C] = T.shfl_down(rs[RS_B], 1 << sh)
                             if lane + (1 << sh) < 32:
-                                rs[6] += rs[7]
-                        if rs[6] - rs[5] < rs[1] and rs[1] <= rs[6]:
-                            rs[7] = rs[6] - rs[5]
-                            rs[4] = -1
+                                rs[RS_B] += rs[RS_C]
+                        if rs[RS_B] - rs[RS_A] < rs[RS_KLEFT] and rs[RS_KLEFT] <= rs[RS_B]:
+                            rs[RS_C] = rs[RS_B] - rs[RS_A]
+                            rs[RS_BIN] = -1
                             for q in T.serial(8):
-                                if rs[4] < 0:
-                                    rs[5] = (hist_s[0, lane * 8 + 7 - q] + hist_s[1, lane * 8 + 7 - q]
-                                             + hist_s[2, lane * 8 + 7 - q] + hist_s[3, lane * 8 + 7 - q])
-                                    if rs[7] + rs[5] >= rs[1]:
-                                        rs[4] = lane * 8 + 7 - q
-                                        st_s[0, 0] = rs[4]
-                                        st_s[0, 1] = rs[1] - rs[7]
+                                if rs[RS_BIN] < 0:
+                                    rs[RS_A] = hist_s[lane * 8 + 7 - q]
+                                    if rs[RS_C] + rs[RS_A] >= rs[RS_KLEFT]:
+                                        rs[RS_BIN] = lane * 8 + 7 - q
+                                        st_s[0] = rs[RS_BIN]
+                                        st_s[1] = rs[RS_KLEFT] - rs[RS_C]
                                     else:
-                                        rs[7] += rs[5]
+                                        rs[RS_C] += rs[RS_A]
                     T.sync_threads()
-                    rs[1] = st_s[0, 1]
-                    ru[0] = ru[0] | (T.cast(st_s[0, 0], "uint32") << T.cast(24 - 8 * dgt, "uint32"))
+                    rs[RS_KLEFT] = st_s[1]
+                    ru[0] = ru[0] | (T.cast(st_s[0], "uint32") << T.cast(24 - 8 * dgt, "uint32"))
                     ru[1] = ru[1] | (T.uint32(255) << T.cast(24 - 8 * dgt, "uint32"))
                 ru[3] = ru[0]
-            # ordered output, THREADS blocks a round: a block's slot is the picks before it
-            rs[2] = 0  # picks in earlier rounds
-            rs[3] = 0  # blocks equal to the threshold in earlier rounds
-            for i in T.serial(T.ceildiv(nbt, THREADS)):
+            # ordered output, TOPK_THREADS blocks a round
+            rs[RS_GPREV] = 0  # blocks above the threshold in earlier rounds
+            rs[RS_EPREV] = 0  # blocks equal to it in earlier rounds
+            for i in T.serial(T.ceildiv(nbt, TOPK_THREADS)):
                 ru[2] = T.if_then_else(
-                    i * THREADS + tx < nbt,
-                    T.reinterpret(SC_s[t * score_stride + T.min(i * THREADS + tx, nbt - 1)], "uint32"),
+                    i * TOPK_THREADS + tx < nbt,
+                    T.reinterpret(SC_s[t * score_stride + T.min(i * TOPK_THREADS + tx, nbt - 1)], "uint32"),
                     T.uint32(0),
                 )
-                # equal blocks before this one (earlier rounds, warps and lanes), then the picks before it
-                rs[4] = T.cast(T.ballot_sync(ru[2] == ru[3] and ru[2] > T.uint32(KEY_NEG_INF)), "int32")
-                block_rank(cnt_s, 0, rs, 4, rs[3], below, warp, lane)
-                rs[5] = T.if_then_else(
-                    ru[2] > ru[3] or (ru[2] == ru[3] and ru[2] > T.uint32(KEY_NEG_INF) and rs[7] < rs[1]), 1, 0)
-                rs[6] = T.cast(T.ballot_sync(rs[5] != 0), "int32")
-                block_rank(cnt_s, 1, rs, 6, rs[2], below, warp, lane)
-                if rs[5] != 0:
-                    topk_idx[hk, row0 + t, rs[7]] = i * THREADS + tx
-                rs[2] += cnt_s[1, 0] + cnt_s[1, 1] + cnt_s[1, 2] + cnt_s[1, 3]
-                rs[3] += cnt_s[0, 0] + cnt_s[0, 1] + cnt_s[0, 2] + cnt_s[0, 3]
-                T.sync_threads()  # every warp has read this round's counts
-            for i in T.serial(T.ceildiv(topk, THREADS)):
-                if i * THREADS + tx >= rs[2] and i * THREADS + tx < topk:
-                    topk_idx[hk, row0 + t, i * THREADS + tx] = -1
+                rs[RS_GT] = T.cast(T.ballot_sync(ru[2] > ru[3]), "int32")
+                rs[RS_EQ] = T.cast(T.ballot_sync(ru[2] == ru[3] and ru[2] > T.uint32(KEY_NEG_INF)), "int32")
+                if lane == 0:
+                    cnt_s[i % 2, 0, warp] = T.popcount(T.cast(rs[RS_GT], "uint32"))
+                    cnt_s[i % 2, 1, warp] = T.popcount(T.cast(rs[RS_EQ], "uint32"))
+                T.sync_threads()
+                warp_prefix(cnt_s, i % 2, 0, rs, RS_A, RS_B, warp, lane)
+                rs[RS_A] += rs[RS_GPREV] + T.popcount(T.cast(rs[RS_GT], "uint32") & below)
+                rs[RS_GPREV] += rs[RS_B]
+                warp_prefix(cnt_s, i % 2, 1, rs, RS_C, RS_B, warp, lane)
+                rs[RS_C] += rs[RS_EPREV] + T.popcount(T.cast(rs[RS_EQ], "uint32") & below)
+                rs[RS_EPREV] += rs[RS_B]
+                if ru[2] > ru[3] or (ru[2] == ru[3] and ru[2] > T.uint32(KEY_NEG_INF) and rs[RS_C] < rs[RS_KLEFT]):
+                    topk_idx[hk, row0 + t, rs[RS_A] + T.min(rs[RS_C], rs[RS_KLEFT])] = i * TOPK_THREADS + tx
+            rs[RS_A] = rs[RS_GPREV] + T.min(rs[RS_EPREV], rs[RS_KLEFT])  # the picks
+            for i in T.serial(T.ceildiv(topk, TOPK_THREADS)):
+                if i * TOPK_THREADS + tx >= rs[RS_A] and i * TOPK_THREADS + tx < topk:
+                    topk_idx[hk, row0 + t, i * TOPK_THREADS + tx] = -1
 
     return block_top_k
 
@@ -458,12 +472,12 @@ def _topk(arch):
         topk_idx: T.Tensor([heads_k, total_q, out_cols], "int32"),
         batch: T.int32, max_tiles: T.int32, tile_tokens: T.int32, init_blocks: T.int32, local_blocks: T.int32,
     ):
-        with T.Kernel(max_tiles, batch, heads_k, threads=THREADS) as (bx, b, hk):
+        with T.Kernel(max_tiles, batch, heads_k, threads=TOPK_THREADS) as (bx, b, hk):
             SC_s = T.alloc_shared([score_cap], accum)
-            hist_s = T.alloc_shared([WARPS, 256], "int32")
-            st_s = T.alloc_shared([WARPS, 2], "int32")
-            cnt_s = T.alloc_shared([2, WARPS], "int32")
-            rs = T.alloc_local([8], "int32")
+            hist_s = T.alloc_shared([256], "int32")
+            st_s = T.alloc_shared([2], "int32")
+            cnt_s = T.alloc_shared([3, 2, TOPK_WARPS], "int32")
+            rs = T.alloc_local([10], "int32")
             ru = T.alloc_local([4], "uint32")
             kk = T.alloc_local([UNROLL], "uint32")
             bins = T.alloc_local([UNROLL], "int32")
@@ -475,14 +489,14 @@ def _topk(arch):
             iv[N_LOAD] = _n_load(iv[P_LAST], cu_seqlens_c[b + 1] - cu_seqlens_c[b], local_blocks)
             iv[HI] = T.if_then_else(iv[N_LOAD] > 0, iv[N_LOAD] * BPC + 1, 0)
             if iv[N_TOK] > 0:
-                for e in T.serial(T.ceildiv(iv[N_TOK] * score_stride, THREADS)):
-                    if e * THREADS + tx < iv[N_TOK] * score_stride:
-                        SC_s[e * THREADS + tx] = T.if_then_else(
-                            (e * THREADS + tx) % score_stride < iv[HI]
-                            and (e * THREADS + tx) % score_stride
-                            <= (iv[P0] + (e * THREADS + tx) // score_stride) // BLOCK,
-                            SC[hk, iv[Q0] + iv[T0] + (e * THREADS + tx) // score_stride,
-                               (e * THREADS + tx) % score_stride],
+                for e in T.serial(T.ceildiv(iv[N_TOK] * score_stride, TOPK_THREADS)):
+                    if e * TOPK_THREADS + tx < iv[N_TOK] * score_stride:
+                        SC_s[e * TOPK_THREADS + tx] = T.if_then_else(
+                            (e * TOPK_THREADS + tx) % score_stride < iv[HI]
+                            and (e * TOPK_THREADS + tx) % score_stride
+                            <= (iv[P0] + (e * TOPK_THREADS + tx) // score_stride) // BLOCK,
+                            SC[hk, iv[Q0] + iv[T0] + (e * TOPK_THREADS + tx) // score_stride,
+                               (e * TOPK_THREADS + tx) % score_stride],
                             NEG_INF,
                         )
                 T.sync_threads()

@@ -1332,13 +1332,13 @@ extern "C" const char* infllmv2_select_decode_scores_fp16_d64_sm90a_last_error()
 #endif
 static const infllmv2_select_decode_scores_unit infllmv2_select_decode_scores_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"select_decode_scores_bf16_d128", "sm_80", 80, 34880, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm80_init, infllmv2_select_decode_scores_bf16_d128_sm80_call, infllmv2_select_decode_scores_bf16_d128_sm80_last_error},
+  {"select_decode_scores_bf16_d128", "sm_80", 80, 38976, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm80_init, infllmv2_select_decode_scores_bf16_d128_sm80_call, infllmv2_select_decode_scores_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_decode_scores_bf16_d128", "sm_89", 89, 34880, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm89_init, infllmv2_select_decode_scores_bf16_d128_sm89_call, infllmv2_select_decode_scores_bf16_d128_sm89_last_error},
+  {"select_decode_scores_bf16_d128", "sm_89", 89, 38976, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm89_init, infllmv2_select_decode_scores_bf16_d128_sm89_call, infllmv2_select_decode_scores_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_decode_scores_bf16_d128", "sm_90a", 90, 35840, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm90a_init, infllmv2_select_decode_scores_bf16_d128_sm90a_call, infllmv2_select_decode_scores_bf16_d128_sm90a_last_error},
+  {"select_decode_scores_bf16_d128", "sm_90a", 90, 39936, 128, 0, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d128_sm90a_init, infllmv2_select_decode_scores_bf16_d128_sm90a_call, infllmv2_select_decode_scores_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"select_decode_scores_bf16_d64", "sm_80", 80, 32768, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d64_sm80_init, infllmv2_select_decode_scores_bf16_d64_sm80_call, infllmv2_select_decode_scores_bf16_d64_sm80_last_error},
@@ -1350,13 +1350,13 @@ static const infllmv2_select_decode_scores_unit infllmv2_select_decode_scores_un
   {"select_decode_scores_bf16_d64", "sm_90a", 90, 32768, 128, 0, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_bf16_d64_sm90a_init, infllmv2_select_decode_scores_bf16_d64_sm90a_call, infllmv2_select_decode_scores_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_decode_scores_fp16_d128", "sm_80", 80, 34880, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm80_init, infllmv2_select_decode_scores_fp16_d128_sm80_call, infllmv2_select_decode_scores_fp16_d128_sm80_last_error},
+  {"select_decode_scores_fp16_d128", "sm_80", 80, 38976, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm80_init, infllmv2_select_decode_scores_fp16_d128_sm80_call, infllmv2_select_decode_scores_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_decode_scores_fp16_d128", "sm_89", 89, 34880, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm89_init, infllmv2_select_decode_scores_fp16_d128_sm89_call, infllmv2_select_decode_scores_fp16_d128_sm89_last_error},
+  {"select_decode_scores_fp16_d128", "sm_89", 89, 38976, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm89_init, infllmv2_select_decode_scores_fp16_d128_sm89_call, infllmv2_select_decode_scores_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_decode_scores_fp16_d128", "sm_90a", 90, 35840, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm90a_init, infllmv2_select_decode_scores_fp16_d128_sm90a_call, infllmv2_select_decode_scores_fp16_d128_sm90a_last_error},
+  {"select_decode_scores_fp16_d128", "sm_90a", 90, 39936, 128, 1, 128, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d128_sm90a_init, infllmv2_select_decode_scores_fp16_d128_sm90a_call, infllmv2_select_decode_scores_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"select_decode_scores_fp16_d64", "sm_80", 80, 32768, 128, 1, 64, 64, 64, 16, 32, 64, 16, infllmv2_select_decode_scores_fp16_d64_sm80_init, infllmv2_select_decode_scores_fp16_d64_sm80_call, infllmv2_select_decode_scores_fp16_d64_sm80_last_error},
@@ -1397,13 +1397,13 @@ extern "C" const char* infllmv2_select_decode_topk_sm90a_last_error();
 #endif
 static const infllmv2_select_decode_topk_unit infllmv2_select_decode_topk_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"select_decode_topk", "sm_80", 80, 28736, 128, 2, 0, 64, 6144, infllmv2_select_decode_topk_sm80_init, infllmv2_select_decode_topk_sm80_call, infllmv2_select_decode_topk_sm80_last_error},
+  {"select_decode_topk", "sm_80", 80, 26000, 512, 2, 0, 64, 6144, infllmv2_select_decode_topk_sm80_init, infllmv2_select_decode_topk_sm80_call, infllmv2_select_decode_topk_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_decode_topk", "sm_89", 89, 28736, 128, 2, 0, 64, 6144, infllmv2_select_decode_topk_sm89_init, infllmv2_select_decode_topk_sm89_call, infllmv2_select_decode_topk_sm89_last_error},
+  {"select_decode_topk", "sm_89", 89, 26000, 512, 2, 0, 64, 6144, infllmv2_select_decode_topk_sm89_init, infllmv2_select_decode_topk_sm89_call, infllmv2_select_decode_topk_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_decode_topk", "sm_90a", 90, 36928, 128, 2, 0, 64, 8192, infllmv2_select_decode_topk_sm90a_init, infllmv2_select_decode_topk_sm90a_call, infllmv2_select_decode_topk_sm90a_last_error},
+  {"select_decode_topk", "sm_90a", 90, 34192, 512, 2, 0, 64, 8192, infllmv2_select_decode_topk_sm90a_init, infllmv2_select_decode_topk_sm90a_call, infllmv2_select_decode_topk_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -2864,13 +2864,13 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"select_decode_lse", "select_decode_lse_fp16_d64", "sm_90a", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_80", 34880, 128},
+  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_80", 38976, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_89", 34880, 128},
+  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_89", 38976, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_90a", 35840, 128},
+  {"select_decode_scores", "select_decode_scores_bf16_d128", "sm_90a", 39936, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"select_decode_scores", "select_decode_scores_bf16_d64", "sm_80", 32768, 128},
@@ -2882,13 +2882,13 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"select_decode_scores", "select_decode_scores_bf16_d64", "sm_90a", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_80", 34880, 128},
+  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_80", 38976, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_89", 34880, 128},
+  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_89", 38976, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_90a", 35840, 128},
+  {"select_decode_scores", "select_decode_scores_fp16_d128", "sm_90a", 39936, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"select_decode_scores", "select_decode_scores_fp16_d64", "sm_80", 32768, 128},
@@ -2900,13 +2900,13 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"select_decode_scores", "select_decode_scores_fp16_d64", "sm_90a", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"select_decode_topk", "select_decode_topk", "sm_80", 28736, 128},
+  {"select_decode_topk", "select_decode_topk", "sm_80", 26000, 512},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"select_decode_topk", "select_decode_topk", "sm_89", 28736, 128},
+  {"select_decode_topk", "select_decode_topk", "sm_89", 26000, 512},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"select_decode_topk", "select_decode_topk", "sm_90a", 36928, 128},
+  {"select_decode_topk", "select_decode_topk", "sm_90a", 34192, 512},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_80", 91392, 256},

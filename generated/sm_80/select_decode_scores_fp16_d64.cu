@@ -21,12 +21,12 @@
 extern "C" __global__ void infllmv2_select_decode_scores_fp16_d64_sm80_kernel(const half_t* __restrict__ CK, const float* __restrict__ L_fine, const float* __restrict__ L_part, const float* __restrict__ M_fine, const float* __restrict__ M_part, const half_t* __restrict__ Q, float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int local_blocks, int max_tiles, int norm_window, int part_rows, float scale_log2, int score_stride, int splits, int tile_rows, int tile_tokens, int total_c, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scores_fp16_d64_sm80_kernel(const half_t* __restrict__ CK, const float* __restrict__ L_fine, const float* __restrict__ L_part, const float* __restrict__ M_fine, const float* __restrict__ M_part, const half_t* __restrict__ Q, float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int local_blocks, int max_tiles, int norm_window, int part_rows, float scale_log2, int score_stride, int splits, int tile_rows, int tile_tokens, int total_c, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
+  void* G_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Lp_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* carry_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* P_s = ((void*)((char*)buf_dyn_shmem + 64));
+  void* P_s = ((void*)((char*)buf_dyn_shmem + 4160));
   void* Mp_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 18496));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 22592));
   int iv[16];
   half_t Q_f[32];
   int rowpos[2];
@@ -35,7 +35,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
   float m_safe[2];
   float lse2[2];
   float acc_s[32];
-  float vw[2];
+  float colv[8];
+  float vw[1];
   int rmod = (((int)blockIdx.x) % splits);
   iv[6] = ((((0 <= splits) && (0 <= rmod)) || ((splits < 0) && (rmod <= 0))) ? rmod : (rmod + splits));
   int rmod_1 = (((int)blockIdx.x) % splits);
@@ -351,14 +352,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
   __syncthreads();
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
     if (((int)threadIdx.x) < 16) {
-      ((float*)carry_s)[((int)threadIdx.x)] = -CUDART_INF_F;
+      ((float*)G_s)[(((int)threadIdx.x) * 65)] = -CUDART_INF_F;
     }
   }
-  __syncthreads();
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
     for (int i_13 = 0; i_13 < (iv[8] - iv[9]); ++i_13) {
       int key0 = iv[14];
       int ch = (iv[9] + i_13);
+      __syncthreads();
       #pragma unroll
       for (int i_14 = 0; i_14 < 4; ++i_14) {
         tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_14 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_14) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((ch * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + key0) < total_c) && (0 <= ((((ch * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + key0))) && (((((ch * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + key0) < total_c)) && (0 <= ((((ch * 64) + (i_14 * 16)) + (((int)threadIdx.x) >> 3)) + key0))));
@@ -396,34 +397,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
         ((float*)P_s)[(((((((((int)threadIdx.x) >> 5) * 1152) + (((i_17 & 3) >> 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1))] = condval_24;
       }
       __syncthreads();
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        colv[e] = 0x0p+0f/*0.000000e+00*/;
+        if (((e * 128) + ((int)threadIdx.x)) < (iv[2] * 64)) {
+          for (int h = 0; h < groups; ++h) {
+            colv[e] = (colv[e] + ((float*)P_s)[((((((((int64_t)e) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) * ((int64_t)groups)) * (int64_t)72) + (((int64_t)h) * (int64_t)72)) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))]);
+          }
+        }
+      }
+      #pragma unroll
+      for (int e_1 = 0; e_1 < 8; ++e_1) {
+        if (((e_1 * 128) + ((int)threadIdx.x)) < (iv[2] * 64)) {
+          ((float*)G_s)[((((e_1 * 130) + ((((int)threadIdx.x) >> 6) * 65)) + (((int)threadIdx.x) & 63)) + 1)] = colv[e_1];
+        }
+      }
+      __syncthreads();
       if (iv[7] <= (iv[9] + i_13)) {
-        for (int e = 0; e < ((iv[2] + 7) >> 3); ++e) {
-          if (((e * 128) + ((int)threadIdx.x)) < (iv[2] * 16)) {
-            if ((((int)threadIdx.x) % 16) == 0) {
-              vw[1] = ((float*)carry_s)[((((int64_t)e) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4))];
-            } else {
-              vw[1] = 0x0p+0f/*0.000000e+00*/;
-              for (int h = 0; h < groups; ++h) {
-                vw[1] = (vw[1] + ((float*)P_s)[(((((((((int64_t)e) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)groups)) * (int64_t)72) + (((int64_t)h) * (int64_t)72)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)) - (int64_t)1)]);
-              }
-            }
+        for (int e_2 = 0; e_2 < ((iv[2] + 7) >> 3); ++e_2) {
+          if (((e_2 * 128) + ((int)threadIdx.x)) < (iv[2] * 16)) {
+            vw[0] = ((float*)G_s)[(((((int64_t)e_2) * (int64_t)520) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)65)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4))];
           }
-          if (((e * 128) + ((int)threadIdx.x)) < (iv[2] * 16)) {
+          if (((e_2 * 128) + ((int)threadIdx.x)) < (iv[2] * 16)) {
             for (int k = 0; k < 4; ++k) {
-              vw[0] = 0x0p+0f/*0.000000e+00*/;
-              for (int h_1 = 0; h_1 < groups; ++h_1) {
-                vw[0] = (vw[0] + ((float*)P_s)[(((((((((int64_t)e) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)groups)) * (int64_t)72) + (((int64_t)h_1) * (int64_t)72)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)) + ((int64_t)k))]);
-              }
-              vw[1] = max(vw[1], vw[0]);
+              vw[0] = max(vw[0], ((float*)G_s)[(((((((int64_t)e_2) * (int64_t)520) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)4) * (int64_t)65)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)) + ((int64_t)k)) + (int64_t)1)]);
             }
           }
-          if (((e * 128) + ((int)threadIdx.x)) < (iv[2] * 16)) {
-            if (((((iv[9] * 16) + (i_13 * 16)) + (((int)threadIdx.x) & 15)) <= (((((((int)threadIdx.x) >> 4) + iv[3]) >> 3) + e) >> 3)) && ((((iv[9] * 16) + (i_13 * 16)) + (((int)threadIdx.x) & 15)) < score_stride)) {
+          if (((e_2 * 128) + ((int)threadIdx.x)) < (iv[2] * 16)) {
+            if (((((iv[9] * 16) + (i_13 * 16)) + (((int)threadIdx.x) & 15)) <= (((((((int)threadIdx.x) >> 4) + iv[3]) >> 3) + e_2) >> 3)) && ((((iv[9] * 16) + (i_13 * 16)) + (((int)threadIdx.x) & 15)) < score_stride)) {
               if (0 <= (iv[9] + i_13)) {
                 if ((((iv[9] * 16) + (i_13 * 16)) + (((int)threadIdx.x) & 15)) < score_stride) {
-                  if (0 <= ((((e * 8) + (((int)threadIdx.x) >> 4)) + iv[0]) + iv[1])) {
-                    if (((((e * 8) + (((int)threadIdx.x) >> 4)) + iv[0]) + iv[1]) < total_q) {
-                      SC[(((((((int64_t)iv[(int64_t)9]) * (int64_t)16) + (((int64_t)i_13) * (int64_t)16)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + (((((((int64_t)e) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = vw[1];
+                  if (0 <= ((((e_2 * 8) + (((int)threadIdx.x) >> 4)) + iv[0]) + iv[1])) {
+                    if (((((e_2 * 8) + (((int)threadIdx.x) >> 4)) + iv[0]) + iv[1]) < total_q) {
+                      SC[(((((((int64_t)iv[(int64_t)9]) * (int64_t)16) + (((int64_t)i_13) * (int64_t)16)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + (((((((int64_t)e_2) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)score_stride))) + (((int64_t)((int)threadIdx.x)) & (int64_t)15))] = vw[0];
                     }
                   }
                 }
@@ -434,18 +440,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
       }
       __syncthreads();
       if (((int)threadIdx.x) < iv[2]) {
-        vw[0] = 0x0p+0f/*0.000000e+00*/;
+        ((float*)G_s)[(((int)threadIdx.x) * 65)] = ((float*)G_s)[((((int)threadIdx.x) * 65) + 64)];
       }
-      if (((int)threadIdx.x) < iv[2]) {
-        for (int h_2 = 0; h_2 < groups; ++h_2) {
-          vw[0] = (vw[0] + ((float*)P_s)[((((((int64_t)((int)threadIdx.x)) * ((int64_t)groups)) * (int64_t)72) + (((int64_t)h_2) * (int64_t)72)) + (int64_t)63)]);
-        }
-      }
-      __syncthreads();
-      if (((int)threadIdx.x) < iv[2]) {
-        ((float*)carry_s)[((int)threadIdx.x)] = vw[0];
-      }
-      __syncthreads();
     }
   }
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
@@ -454,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
         if (0 <= iv[10]) {
           if (0 <= ((iv[0] + iv[1]) + ((int)threadIdx.x))) {
             if (((iv[0] + iv[1]) + ((int)threadIdx.x)) < total_q) {
-              SC[(((((int64_t)iv[(int64_t)10]) * (int64_t)16) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + (((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + ((int64_t)((int)threadIdx.x))) * ((int64_t)score_stride)))] = ((float*)carry_s)[((int)threadIdx.x)];
+              SC[(((((int64_t)iv[(int64_t)10]) * (int64_t)16) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + (((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + ((int64_t)((int)threadIdx.x))) * ((int64_t)score_stride)))] = ((float*)G_s)[(((int)threadIdx.x) * 65)];
             }
           }
         }

@@ -18,14 +18,14 @@
 #endif
 
 extern "C" __global__ void infllmv2_select_decode_topk_sm80_kernel(const float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int batch, int batch_plus_one, int heads_k, int init_blocks, int local_blocks, int max_tiles, int score_stride, int tile_tokens, int topk, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk_sm80_kernel(const float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int batch, int batch_plus_one, int heads_k, int init_blocks, int local_blocks, int max_tiles, int score_stride, int tile_tokens, int topk, int total_q) {
+extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk_sm80_kernel(const float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int batch, int batch_plus_one, int heads_k, int init_blocks, int local_blocks, int max_tiles, int score_stride, int tile_tokens, int topk, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* SC_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* hist_s = ((void*)((char*)buf_dyn_shmem + 24576));
-  void* cnt_s = ((void*)((char*)buf_dyn_shmem + 28672));
-  void* st_s = ((void*)((char*)buf_dyn_shmem + 28704));
+  void* cnt_s = ((void*)((char*)buf_dyn_shmem + 25600));
+  void* st_s = ((void*)((char*)buf_dyn_shmem + 25984));
   int iv[16];
-  int rs[8];
+  int rs[10];
   uint ru[4];
   int bins[4];
   uint kk[4];
@@ -93,22 +93,22 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
   }
   iv[8] = condval_8;
   if (0 < iv[2]) {
-    for (int e = 0; e < (((iv[2] * score_stride) + 127) >> 7); ++e) {
-      if (((e * 128) + ((int)threadIdx.x)) < (iv[2] * score_stride)) {
-        int rmod = (((e * 128) + ((int)threadIdx.x)) % score_stride);
-        int rmod_1 = (((e * 128) + ((int)threadIdx.x)) % score_stride);
-        int rmod_2 = (((e * 128) + ((int)threadIdx.x)) % score_stride);
-        int rdiv = (((e * 128) + ((int)threadIdx.x)) / score_stride);
+    for (int e = 0; e < (((iv[2] * score_stride) + 511) >> 9); ++e) {
+      if (((e * 512) + ((int)threadIdx.x)) < (iv[2] * score_stride)) {
+        int rmod = (((e * 512) + ((int)threadIdx.x)) % score_stride);
+        int rmod_1 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
+        int rmod_2 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
+        int rdiv = (((e * 512) + ((int)threadIdx.x)) / score_stride);
         float condval_9;
         if (((((((0 <= score_stride) && (0 <= rmod)) || ((score_stride < 0) && (rmod <= 0))) ? rmod : (rmod + score_stride)) < iv[8]) && (((((0 <= score_stride) && (0 <= rmod_1)) || ((score_stride < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + score_stride)) <= ((iv[3] + ((((0 <= score_stride) && (0 <= rmod_2)) || ((score_stride < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))) >> 6)))) {
-          int rmod_3 = (((e * 128) + ((int)threadIdx.x)) % score_stride);
-          int rmod_4 = (((e * 128) + ((int)threadIdx.x)) % score_stride);
-          int rdiv_1 = (((e * 128) + ((int)threadIdx.x)) / score_stride);
-          int rmod_5 = (((e * 128) + ((int)threadIdx.x)) % score_stride);
-          int rdiv_2 = (((e * 128) + ((int)threadIdx.x)) / score_stride);
+          int rmod_3 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
+          int rmod_4 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
+          int rdiv_1 = (((e * 512) + ((int)threadIdx.x)) / score_stride);
+          int rmod_5 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
+          int rdiv_2 = (((e * 512) + ((int)threadIdx.x)) / score_stride);
           float condval_10;
           if ((((((((0 <= score_stride) && (0 <= rmod_3)) || ((score_stride < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + score_stride)) < score_stride) && (0 <= ((iv[0] + iv[1]) + ((((0 <= score_stride) && (0 <= rmod_4)) || ((score_stride < 0) && (rmod_4 <= 0))) ? rdiv_1 : (rdiv_1 - 1))))) && (((iv[0] + iv[1]) + ((((0 <= score_stride) && (0 <= rmod_5)) || ((score_stride < 0) && (rmod_5 <= 0))) ? rdiv_2 : (rdiv_2 - 1))) < total_q))) {
-            condval_10 = SC[((((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + ((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) * ((int64_t)score_stride)))];
+            condval_10 = SC[((((((int64_t)e) * (int64_t)512) + ((int64_t)((int)threadIdx.x))) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + ((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) * ((int64_t)score_stride)))];
           } else {
             condval_10 = 0x0p+0f/*0.000000e+00*/;
           }
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
         } else {
           condval_9 = -CUDART_INF_F;
         }
-        ((float*)SC_s)[((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = condval_9;
+        ((float*)SC_s)[((((int64_t)e) * (int64_t)512) + ((int64_t)((int)threadIdx.x)))] = condval_9;
       }
     }
   }
@@ -126,18 +126,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
   if (0 < iv[2]) {
     for (int t = 0; t < iv[2]; ++t) {
       rs[0] = 0;
-      for (int i = 0; i < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 127) >> 7); ++i) {
-        if ((((i * 128) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 128) + ((int)threadIdx.x)) < score_stride)) {
+      __syncthreads();
+      for (int i = 0; i < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 511) >> 9); ++i) {
+        if ((((i * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 512) + ((int)threadIdx.x)) < score_stride)) {
           float condval_11;
-          if (((((i * 128) + ((int)threadIdx.x)) < init_blocks) || ((((iv[3] + t) >> 6) - local_blocks) <= ((i * 128) + ((int)threadIdx.x))))) {
+          if (((((i * 512) + ((int)threadIdx.x)) < init_blocks) || ((((iv[3] + t) >> 6) - local_blocks) <= ((i * 512) + ((int)threadIdx.x))))) {
             condval_11 = CUDART_INF_F;
           } else {
-            condval_11 = ((float*)SC_s)[(((((int64_t)i) * (int64_t)128) + (((int64_t)t) * ((int64_t)score_stride))) + ((int64_t)((int)threadIdx.x)))];
+            condval_11 = ((float*)SC_s)[(((((int64_t)i) * (int64_t)512) + (((int64_t)t) * ((int64_t)score_stride))) + ((int64_t)((int)threadIdx.x)))];
           }
           float _reinterpret_tmp = condval_11;
           ru[2] = (*(uint *)(&(_reinterpret_tmp)));
         }
-        if ((((i * 128) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 128) + ((int)threadIdx.x)) < score_stride)) {
+        if ((((i * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 512) + ((int)threadIdx.x)) < score_stride)) {
           uint condval_12;
           if (((ru[2] >> (uint)31) != (uint)0)) {
             condval_12 = (~ru[2]);
@@ -146,11 +147,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
           }
           ru[2] = condval_12;
         }
-        if ((((i * 128) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 128) + ((int)threadIdx.x)) < score_stride)) {
+        if ((((i * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 512) + ((int)threadIdx.x)) < score_stride)) {
           uint v_ = ru[2];
-          ((float*)SC_s)[(((((int64_t)i) * (int64_t)128) + (((int64_t)t) * ((int64_t)score_stride))) + ((int64_t)((int)threadIdx.x)))] = (*(float *)(&(v_)));
+          ((float*)SC_s)[(((((int64_t)i) * (int64_t)512) + (((int64_t)t) * ((int64_t)score_stride))) + ((int64_t)((int)threadIdx.x)))] = (*(float *)(&(v_)));
         }
-        if ((((i * 128) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 128) + ((int)threadIdx.x)) < score_stride)) {
+        if ((((i * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 512) + ((int)threadIdx.x)) < score_stride)) {
           if ((uint)8388607 < ru[2]) {
             rs[0] = (rs[0] + 1);
           }
@@ -159,10 +160,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
       rs[0] = tl::warp_reduce_sum(rs[0]);
       __syncthreads();
       if ((((int)threadIdx.x) % 32) == 0) {
-        ((int*)cnt_s)[(((int)threadIdx.x) >> 5)] = rs[0];
+        ((int*)cnt_s)[((((int)threadIdx.x) >> 5) + 64)] = rs[0];
       }
       __syncthreads();
-      rs[0] = (((((int*)cnt_s)[0] + ((int*)cnt_s)[1]) + ((int*)cnt_s)[2]) + ((int*)cnt_s)[3]);
+      int condval_13;
+      if (((((int)threadIdx.x) & 31) < 16)) {
+        condval_13 = ((int*)cnt_s)[((((int)threadIdx.x) & 31) + 64)];
+      } else {
+        condval_13 = 0;
+      }
+      rs[5] = condval_13;
+      for (int sh = 0; sh < 5; ++sh) {
+        rs[0] = __shfl_up_sync((uint)4294967295, rs[5], (1 << sh), 32);
+        if ((1 << sh) <= (((int)threadIdx.x) & 31)) {
+          rs[5] = (rs[5] + rs[0]);
+        }
+      }
+      rs[0] = __shfl_sync((uint)4294967295, rs[5], 31, 32);
+      rs[5] = __shfl_sync((uint)4294967295, rs[5], max(((((int)threadIdx.x) >> 5) - 1), 0), 32);
+      if ((((int)threadIdx.x) >> 5) == 0) {
+        rs[5] = 0;
+      }
       ru[3] = (uint)8388607;
       rs[1] = 0;
       bool if_condition = (topk < rs[0]);
@@ -171,44 +189,44 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
         ru[1] = (uint)0;
         rs[1] = topk;
         for (int dgt = 0; dgt < 4; ++dgt) {
-          for (int q = 0; q < 8; ++q) {
-            ((int*)hist_s)[((((int)threadIdx.x) * 8) + q)] = 0;
+          if (((int)threadIdx.x) < 256) {
+            ((int*)hist_s)[((int)threadIdx.x)] = 0;
           }
           __syncthreads();
-          for (int i_1 = 0; i_1 < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 511) >> 9); ++i_1) {
+          for (int i_1 = 0; i_1 < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 2047) >> 11); ++i_1) {
             __syncthreads();
             #pragma unroll
             for (int u = 0; u < 4; ++u) {
-              rs[7] = ((((i_1 * 128) + (u * 32)) + ((((int)threadIdx.x) >> 5) * ((min((((iv[3] + t) >> 6) + 1), score_stride) + 3) >> 2))) + (((int)threadIdx.x) & 31));
-              float v__1 = ((float*)SC_s)[(min(((int64_t)rs[(int64_t)7]), min(((((int64_t)iv[(int64_t)3]) + ((int64_t)t)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((int64_t)t) * ((int64_t)score_stride)))];
+              rs[5] = (((i_1 * 2048) + (u * 512)) + ((int)threadIdx.x));
+              float v__1 = ((float*)SC_s)[(min(((int64_t)rs[(int64_t)5]), min(((((int64_t)iv[(int64_t)3]) + ((int64_t)t)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((int64_t)t) * ((int64_t)score_stride)))];
               kk[u] = (*(uint *)(&(v__1)));
-              int condval_13;
-              if (((((((((i_1 * 128) + (u * 32)) + (((int)threadIdx.x) & 31)) < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 3) >> 2)) && (rs[7] <= ((iv[3] + t) >> 6))) && (rs[7] < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
-                condval_13 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
+              int condval_14;
+              if (((((rs[5] <= ((iv[3] + t) >> 6)) && (rs[5] < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
+                condval_14 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
               } else {
-                condval_13 = 256;
+                condval_14 = 256;
               }
-              bins[u] = condval_13;
+              bins[u] = condval_14;
             }
             __syncthreads();
             #pragma unroll
             for (int u_1 = 0; u_1 < 4; ++u_1) {
-              rs[4] = ((int)__match_any_sync((uint)4294967295, bins[u_1]));
-              if ((bins[u_1] < 256) && (__popc((((uint)rs[4]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1))) == (uint)0)) {
-                AtomicAdd((&(((int*)hist_s)[(((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)256) + ((int64_t)bins[((int64_t)u_1)]))])), __popc(((uint)rs[4])));
+              rs[5] = ((int)__match_any_sync((uint)4294967295, bins[u_1]));
+              if ((bins[u_1] < 256) && (__popc((((uint)rs[5]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1))) == (uint)0)) {
+                AtomicAdd((&(((int*)hist_s)[bins[((int64_t)u_1)]])), __popc(((uint)rs[5])));
               }
             }
           }
           __syncthreads();
           if ((((int)threadIdx.x) >> 5) == 0) {
             rs[5] = 0;
-            for (int q_1 = 0; q_1 < 8; ++q_1) {
-              rs[5] = ((((rs[5] + ((int*)hist_s)[(((((int)threadIdx.x) & 31) * 8) + q_1)]) + ((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + q_1) + 256)]) + ((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + q_1) + 512)]) + ((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + q_1) + 768)]);
+            for (int q = 0; q < 8; ++q) {
+              rs[5] = (rs[5] + ((int*)hist_s)[(((((int)threadIdx.x) & 31) * 8) + q)]);
             }
             rs[6] = rs[5];
-            for (int sh = 0; sh < 5; ++sh) {
-              rs[7] = __shfl_down_sync((uint)4294967295, rs[6], (1 << sh), 32);
-              if (((1 << sh) + (((int)threadIdx.x) & 31)) < 32) {
+            for (int sh_1 = 0; sh_1 < 5; ++sh_1) {
+              rs[7] = __shfl_down_sync((uint)4294967295, rs[6], (1 << sh_1), 32);
+              if (((1 << sh_1) + (((int)threadIdx.x) & 31)) < 32) {
                 rs[6] = (rs[6] + rs[7]);
               }
             }
@@ -216,12 +234,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
             if (if_condition_1) {
               rs[7] = (rs[6] - rs[5]);
               rs[4] = -1;
-              for (int q_2 = 0; q_2 < 8; ++q_2) {
+              for (int q_1 = 0; q_1 < 8; ++q_1) {
                 bool if_condition_2 = (rs[4] < 0);
                 if (if_condition_2) {
-                  rs[5] = (((((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + 7) - q_2)] + ((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + 263) - q_2)]) + ((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + 519) - q_2)]) + ((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + 775) - q_2)]);
+                  rs[5] = ((int*)hist_s)[((((((int)threadIdx.x) & 31) * 8) + 7) - q_1)];
                   if (rs[1] <= (rs[7] + rs[5])) {
-                    rs[4] = ((((((int)threadIdx.x) & 31) * 8) + 7) - q_2);
+                    rs[4] = ((((((int)threadIdx.x) & 31) * 8) + 7) - q_1);
                     ((int*)st_s)[0] = rs[4];
                     ((int*)st_s)[1] = (rs[1] - rs[7]);
                   } else {
@@ -240,67 +258,81 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_topk
       }
       rs[2] = 0;
       rs[3] = 0;
-      for (int i_2 = 0; i_2 < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 127) >> 7); ++i_2) {
-        uint condval_14;
-        if (((((i_2 * 128) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i_2 * 128) + ((int)threadIdx.x)) < score_stride))) {
-          float v__2 = ((float*)SC_s)[(min(((((int64_t)i_2) * (int64_t)128) + ((int64_t)((int)threadIdx.x))), min(((((int64_t)iv[(int64_t)3]) + ((int64_t)t)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((int64_t)t) * ((int64_t)score_stride)))];
-          condval_14 = (*(uint *)(&(v__2)));
+      for (int i_2 = 0; i_2 < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 511) >> 9); ++i_2) {
+        uint condval_15;
+        if (((((i_2 * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i_2 * 512) + ((int)threadIdx.x)) < score_stride))) {
+          float v__2 = ((float*)SC_s)[(min(((((int64_t)i_2) * (int64_t)512) + ((int64_t)((int)threadIdx.x))), min(((((int64_t)iv[(int64_t)3]) + ((int64_t)t)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((int64_t)t) * ((int64_t)score_stride)))];
+          condval_15 = (*(uint *)(&(v__2)));
         } else {
-          condval_14 = (uint)0;
+          condval_15 = (uint)0;
         }
-        ru[2] = condval_14;
-        rs[4] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, ((ru[2] == ru[3]) && ((uint)8388607 < ru[2])))));
-        int base = rs[3];
+        ru[2] = condval_15;
+        rs[8] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, (ru[3] < ru[2]))));
+        rs[9] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, ((ru[2] == ru[3]) && ((uint)8388607 < ru[2])))));
         __syncthreads();
         if ((((int)threadIdx.x) % 32) == 0) {
-          ((int*)cnt_s)[(((int)threadIdx.x) >> 5)] = ((int)__popc(((uint)rs[4])));
+          ((int*)cnt_s)[(((i_2 & 1) * 32) + (((int)threadIdx.x) >> 5))] = ((int)__popc(((uint)rs[8])));
+          ((int*)cnt_s)[((((i_2 & 1) * 32) + (((int)threadIdx.x) >> 5)) + 16)] = ((int)__popc(((uint)rs[9])));
         }
         __syncthreads();
-        rs[7] = ((int)(((uint)base) + __popc((((uint)rs[4]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))));
-        for (int w = 0; w < 4; ++w) {
-          if (w < (((int)threadIdx.x) >> 5)) {
-            rs[7] = (rs[7] + ((int*)cnt_s)[w]);
-          }
-        }
-        int condval_15;
-        if (((ru[3] < ru[2]) || (((ru[2] == ru[3]) && ((uint)8388607 < ru[2])) && (rs[7] < rs[1])))) {
-          condval_15 = 1;
+        int condval_16;
+        if (((((int)threadIdx.x) & 31) < 16)) {
+          condval_16 = ((int*)cnt_s)[(((i_2 & 1) * 32) + (((int)threadIdx.x) & 31))];
         } else {
-          condval_15 = 0;
+          condval_16 = 0;
         }
-        rs[5] = condval_15;
-        rs[6] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, (rs[5] != 0))));
-        int base_1 = rs[2];
-        if ((((int)threadIdx.x) % 32) == 0) {
-          ((int*)cnt_s)[((((int)threadIdx.x) >> 5) + 4)] = ((int)__popc(((uint)rs[6])));
-        }
-        __syncthreads();
-        rs[7] = ((int)(((uint)base_1) + __popc((((uint)rs[6]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1)))));
-        for (int w_1 = 0; w_1 < 4; ++w_1) {
-          if (w_1 < (((int)threadIdx.x) >> 5)) {
-            rs[7] = (rs[7] + ((int*)cnt_s)[(w_1 + 4)]);
+        rs[5] = condval_16;
+        for (int sh_2 = 0; sh_2 < 5; ++sh_2) {
+          rs[6] = __shfl_up_sync((uint)4294967295, rs[5], (1 << sh_2), 32);
+          if ((1 << sh_2) <= (((int)threadIdx.x) & 31)) {
+            rs[5] = (rs[5] + rs[6]);
           }
         }
-        if (rs[5] != 0) {
-          if (0 <= rs[7]) {
-            if (rs[7] < topk) {
+        rs[6] = __shfl_sync((uint)4294967295, rs[5], 31, 32);
+        rs[5] = __shfl_sync((uint)4294967295, rs[5], max(((((int)threadIdx.x) >> 5) - 1), 0), 32);
+        if ((((int)threadIdx.x) >> 5) == 0) {
+          rs[5] = 0;
+        }
+        rs[5] = ((int)(((uint)rs[5]) + (((uint)rs[2]) + __popc((((uint)rs[8]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1))))));
+        rs[2] = (rs[2] + rs[6]);
+        int condval_17;
+        if (((((int)threadIdx.x) & 31) < 16)) {
+          condval_17 = ((int*)cnt_s)[((((i_2 & 1) * 32) + (((int)threadIdx.x) & 31)) + 16)];
+        } else {
+          condval_17 = 0;
+        }
+        rs[7] = condval_17;
+        for (int sh_3 = 0; sh_3 < 5; ++sh_3) {
+          rs[6] = __shfl_up_sync((uint)4294967295, rs[7], (1 << sh_3), 32);
+          if ((1 << sh_3) <= (((int)threadIdx.x) & 31)) {
+            rs[7] = (rs[7] + rs[6]);
+          }
+        }
+        rs[6] = __shfl_sync((uint)4294967295, rs[7], 31, 32);
+        rs[7] = __shfl_sync((uint)4294967295, rs[7], max(((((int)threadIdx.x) >> 5) - 1), 0), 32);
+        if ((((int)threadIdx.x) >> 5) == 0) {
+          rs[7] = 0;
+        }
+        rs[7] = ((int)(((uint)rs[7]) + (((uint)rs[3]) + __popc((((uint)rs[9]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1))))));
+        rs[3] = (rs[3] + rs[6]);
+        if ((ru[3] < ru[2]) || (((ru[2] == ru[3]) && ((uint)8388607 < ru[2])) && (rs[7] < rs[1]))) {
+          if (0 <= (min(rs[7], rs[1]) + rs[5])) {
+            if ((min(rs[7], rs[1]) + rs[5]) < topk) {
               if (0 <= ((iv[0] + iv[1]) + t)) {
                 if (((iv[0] + iv[1]) + t) < total_q) {
-                  topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)rs[(int64_t)7]))] = ((i_2 * 128) + ((int)threadIdx.x));
+                  topk_idx[(((((int64_t)min(rs[(int64_t)7], rs[(int64_t)1])) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)rs[(int64_t)5]))] = ((i_2 * 512) + ((int)threadIdx.x));
                 }
               }
             }
           }
         }
-        rs[2] = ((((rs[2] + ((int*)cnt_s)[4]) + ((int*)cnt_s)[5]) + ((int*)cnt_s)[6]) + ((int*)cnt_s)[7]);
-        rs[3] = ((((rs[3] + ((int*)cnt_s)[0]) + ((int*)cnt_s)[1]) + ((int*)cnt_s)[2]) + ((int*)cnt_s)[3]);
-        __syncthreads();
       }
+      rs[5] = (min(rs[3], rs[1]) + rs[2]);
       if (0 <= ((iv[0] + iv[1]) + t)) {
-        for (int i_3 = 0; i_3 < ((topk + 127) >> 7); ++i_3) {
-          if ((rs[2] <= ((i_3 * 128) + ((int)threadIdx.x))) && (((i_3 * 128) + ((int)threadIdx.x)) < topk)) {
+        for (int i_3 = 0; i_3 < ((topk + 511) >> 9); ++i_3) {
+          if ((rs[5] <= ((i_3 * 512) + ((int)threadIdx.x))) && (((i_3 * 512) + ((int)threadIdx.x)) < topk)) {
             if (((iv[0] + iv[1]) + t) < total_q) {
-              topk_idx[((((((int64_t)i_3) * (int64_t)128) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))] = -1;
+              topk_idx[((((((int64_t)i_3) * (int64_t)512) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q))) + (((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + ((int64_t)t)) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))] = -1;
             }
           }
         }
@@ -327,9 +359,9 @@ extern "C" const char* infllmv2_select_decode_topk_sm80_last_error() {
 extern "C" int infllmv2_select_decode_topk_sm80_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_select_decode_topk_sm80_kernel = cudaFuncSetAttribute(infllmv2_select_decode_topk_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 28736);
+    cudaError_t result_infllmv2_select_decode_topk_sm80_kernel = cudaFuncSetAttribute(infllmv2_select_decode_topk_sm80_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 26000);
     if (result_infllmv2_select_decode_topk_sm80_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 28736, cudaGetErrorString(result_infllmv2_select_decode_topk_sm80_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 26000, cudaGetErrorString(result_infllmv2_select_decode_topk_sm80_kernel));
         return -1;
     }
 
@@ -347,8 +379,8 @@ extern "C" int infllmv2_select_decode_topk_sm80_call(float* __restrict__ SC, int
 		config.numAttrs = 1;
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
-		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 28736;
+		config.blockDim = dim3(512, 1, 1);
+		config.dynamicSmemBytes = 26000;
 		cudaLaunchKernelEx(&config, infllmv2_select_decode_topk_sm80_kernel, SC, cu_seqlens_c, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, heads_k, init_blocks, local_blocks, max_tiles, score_stride, tile_tokens, topk, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_select_decode_topk_sm80_kernel");
