@@ -23,7 +23,14 @@ and whenever part is 1) an entry is bitwise the one ``compress_keys`` writes fro
 packed, and recomputing an entry gives the same bits. No PHSA: the cache holds no punctuation
 mask.
 
-Grid: (ceil(max_nc / BLOCK_C), batch, heads_k), max_nc = ceil(new_keys / stride).
+Two compressed caches in one launch: with ``levels`` = 2, grid z >= heads_k writes C2 (window2,
+stride2) as the rest write C, so that a decoding step updates both of InfLLM-V2's levels (fine keys
+and the coarse normaliser keys) in one launch: each update is a chain of dependent loads (length,
+page, keys) that a second launch would only repeat after the first (about 7.5 us each on an H100
+when an entry completes). With ``levels`` = 1, C2 and its parameters are not read.
+
+Grid: (ceil(max_nc / BLOCK_C), batch, heads_k x levels), max_nc = ceil(new_keys / min_stride),
+min_stride the smaller stride of the levels launched.
 """
 
 import tilelang.language as T
@@ -38,7 +45,7 @@ VARIANTS = [{"dtype": dtype, "head_dim": head_dim} for dtype in ("bfloat16", "fl
 CHUNK = 64  # keys staged in shared memory a step
 
 # the block's scalars, held in registers (see select_decode's iv)
-LEN, FIRST, ROW0, ROWS, PARTS, CAP = range(6)
+LEN, FIRST, ROW0, ROWS, PARTS, CAP, H, LVL, W, S, PART, CAPC = range(12)
 
 
 def variant_name(dtype, head_dim):
@@ -55,6 +62,7 @@ def program(dtype, head_dim):
     accum = "float32"
     cache_rows = T.dynamic("cache_rows")  # num_pages x page_size
     c_rows = T.dynamic("c_rows")  # batch x cap_c
+    c2_rows = T.dynamic("c2_rows")  # batch x cap_c2
     heads_k = T.dynamic("heads_k")
     table_len = T.dynamic("table_len")
     batch = T.dynamic("batch")
@@ -72,16 +80,24 @@ def program(dtype, head_dim):
         block_table: T.Tensor([table_len], "int32"),
         cache_seqlens: T.Tensor([batch], "int32"),
         C: T.Tensor([c_rows, heads_k, D], dtype),
+        C2: T.Tensor([c2_rows, heads_k, D], dtype),
         new_keys: T.int32,
+        levels: T.int32,
+        min_stride: T.int32,
         cap_c: T.int32,
         window: T.int32,
         stride: T.int32,
         part: T.int32,
+        cap_c2: T.int32,
+        window2: T.int32,
+        stride2: T.int32,
+        part2: T.int32,
         page_size: T.int32,
         pages_per_seq: T.int32,
         num_pages: T.int32,
     ):
-        with T.Kernel(T.ceildiv(T.ceildiv(new_keys, stride), BLOCK_C), batch, heads_k, threads=THREADS) as (bx, b, h):
+        with T.Kernel(T.ceildiv(T.ceildiv(new_keys, min_stride), BLOCK_C), batch, heads_k * levels,
+                      threads=THREADS) as (bx, b, z):
             acc = T.alloc_fragment([BLOCK_C, D], accum)
             S_s = T.alloc_shared([MAX_PARTS, D], accum)
             K_s = T.alloc_shared([CHUNK, D], dtype)
@@ -89,17 +105,24 @@ def program(dtype, head_dim):
             S_l = T.alloc_local([MAX_PARTS], accum)  # the run sums of column tx
             run = T.alloc_local([2], "int32")
             tx = T.get_thread_binding()
-            iv = T.alloc_local([6], "int32")
+            iv = T.alloc_local([12], "int32")
+            # level z // heads_k: C (window, stride) or C2 (window2, stride2)
+            iv[H] = z % heads_k
+            iv[LVL] = z // heads_k
+            iv[W] = T.if_then_else(iv[LVL] == 0, window, window2)
+            iv[S] = T.if_then_else(iv[LVL] == 0, stride, stride2)
+            iv[PART] = T.if_then_else(iv[LVL] == 0, part, part2)
+            iv[CAPC] = T.if_then_else(iv[LVL] == 0, cap_c, cap_c2)
             iv[CAP] = page_size * T.max(pages_per_seq, 1)
             iv[LEN] = T.max(T.min(cache_seqlens[b], iv[CAP]), 0)
             # the first entry the new keys completed: n(L - new_keys)
             iv[FIRST] = T.max(iv[LEN] - new_keys, 0)
-            iv[FIRST] = windows(iv[FIRST], window, stride)
+            iv[FIRST] = windows(iv[FIRST], iv[W], iv[S])
             iv[ROW0] = iv[FIRST] + bx * BLOCK_C
             # rows up to n(L), and within the compressed cache's capacity
-            iv[ROWS] = windows(iv[LEN], window, stride)
-            iv[ROWS] = T.min(T.min(BLOCK_C, iv[ROWS] - iv[ROW0]), cap_c - iv[ROW0])
-            iv[PARTS] = (iv[ROWS] - 1) * (stride // part) + window // part
+            iv[ROWS] = windows(iv[LEN], iv[W], iv[S])
+            iv[ROWS] = T.min(T.min(BLOCK_C, iv[ROWS] - iv[ROW0]), iv[CAPC] - iv[ROW0])
+            iv[PARTS] = (iv[ROWS] - 1) * (iv[S] // iv[PART]) + iv[W] // iv[PART]
             T.clear(acc)
             if iv[ROWS] > 0 and iv[PARTS] <= MAX_PARTS:
                 # The runs' keys staged CHUNK rows at a time by all threads (each row's page looked
@@ -112,19 +135,19 @@ def program(dtype, head_dim):
                         S_l[p] = 0
                 run[0] = 0  # the run and the key within it that the next staged key adds to
                 run[1] = 0
-                for c in T.serial(T.ceildiv(iv[PARTS] * part, CHUNK)):
+                for c in T.serial(T.ceildiv(iv[PARTS] * iv[PART], CHUNK)):
                     for r in T.Parallel(CHUNK):
-                        rows_s[r] = cache_key_row(block_table, b, T.min(iv[ROW0] * stride + c * CHUNK + r,
-                                                                        iv[ROW0] * stride + iv[PARTS] * part - 1),
+                        rows_s[r] = cache_key_row(block_table, b, T.min(iv[ROW0] * iv[S] + c * CHUNK + r,
+                                                                        iv[ROW0] * iv[S] + iv[PARTS] * iv[PART] - 1),
                                                   page_size, pages_per_seq, num_pages)
                     for r, d in T.Parallel(CHUNK, D):
-                        K_s[r, d] = K[rows_s[r], h, d]
+                        K_s[r, d] = K[rows_s[r], iv[H], d]
                     T.sync_threads()
                     if tx < D:
-                        for t in T.serial(T.min(CHUNK, iv[PARTS] * part - c * CHUNK)):
+                        for t in T.serial(T.min(CHUNK, iv[PARTS] * iv[PART] - c * CHUNK)):
                             S_l[run[0]] += T.cast(K_s[t, tx], accum)
                             run[1] += 1
-                            if run[1] == part:
+                            if run[1] == iv[PART]:
                                 run[1] = 0
                                 run[0] += 1
                     T.sync_threads()
@@ -132,18 +155,23 @@ def program(dtype, head_dim):
                     for p in T.serial(MAX_PARTS):
                         S_s[p, tx] = S_l[p]
                 T.sync_threads()
-                for q in T.serial(window // part):
+                for q in T.serial(iv[W] // iv[PART]):
                     for i, d in T.Parallel(BLOCK_C, D):
                         if i < iv[ROWS]:
-                            acc[i, d] += S_s[i * (stride // part) + q, d]
+                            acc[i, d] += S_s[i * (iv[S] // iv[PART]) + q, d]
             elif iv[ROWS] > 0:
-                for t in T.serial(window):
+                for t in T.serial(iv[W]):
                     for i, d in T.Parallel(BLOCK_C, D):
                         if i < iv[ROWS]:
-                            acc[i, d] += key(K, block_table, b, (iv[ROW0] + i) * stride + t, h, d, page_size,
+                            acc[i, d] += key(K, block_table, b, (iv[ROW0] + i) * iv[S] + t, iv[H], d, page_size,
                                              pages_per_seq, num_pages)
-            for i, d in T.Parallel(BLOCK_C, D):
-                if i < iv[ROWS]:
-                    C[b * cap_c + iv[ROW0] + i, h, d] = T.cast(acc[i, d] / T.cast(window, accum), dtype)
+            if iv[LVL] == 0:
+                for i, d in T.Parallel(BLOCK_C, D):
+                    if i < iv[ROWS]:
+                        C[b * cap_c + iv[ROW0] + i, iv[H], d] = T.cast(acc[i, d] / T.cast(window, accum), dtype)
+            else:
+                for i, d in T.Parallel(BLOCK_C, D):
+                    if i < iv[ROWS]:
+                        C2[b * cap_c2 + iv[ROW0] + i, iv[H], d] = T.cast(acc[i, d] / T.cast(window2, accum), dtype)
 
     return compress_keys_kvcache

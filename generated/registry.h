@@ -214,8 +214,8 @@ static const infllmv2_compress_keys_unit infllmv2_compress_keys_units[] = {
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- compress_keys_kvcache: call(K, block_table, cache_seqlens, C, new_keys, cap_c, window, stride, part, page_size, pages_per_seq, num_pages, cache_rows, heads_k, table_len, batch, c_rows, stream)
-typedef int (*infllmv2_compress_keys_kvcache_call_fn)(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+// ---- compress_keys_kvcache: call(K, block_table, cache_seqlens, C, C2, new_keys, levels, min_stride, cap_c, window, stride, part, cap_c2, window2, stride2, part2, page_size, pages_per_seq, num_pages, cache_rows, heads_k, table_len, batch, c_rows, c2_rows, stream)
+typedef int (*infllmv2_compress_keys_kvcache_call_fn)(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 struct infllmv2_compress_keys_kvcache_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
@@ -225,62 +225,62 @@ struct infllmv2_compress_keys_kvcache_unit {
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm80_init();
-extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm89_init();
-extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm90a_init();
-extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm80_init();
-extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm89_init();
-extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_init();
-extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm80_init();
-extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm89_init();
-extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm90a_init();
-extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm80_init();
-extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm89_init();
-extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm90a_init();
-extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream);
+extern "C" int infllmv2_compress_keys_kvcache_fp16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
 extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_compress_keys_kvcache_unit infllmv2_compress_keys_kvcache_units[] = {

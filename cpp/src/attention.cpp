@@ -420,14 +420,15 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
 
   // the compressed caches brought up to date for the new keys, on either side of the switch, so
   // that a later step past dense_len finds them complete
-  if ((st = infllmv2_compress_keys_kvcache(k_cache, block_table, cache_seqlens, ck_cache, batch, num_pages, page_size,
-                                           pages_per_seq, capacity_c, new_keys, heads_k, head_dim, dtype,
-                                           c.kernel_size, c.kernel_stride, stream)) != INFLLMV2_OK)
-    return st;
-  if (c.approx_lse &&
-      (st = infllmv2_compress_keys_kvcache(k_cache, block_table, cache_seqlens, nk_cache, batch, num_pages, page_size,
-                                           pages_per_seq, capacity_n, new_keys, heads_k, head_dim, dtype,
-                                           c.norm_kernel_size, c.norm_kernel_stride, stream)) != INFLLMV2_OK)
+  // (both levels in one launch)
+  const CompressedLevel levels[2] = {
+      {ck_cache, capacity_c, c.kernel_size, c.kernel_stride, "ck_cache", "capacity_c", "config kernel_size",
+       "config kernel_stride"},
+      {nk_cache, capacity_n, c.norm_kernel_size, c.norm_kernel_stride, "nk_cache", "capacity_n",
+       "config norm_kernel_size", "config norm_kernel_stride"}};
+  if ((st = compress_kvcache_levels(kCacheOp, k_cache, block_table, cache_seqlens, levels, c.approx_lse ? 2 : 1, batch,
+                                    num_pages, page_size, pages_per_seq, new_keys, heads_k, head_dim, dtype,
+                                    stream)) != INFLLMV2_OK)
     return st;
   int32_t* idx = at<int32_t>(workspace, l.idx);
   if (l.dense) {

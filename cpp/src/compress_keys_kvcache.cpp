@@ -22,37 +22,39 @@ infllmv2_status infllmv2::check_compressed_capacity(const char* op, const char* 
   return INFLLMV2_OK;
 }
 
-extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
-    const void* k_cache, const int32_t* block_table, const int32_t* cache_seqlens, void* ck_cache, int32_t batch,
-    int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t new_keys,
-    int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, int32_t kernel_size, int32_t kernel_stride,
-    cudaStream_t stream) {
-  static const char* op = "infllmv2_compress_keys_kvcache";
-  clear_error();
-  // dtype, head_dim, and batch and heads_k within a grid axis (one head a group: no query heads here)
-  infllmv2_status st = check_group_layout(op, dtype, head_dim, batch, heads_k, heads_k);
+infllmv2_status infllmv2::compress_kvcache_levels(const char* op, const void* k_cache, const int32_t* block_table,
+                                                  const int32_t* cache_seqlens, const CompressedLevel* levels,
+                                                  int n_levels, int32_t batch, int64_t num_pages, int32_t page_size,
+                                                  int32_t pages_per_seq, int32_t new_keys, int32_t heads_k,
+                                                  int32_t head_dim, infllmv2_dtype dtype, cudaStream_t stream) {
+  // dtype, head_dim, and batch and heads_k within a grid axis (one head a group: no query heads
+  // here; the levels share grid z)
+  infllmv2_status st = check_group_layout(op, dtype, head_dim, batch, heads_k * n_levels, heads_k * n_levels);
   if (st != INFLLMV2_OK) return st;
-  if (kernel_size < 1 || kernel_stride < 1)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: kernel_size and kernel_stride must be >= 1, got %d and %d", op,
-                kernel_size, kernel_stride);
   if (new_keys < 0)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: new_keys must be >= 0, got %d", op, new_keys);
   if ((st = check_cache_layout(op, block_table != nullptr, batch, num_pages, page_size, pages_per_seq, kBlock)) !=
       INFLLMV2_OK)
     return st;
   const int64_t capacity = (int64_t)page_size * std::max(pages_per_seq, 1);
-  if ((st = check_compressed_capacity(op, "capacity_c", capacity_c, capacity, kernel_size, kernel_stride, batch)) !=
-      INFLLMV2_OK)
-    return st;
-
   Device dev;
   if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
-  if ((st = check_device_pointers(op, dev, {{"k_cache", k_cache}, {"cache_seqlens", cache_seqlens},
-                                            {"ck_cache", ck_cache}})) != INFLLMV2_OK)
+  if ((st = check_device_pointers(op, dev, {{"k_cache", k_cache}, {"cache_seqlens", cache_seqlens}})) != INFLLMV2_OK)
     return st;
   if (block_table != nullptr && (st = check_device_pointers(op, dev, {{"block_table", block_table}})) != INFLLMV2_OK)
     return st;
-  if ((st = check_aligned(op, {{"k_cache", k_cache}, {"ck_cache", ck_cache}})) != INFLLMV2_OK) return st;
+  if ((st = check_aligned(op, {{"k_cache", k_cache}})) != INFLLMV2_OK) return st;
+  for (int i = 0; i < n_levels; ++i) {
+    const CompressedLevel& l = levels[i];
+    if (l.window < 1 || l.stride < 1)
+      return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: %s and %s must be >= 1, got %d and %d", op, l.window_name,
+                  l.stride_name, l.window, l.stride);
+    if ((st = check_compressed_capacity(op, l.capacity_name, l.capacity_c, capacity, l.window, l.stride, batch)) !=
+        INFLLMV2_OK)
+      return st;
+    if ((st = check_device_pointers(op, dev, {{l.cache_name, l.cache}})) != INFLLMV2_OK) return st;
+    if ((st = check_aligned(op, {{l.cache_name, l.cache}})) != INFLLMV2_OK) return st;
+  }
   const infllmv2_compress_keys_kvcache_unit* unit = nullptr;
   if ((st = pick_unit(op, infllmv2_compress_keys_kvcache_units, dev,
                       [&](const infllmv2_compress_keys_kvcache_unit& u) {
@@ -62,11 +64,27 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
     return st;
   // keys past the capacity are never read: a larger count recomputes the same entries
   const int32_t fresh = (int32_t)std::min<int64_t>(new_keys, capacity);
-  if (fresh == 0) return INFLLMV2_OK;
+  if (fresh == 0 || n_levels == 0) return INFLLMV2_OK;
+  const CompressedLevel& a = levels[0];
+  const CompressedLevel& b = levels[n_levels - 1];  // not read by the kernel with one level
   const CacheTable t = cache_table(block_table, cache_seqlens, batch, pages_per_seq);
-  int rc = unit->call(const_cast<void*>(k_cache), t.table, const_cast<int32_t*>(cache_seqlens),
-                      ck_cache, fresh, capacity_c, kernel_size, kernel_stride, std::gcd(kernel_size, kernel_stride),
+  int rc = unit->call(const_cast<void*>(k_cache), t.table, const_cast<int32_t*>(cache_seqlens), a.cache, b.cache,
+                      fresh, n_levels, std::min(a.stride, b.stride), a.capacity_c, a.window, a.stride,
+                      std::gcd(a.window, a.stride), b.capacity_c, b.window, b.stride, std::gcd(b.window, b.stride),
                       page_size, pages_per_seq, (int)num_pages, (int)(num_pages * page_size), heads_k, t.len, batch,
-                      batch * capacity_c, stream);
+                      batch * a.capacity_c, batch * b.capacity_c, stream);
   return launch_result(op, unit->name, rc, unit->last_error);
+}
+
+extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
+    const void* k_cache, const int32_t* block_table, const int32_t* cache_seqlens, void* ck_cache, int32_t batch,
+    int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t new_keys,
+    int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, int32_t kernel_size, int32_t kernel_stride,
+    cudaStream_t stream) {
+  clear_error();
+  const CompressedLevel level{ck_cache, capacity_c, kernel_size, kernel_stride, "ck_cache", "capacity_c",
+                              "kernel_size", "kernel_stride"};
+  return compress_kvcache_levels("infllmv2_compress_keys_kvcache", k_cache, block_table, cache_seqlens, &level, 1,
+                                 batch, num_pages, page_size, pages_per_seq, new_keys, heads_k, head_dim, dtype,
+                                 stream);
 }

@@ -21,6 +21,23 @@ inline int64_t windows(int64_t len, int w, int s) { return len >= w ? (len - w) 
 infllmv2_status check_compressed_capacity(const char* op, const char* name, int32_t capacity_c, int64_t capacity,
                                           int w, int s, int32_t batch);
 
+// One compressed cache that compress_kvcache_levels brings up to date, and the C argument names
+// its errors use.
+struct CompressedLevel {
+  void* cache;
+  int32_t capacity_c, window, stride;
+  const char *cache_name, *capacity_name, *window_name, *stride_name;
+};
+
+// infllmv2_compress_keys_kvcache for one or two compressed caches of the same KV cache in one
+// launch (a decoding step's fine and normaliser keys; each level's update is a chain of dependent
+// loads that a second launch would only repeat after the first). Checks every argument.
+infllmv2_status compress_kvcache_levels(const char* op, const void* k_cache, const int32_t* block_table,
+                                        const int32_t* cache_seqlens, const CompressedLevel* levels, int n_levels,
+                                        int32_t batch, int64_t num_pages, int32_t page_size, int32_t pages_per_seq,
+                                        int32_t new_keys, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype,
+                                        cudaStream_t stream);
+
 template <class T>
 T* at(void* base, size_t offset) { return reinterpret_cast<T*>(static_cast<char*>(base) + offset); }
 

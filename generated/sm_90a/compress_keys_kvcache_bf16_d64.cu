@@ -15,44 +15,77 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_compress_keys_kvcache_bf16_d64_sm90a_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, int batch, int c_rows, int cache_rows, int cap_c, int heads_k, int new_keys, int num_pages, int page_size, int pages_per_seq, int part, int stride, int table_len, int window);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvcache_bf16_d64_sm90a_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, int batch, int c_rows, int cache_rows, int cap_c, int heads_k, int new_keys, int num_pages, int page_size, int pages_per_seq, int part, int stride, int table_len, int window) {
+extern "C" __global__ void infllmv2_compress_keys_kvcache_bf16_d64_sm90a_kernel(bfloat16_t* __restrict__ C, bfloat16_t* __restrict__ C2, const bfloat16_t* __restrict__ K, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, int batch, int c2_rows, int c_rows, int cache_rows, int cap_c, int cap_c2, int heads_k, int levels, int min_stride, int new_keys, int num_pages, int page_size, int pages_per_seq, int part, int part2, int stride, int stride2, int table_len, int window, int window2);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvcache_bf16_d64_sm90a_kernel(bfloat16_t* __restrict__ C, bfloat16_t* __restrict__ C2, const bfloat16_t* __restrict__ K, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, int batch, int c2_rows, int c_rows, int cache_rows, int cap_c, int cap_c2, int heads_k, int levels, int min_stride, int new_keys, int num_pages, int page_size, int pages_per_seq, int part, int part2, int stride, int stride2, int table_len, int window, int window2) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* S_s = ((void*)((char*)buf_dyn_shmem + 8192));
   void* rows_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  int iv[6];
+  int iv[12];
   float acc[8];
   float S_l[32];
   int run[2];
+  int rmod = (((int)blockIdx.z) % heads_k);
+  iv[6] = ((((0 <= heads_k) && (0 <= rmod)) || ((heads_k < 0) && (rmod <= 0))) ? rmod : (rmod + heads_k));
+  int rmod_1 = (((int)blockIdx.z) % heads_k);
+  int rdiv = (((int)blockIdx.z) / heads_k);
+  iv[7] = ((((0 <= heads_k) && (0 <= rmod_1)) || ((heads_k < 0) && (rmod_1 <= 0))) ? rdiv : (rdiv - 1));
+  int condval;
+  if ((iv[7] == 0)) {
+    condval = window;
+  } else {
+    condval = window2;
+  }
+  iv[8] = condval;
+  int condval_1;
+  if ((iv[7] == 0)) {
+    condval_1 = stride;
+  } else {
+    condval_1 = stride2;
+  }
+  iv[9] = condval_1;
+  int condval_2;
+  if ((iv[7] == 0)) {
+    condval_2 = part;
+  } else {
+    condval_2 = part2;
+  }
+  iv[10] = condval_2;
+  int condval_3;
+  if ((iv[7] == 0)) {
+    condval_3 = cap_c;
+  } else {
+    condval_3 = cap_c2;
+  }
+  iv[11] = condval_3;
   iv[5] = (page_size * max(pages_per_seq, 1));
   iv[0] = max(min(cache_seqlens[((int64_t)((int)blockIdx.y))], iv[5]), 0);
   iv[1] = max((iv[0] - new_keys), 0);
-  int condval;
-  if ((window <= iv[1])) {
-    int rmod = ((iv[1] - window) % stride);
-    int rdiv = ((iv[1] - window) / stride);
-    condval = (((((0 <= stride) && (0 <= rmod)) || ((stride < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) + 1);
+  int condval_4;
+  if ((iv[8] <= iv[1])) {
+    int rmod_2 = ((iv[1] - iv[8]) % iv[9]);
+    int rdiv_1 = ((iv[1] - iv[8]) / iv[9]);
+    condval_4 = (((((0 <= iv[9]) && (0 <= rmod_2)) || ((iv[9] < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) + 1);
   } else {
-    condval = 0;
+    condval_4 = 0;
   }
-  iv[1] = condval;
+  iv[1] = condval_4;
   iv[2] = ((((int)blockIdx.x) * 16) + iv[1]);
-  int condval_1;
-  if ((window <= iv[0])) {
-    int rmod_1 = ((iv[0] - window) % stride);
-    int rdiv_1 = ((iv[0] - window) / stride);
-    condval_1 = (((((0 <= stride) && (0 <= rmod_1)) || ((stride < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) + 1);
+  int condval_5;
+  if ((iv[8] <= iv[0])) {
+    int rmod_3 = ((iv[0] - iv[8]) % iv[9]);
+    int rdiv_2 = ((iv[0] - iv[8]) / iv[9]);
+    condval_5 = (((((0 <= iv[9]) && (0 <= rmod_3)) || ((iv[9] < 0) && (rmod_3 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) + 1);
   } else {
-    condval_1 = 0;
+    condval_5 = 0;
   }
-  iv[3] = condval_1;
-  iv[3] = min(min(16, (iv[3] - iv[2])), (cap_c - iv[2]));
-  int rmod_2 = (stride % part);
-  int rdiv_2 = (stride / part);
-  int rmod_3 = (window % part);
-  int rdiv_3 = (window / part);
-  iv[4] = (((iv[3] - 1) * ((((0 <= part) && (0 <= rmod_2)) || ((part < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1))) + ((((0 <= part) && (0 <= rmod_3)) || ((part < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1)));
+  iv[3] = condval_5;
+  iv[3] = min(min(16, (iv[3] - iv[2])), (iv[11] - iv[2]));
+  int rmod_4 = (iv[9] % iv[10]);
+  int rdiv_3 = (iv[9] / iv[10]);
+  int rmod_5 = (iv[8] % iv[10]);
+  int rdiv_4 = (iv[8] / iv[10]);
+  iv[4] = (((iv[3] - 1) * ((((0 <= iv[10]) && (0 <= rmod_4)) || ((iv[10] < 0) && (rmod_4 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) + ((((0 <= iv[10]) && (0 <= rmod_5)) || ((iv[10] < 0) && (rmod_5 <= 0))) ? rdiv_4 : (rdiv_4 - 1)));
   #pragma unroll
   for (int i = 0; i < 2; ++i) {
     float broadcast_var = 0x0p+0f/*0.000000e+00*/;
@@ -66,49 +99,49 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
     }
     run[0] = 0;
     run[1] = 0;
-    for (int c = 0; c < (((iv[4] * part) + 63) >> 6); ++c) {
+    for (int c = 0; c < (((iv[4] * iv[10]) + 63) >> 6); ++c) {
       if (((int)threadIdx.x) < 64) {
-        int condval_2;
+        int condval_6;
         if ((0 < pages_per_seq)) {
-          int rmod_4 = (min((((c * 64) + (iv[2] * stride)) + ((int)threadIdx.x)), (((iv[2] * stride) + (iv[4] * part)) - 1)) % page_size);
-          int rdiv_4 = (min((((c * 64) + (iv[2] * stride)) + ((int)threadIdx.x)), (((iv[2] * stride) + (iv[4] * part)) - 1)) / page_size);
-          int rmod_5 = (min((((c * 64) + (iv[2] * stride)) + ((int)threadIdx.x)), (((iv[2] * stride) + (iv[4] * part)) - 1)) % page_size);
-          int rdiv_5 = (min((((c * 64) + (iv[2] * stride)) + ((int)threadIdx.x)), (((iv[2] * stride) + (iv[4] * part)) - 1)) / page_size);
-          int condval_3;
-          if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_4)) || ((page_size < 0) && (rmod_4 <= 0))) ? rdiv_4 : (rdiv_4 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_5)) || ((page_size < 0) && (rmod_5 <= 0))) ? rdiv_5 : (rdiv_5 - 1))) < table_len))) {
-            int64_t rmod_6 = (min((((((int64_t)c) * (int64_t)64) + (((int64_t)iv[(int64_t)2]) * ((int64_t)stride))) + ((int64_t)((int)threadIdx.x))), (((((int64_t)iv[(int64_t)2]) * ((int64_t)stride)) + (((int64_t)iv[(int64_t)4]) * ((int64_t)part))) - (int64_t)1)) % ((int64_t)page_size));
-            int64_t rdiv_6 = (min((((((int64_t)c) * (int64_t)64) + (((int64_t)iv[(int64_t)2]) * ((int64_t)stride))) + ((int64_t)((int)threadIdx.x))), (((((int64_t)iv[(int64_t)2]) * ((int64_t)stride)) + (((int64_t)iv[(int64_t)4]) * ((int64_t)part))) - (int64_t)1)) / ((int64_t)page_size));
-            int64_t rmod_7 = (min((((((int64_t)c) * (int64_t)64) + (((int64_t)iv[(int64_t)2]) * ((int64_t)stride))) + ((int64_t)((int)threadIdx.x))), (((((int64_t)iv[(int64_t)2]) * ((int64_t)stride)) + (((int64_t)iv[(int64_t)4]) * ((int64_t)part))) - (int64_t)1)) % ((int64_t)page_size));
-            int64_t rdiv_7 = (min((((((int64_t)c) * (int64_t)64) + (((int64_t)iv[(int64_t)2]) * ((int64_t)stride))) + ((int64_t)((int)threadIdx.x))), (((((int64_t)iv[(int64_t)2]) * ((int64_t)stride)) + (((int64_t)iv[(int64_t)4]) * ((int64_t)part))) - (int64_t)1)) / ((int64_t)page_size));
-            condval_3 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_7 : (rdiv_7 - (int64_t)1)))];
+          int rmod_6 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) % page_size);
+          int rdiv_5 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) / page_size);
+          int rmod_7 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) % page_size);
+          int rdiv_6 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) / page_size);
+          int condval_7;
+          if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_6)) || ((page_size < 0) && (rmod_6 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_7)) || ((page_size < 0) && (rmod_7 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < table_len))) {
+            int64_t rmod_8 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) % ((int64_t)page_size));
+            int64_t rdiv_7 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) / ((int64_t)page_size));
+            int64_t rmod_9 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) % ((int64_t)page_size));
+            int64_t rdiv_8 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) / ((int64_t)page_size));
+            condval_7 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1)))];
           } else {
-            condval_3 = 0;
+            condval_7 = 0;
           }
-          condval_2 = min(max(condval_3, 0), (num_pages - 1));
+          condval_6 = min(max(condval_7, 0), (num_pages - 1));
         } else {
-          condval_2 = ((int)blockIdx.y);
+          condval_6 = ((int)blockIdx.y);
         }
-        int rmod_8 = (min((((c * 64) + (iv[2] * stride)) + ((int)threadIdx.x)), (((iv[2] * stride) + (iv[4] * part)) - 1)) % page_size);
-        ((int*)rows_s)[((int)threadIdx.x)] = ((condval_2 * page_size) + ((((0 <= page_size) && (0 <= rmod_8)) || ((page_size < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + page_size)));
+        int rmod_10 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) % page_size);
+        ((int*)rows_s)[((int)threadIdx.x)] = ((condval_6 * page_size) + ((((0 <= page_size) && (0 <= rmod_10)) || ((page_size < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + page_size)));
       }
       __syncthreads();
       #pragma unroll
       for (int i_1 = 0; i_1 < 4; ++i_1) {
         bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_4;
-        if (((0 <= ((int*)rows_s)[((i_1 * 16) + (((int)threadIdx.x) >> 3))]) && (((int*)rows_s)[((i_1 * 16) + (((int)threadIdx.x) >> 3))] < cache_rows))) {
-          condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((int64_t)((int*)rows_s)[((((int64_t)i_1) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        uint4 condval_8;
+        if (((((0 <= iv[6]) && (iv[6] < heads_k)) && (0 <= ((int*)rows_s)[((i_1 * 16) + (((int)threadIdx.x) >> 3))])) && (((int*)rows_s)[((i_1 * 16) + (((int)threadIdx.x) >> 3))] < cache_rows))) {
+          condval_8 = *(uint4*)(K + (((((int64_t)iv[(int64_t)6]) * (int64_t)64) + ((((int64_t)((int*)rows_s)[((((int64_t)i_1) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3))]) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
         } else {
-          condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+          condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
         }
-        *(uint4*)(((bfloat16_t*)K_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_4;
+        *(uint4*)(((bfloat16_t*)K_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
       }
       __syncthreads();
       if (((int)threadIdx.x) < 64) {
-        for (int t = 0; t < min(64, ((iv[4] * part) - (c * 64))); ++t) {
+        for (int t = 0; t < min(64, ((iv[4] * iv[10]) - (c * 64))); ++t) {
           S_l[run[(int64_t)0]] = (S_l[run[(int64_t)0]] + ((float)((bfloat16_t*)K_s)[((t * 64) + ((int)threadIdx.x))]));
           run[1] = (run[1] + 1);
-          bool if_condition = (run[1] == part);
+          bool if_condition = (run[1] == iv[10]);
           if (if_condition) {
             run[1] = 0;
             run[0] = (run[0] + 1);
@@ -123,19 +156,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
       }
     }
     __syncthreads();
-    int rmod_9 = (window % part);
-    int rdiv_8 = (window / part);
-    for (int q = 0; q < ((((0 <= part) && (0 <= rmod_9)) || ((part < 0) && (rmod_9 <= 0))) ? rdiv_8 : (rdiv_8 - 1)); ++q) {
+    int rmod_11 = (iv[8] % iv[10]);
+    int rdiv_9 = (iv[8] / iv[10]);
+    for (int q = 0; q < ((((0 <= iv[10]) && (0 <= rmod_11)) || ((iv[10] < 0) && (rmod_11 <= 0))) ? rdiv_9 : (rdiv_9 - 1)); ++q) {
       #pragma unroll
       for (int i_2 = 0; i_2 < 2; ++i_2) {
         if (((i_2 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
           float4 __1;
             float4 v_ = *(float4*)(acc + (i_2 * 4));
-            int64_t rmod_10 = (((int64_t)stride) % ((int64_t)part));
-            int64_t rdiv_9 = (((int64_t)stride) / ((int64_t)part));
-            int64_t rmod_11 = (((int64_t)stride) % ((int64_t)part));
-            int64_t rdiv_10 = (((int64_t)stride) / ((int64_t)part));
-            float4 v__1 = *(float4*)(((float*)S_s) + ((((((((int64_t)i_2) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * (((((int64_t)0 <= ((int64_t)part)) && ((int64_t)0 <= rmod_11)) || ((((int64_t)part) < (int64_t)0) && (rmod_11 <= (int64_t)0))) ? rdiv_10 : (rdiv_10 - (int64_t)1))) * (int64_t)64) + (((int64_t)q) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)));
+            int rmod_12 = (iv[(int64_t)9] % iv[(int64_t)10]);
+            int rdiv_10 = (iv[(int64_t)9] / iv[(int64_t)10]);
+            int rmod_13 = (iv[(int64_t)9] % iv[(int64_t)10]);
+            int rdiv_11 = (iv[(int64_t)9] / iv[(int64_t)10]);
+            float4 v__1 = *(float4*)(((float*)S_s) + ((((((((int64_t)i_2) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)((((0 <= iv[(int64_t)10]) && (0 <= rmod_13)) || ((iv[(int64_t)10] < 0) && (rmod_13 <= 0))) ? rdiv_11 : (rdiv_11 - 1)))) * (int64_t)64) + (((int64_t)q) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)));
             __1.x = (v_.x+v__1.x);
             __1.y = (v_.y+v__1.y);
             __1.z = (v_.z+v__1.z);
@@ -146,103 +179,103 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
     }
   } else {
     if (0 < iv[3]) {
-      for (int t_1 = 0; t_1 < window; ++t_1) {
+      for (int t_1 = 0; t_1 < iv[8]; ++t_1) {
         #pragma unroll
         for (int i_3 = 0; i_3 < 2; ++i_3) {
           bfloat16_t K_local_cast[4];
           if (((i_3 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
             bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-            int condval_6;
+            int condval_10;
             if ((0 < pages_per_seq)) {
-              int rmod_12 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) % page_size);
-              int rdiv_11 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) / page_size);
-              int rmod_13 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) % page_size);
-              int rdiv_12 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) / page_size);
-              int condval_7;
-              if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_12)) || ((page_size < 0) && (rmod_12 <= 0))) ? rdiv_11 : (rdiv_11 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_13)) || ((page_size < 0) && (rmod_13 <= 0))) ? rdiv_12 : (rdiv_12 - 1))) < table_len))) {
-                int64_t rmod_14 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_13 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                int64_t rmod_15 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_14 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                condval_7 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rdiv_14 : (rdiv_14 - (int64_t)1)))];
+              int rmod_14 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) % page_size);
+              int rdiv_12 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) / page_size);
+              int rmod_15 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) % page_size);
+              int rdiv_13 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) / page_size);
+              int condval_11;
+              if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_14)) || ((page_size < 0) && (rmod_14 <= 0))) ? rdiv_12 : (rdiv_12 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_15)) || ((page_size < 0) && (rmod_15 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < table_len))) {
+                int64_t rmod_16 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_14 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                int64_t rmod_17 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_15 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                condval_11 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))];
               } else {
-                condval_7 = 0;
+                condval_11 = 0;
               }
-              condval_6 = min(max(condval_7, 0), (num_pages - 1));
+              condval_10 = min(max(condval_11, 0), (num_pages - 1));
             } else {
-              condval_6 = ((int)blockIdx.y);
+              condval_10 = ((int)blockIdx.y);
             }
-            int rmod_16 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) % page_size);
-            int condval_8;
+            int rmod_18 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) % page_size);
+            int condval_12;
             if ((0 < pages_per_seq)) {
-              int rmod_17 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) % page_size);
-              int rdiv_15 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) / page_size);
-              int rmod_18 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) % page_size);
-              int rdiv_16 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) / page_size);
-              int condval_9;
-              if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_17)) || ((page_size < 0) && (rmod_17 <= 0))) ? rdiv_15 : (rdiv_15 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_18)) || ((page_size < 0) && (rmod_18 <= 0))) ? rdiv_16 : (rdiv_16 - 1))) < table_len))) {
-                int64_t rmod_19 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_17 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                int64_t rmod_20 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_18 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                condval_9 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_20)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_20 <= (int64_t)0))) ? rdiv_18 : (rdiv_18 - (int64_t)1)))];
+              int rmod_19 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) % page_size);
+              int rdiv_16 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) / page_size);
+              int rmod_20 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) % page_size);
+              int rdiv_17 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) / page_size);
+              int condval_13;
+              if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_19)) || ((page_size < 0) && (rmod_19 <= 0))) ? rdiv_16 : (rdiv_16 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_20)) || ((page_size < 0) && (rmod_20 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) < table_len))) {
+                int64_t rmod_21 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_18 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                int64_t rmod_22 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_19 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                condval_13 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))];
               } else {
-                condval_9 = 0;
+                condval_13 = 0;
               }
-              condval_8 = min(max(condval_9, 0), (num_pages - 1));
+              condval_12 = min(max(condval_13, 0), (num_pages - 1));
             } else {
-              condval_8 = ((int)blockIdx.y);
+              condval_12 = ((int)blockIdx.y);
             }
-            int rmod_21 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * stride) + t_1) % page_size);
-            uint2 condval_5;
-            if (((0 <= ((condval_6 * page_size) + ((((0 <= page_size) && (0 <= rmod_16)) || ((page_size < 0) && (rmod_16 <= 0))) ? rmod_16 : (rmod_16 + page_size)))) && (((condval_8 * page_size) + ((((0 <= page_size) && (0 <= rmod_21)) || ((page_size < 0) && (rmod_21 <= 0))) ? rmod_21 : (rmod_21 + page_size))) < cache_rows))) {
-              int64_t condval_10;
+            int rmod_23 = ((((((i_3 * 8) + (((int)threadIdx.x) >> 4)) + iv[2]) * iv[9]) + t_1) % page_size);
+            uint2 condval_9;
+            if (((((0 <= iv[6]) && (iv[6] < heads_k)) && (0 <= ((condval_10 * page_size) + ((((0 <= page_size) && (0 <= rmod_18)) || ((page_size < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + page_size))))) && (((condval_12 * page_size) + ((((0 <= page_size) && (0 <= rmod_23)) || ((page_size < 0) && (rmod_23 <= 0))) ? rmod_23 : (rmod_23 + page_size))) < cache_rows))) {
+              int64_t condval_14;
               if (((int64_t)0 < ((int64_t)pages_per_seq))) {
-                int64_t rmod_22 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_19 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                int64_t rmod_23 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_20 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                int64_t condval_11;
-                if ((((int64_t)0 <= ((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))) && (((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) < ((int64_t)table_len)))) {
-                  int64_t rmod_24 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                  int64_t rdiv_21 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                  int64_t rmod_25 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                  int64_t rdiv_22 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                  condval_11 = ((int64_t)block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_25)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_25 <= (int64_t)0))) ? rdiv_22 : (rdiv_22 - (int64_t)1)))]);
+                int64_t rmod_24 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_20 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                int64_t rmod_25 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_21 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                int64_t condval_15;
+                if ((((int64_t)0 <= ((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1)))) && (((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_25)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_25 <= (int64_t)0))) ? rdiv_21 : (rdiv_21 - (int64_t)1))) < ((int64_t)table_len)))) {
+                  int64_t rmod_26 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                  int64_t rdiv_22 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                  int64_t rmod_27 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                  int64_t rdiv_23 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                  condval_15 = ((int64_t)block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rdiv_23 : (rdiv_23 - (int64_t)1)))]);
                 } else {
-                  condval_11 = (int64_t)0;
+                  condval_15 = (int64_t)0;
                 }
-                condval_10 = min(max(condval_11, (int64_t)0), (((int64_t)num_pages) - (int64_t)1));
+                condval_14 = min(max(condval_15, (int64_t)0), (((int64_t)num_pages) - (int64_t)1));
               } else {
-                condval_10 = ((int64_t)((int)blockIdx.y));
+                condval_14 = ((int64_t)((int)blockIdx.y));
               }
-              int64_t rmod_26 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-              int64_t condval_12;
+              int64_t rmod_28 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+              int64_t condval_16;
               if (((int64_t)0 < ((int64_t)pages_per_seq))) {
-                int64_t rmod_27 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_23 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                int64_t rmod_28 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                int64_t rdiv_24 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                int64_t condval_13;
-                if ((((int64_t)0 <= ((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rdiv_23 : (rdiv_23 - (int64_t)1)))) && (((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_28)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_28 <= (int64_t)0))) ? rdiv_24 : (rdiv_24 - (int64_t)1))) < ((int64_t)table_len)))) {
-                  int64_t rmod_29 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                  int64_t rdiv_25 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                  int64_t rmod_30 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-                  int64_t rdiv_26 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) / ((int64_t)page_size));
-                  condval_13 = ((int64_t)block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_26 : (rdiv_26 - (int64_t)1)))]);
+                int64_t rmod_29 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_24 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                int64_t rmod_30 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                int64_t rdiv_25 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                int64_t condval_17;
+                if ((((int64_t)0 <= ((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_29)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_29 <= (int64_t)0))) ? rdiv_24 : (rdiv_24 - (int64_t)1)))) && (((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_25 : (rdiv_25 - (int64_t)1))) < ((int64_t)table_len)))) {
+                  int64_t rmod_31 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                  int64_t rdiv_26 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                  int64_t rmod_32 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+                  int64_t rdiv_27 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) / ((int64_t)page_size));
+                  condval_17 = ((int64_t)block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rdiv_27 : (rdiv_27 - (int64_t)1)))]);
                 } else {
-                  condval_13 = (int64_t)0;
+                  condval_17 = (int64_t)0;
                 }
-                condval_12 = min(max(condval_13, (int64_t)0), (((int64_t)num_pages) - (int64_t)1));
+                condval_16 = min(max(condval_17, (int64_t)0), (((int64_t)num_pages) - (int64_t)1));
               } else {
-                condval_12 = ((int64_t)((int)blockIdx.y));
+                condval_16 = ((int64_t)((int)blockIdx.y));
               }
-              int64_t rmod_31 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)stride)) + ((int64_t)t_1)) % ((int64_t)page_size));
-              condval_5 = *(uint2*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((condval_12 * ((int64_t)page_size)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rmod_31 : (rmod_31 + ((int64_t)page_size)))) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)));
+              int64_t rmod_33 = ((((((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)iv[(int64_t)2])) * ((int64_t)iv[(int64_t)9])) + ((int64_t)t_1)) % ((int64_t)page_size));
+              condval_9 = *(uint2*)(K + (((((int64_t)iv[(int64_t)6]) * (int64_t)64) + ((((condval_16 * ((int64_t)page_size)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_33)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_33 <= (int64_t)0))) ? rmod_33 : (rmod_33 + ((int64_t)page_size)))) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4)));
             } else {
-              condval_5 = make_uint2(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+              condval_9 = make_uint2(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
             }
-            *(uint2*)(K_local_cast + 0) = condval_5;
+            *(uint2*)(K_local_cast + 0) = condval_9;
           }
           if (((i_3 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
             float4 __2;
@@ -261,26 +294,61 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
       }
     }
   }
-  #pragma unroll
-  for (int i_4 = 0; i_4 < 2; ++i_4) {
-    bfloat16_t C_local_cast_1[4];
-    if (((i_4 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
-      uint2 __4;
-      float4 __5;
-        float4 v__4 = *(float4*)(acc + (i_4 * 4));
-        float4 v__5 = make_float4(((float)window), ((float)window), ((float)window), ((float)window));
-        __5.x = (v__4.x/v__5.x);
-        __5.y = (v__4.y/v__5.y);
-        __5.z = (v__4.z/v__5.z);
-        __5.w = (v__4.w/v__5.w);
-      (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-      (reinterpret_cast<__nv_bfloat162*>(&__4))[1] = __float22bfloat162_rn(((float2*)(&__5))[1]);
-      *(uint2*)(C_local_cast_1 + 0) = __4;
+  if (iv[7] == 0) {
+    #pragma unroll
+    for (int i_4 = 0; i_4 < 2; ++i_4) {
+      bfloat16_t C_local_cast_1[4];
+      if (((i_4 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
+        uint2 __4;
+        float4 __5;
+          float4 v__4 = *(float4*)(acc + (i_4 * 4));
+          float4 v__5 = make_float4(((float)window), ((float)window), ((float)window), ((float)window));
+          __5.x = (v__4.x/v__5.x);
+          __5.y = (v__4.y/v__5.y);
+          __5.z = (v__4.z/v__5.z);
+          __5.w = (v__4.w/v__5.w);
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__4))[1] = __float22bfloat162_rn(((float2*)(&__5))[1]);
+        *(uint2*)(C_local_cast_1 + 0) = __4;
+      }
+      if (((i_4 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
+        if (0 <= iv[6]) {
+          if (iv[6] < heads_k) {
+            if (0 <= ((((i_4 * 8) + (((int)threadIdx.x) >> 4)) + (((int)blockIdx.y) * cap_c)) + iv[2])) {
+              if (((((i_4 * 8) + (((int)threadIdx.x) >> 4)) + (((int)blockIdx.y) * cap_c)) + iv[2]) < c_rows) {
+                *(uint2*)(C + (((((int64_t)iv[(int64_t)6]) * (int64_t)64) + ((((((((int64_t)i_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)cap_c))) + ((int64_t)iv[(int64_t)2])) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4))) = *(uint2*)(C_local_cast_1 + 0);
+              }
+            }
+          }
+        }
+      }
     }
-    if (((i_4 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
-      if (0 <= ((((i_4 * 8) + (((int)threadIdx.x) >> 4)) + (((int)blockIdx.y) * cap_c)) + iv[2])) {
-        if (((((i_4 * 8) + (((int)threadIdx.x) >> 4)) + (((int)blockIdx.y) * cap_c)) + iv[2]) < c_rows) {
-          *(uint2*)(C + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)i_4) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)cap_c))) + ((int64_t)iv[(int64_t)2])) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4))) = *(uint2*)(C_local_cast_1 + 0);
+  } else {
+    #pragma unroll
+    for (int i_5 = 0; i_5 < 2; ++i_5) {
+      bfloat16_t C2_local_cast_2[4];
+      if (((i_5 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
+        uint2 __6;
+        float4 __7;
+          float4 v__6 = *(float4*)(acc + (i_5 * 4));
+          float4 v__7 = make_float4(((float)window2), ((float)window2), ((float)window2), ((float)window2));
+          __7.x = (v__6.x/v__7.x);
+          __7.y = (v__6.y/v__7.y);
+          __7.z = (v__6.z/v__7.z);
+          __7.w = (v__6.w/v__7.w);
+        (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
+        (reinterpret_cast<__nv_bfloat162*>(&__6))[1] = __float22bfloat162_rn(((float2*)(&__7))[1]);
+        *(uint2*)(C2_local_cast_2 + 0) = __6;
+      }
+      if (((i_5 * 8) + (((int)threadIdx.x) >> 4)) < iv[3]) {
+        if (0 <= iv[6]) {
+          if (iv[6] < heads_k) {
+            if (0 <= ((((i_5 * 8) + (((int)threadIdx.x) >> 4)) + (((int)blockIdx.y) * cap_c2)) + iv[2])) {
+              if (((((i_5 * 8) + (((int)threadIdx.x) >> 4)) + (((int)blockIdx.y) * cap_c2)) + iv[2]) < c2_rows) {
+                *(uint2*)(C2 + (((((int64_t)iv[(int64_t)6]) * (int64_t)64) + ((((((((int64_t)i_5) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)cap_c2))) + ((int64_t)iv[(int64_t)2])) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)4))) = *(uint2*)(C2_local_cast_2 + 0);
+              }
+            }
+          }
         }
       }
     }
@@ -314,7 +382,7 @@ extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_init() {
     return 0;
 }
 
-extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call(bfloat16_t* __restrict__ K, int* __restrict__ block_table, int* __restrict__ cache_seqlens, bfloat16_t* __restrict__ C, int new_keys, int cap_c, int window, int stride, int part, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, cudaStream_t stream) {
+extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call(bfloat16_t* __restrict__ K, int* __restrict__ block_table, int* __restrict__ cache_seqlens, bfloat16_t* __restrict__ C, bfloat16_t* __restrict__ C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int part, int cap_c2, int window2, int stride2, int part2, int page_size, int pages_per_seq, int num_pages, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -324,10 +392,10 @@ extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call(bfloat16_t* __
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;
-		config.gridDim = dim3(((new_keys + stride - 1) / stride + 15) / 16, batch, heads_k);
+		config.gridDim = dim3(((new_keys + min_stride - 1) / min_stride + 15) / 16, batch, heads_k * levels);
 		config.blockDim = dim3(128, 1, 1);
 		config.dynamicSmemBytes = 16640;
-		cudaLaunchKernelEx(&config, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_kernel, C, K, block_table, cache_seqlens, batch, c_rows, cache_rows, cap_c, heads_k, new_keys, num_pages, page_size, pages_per_seq, part, stride, table_len, window);
+		cudaLaunchKernelEx(&config, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_kernel, C, C2, K, block_table, cache_seqlens, batch, c2_rows, c_rows, cache_rows, cap_c, cap_c2, heads_k, levels, min_stride, new_keys, num_pages, page_size, pages_per_seq, part, part2, stride, stride2, table_len, window, window2);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_compress_keys_kvcache_bf16_d64_sm90a_kernel");
 
