@@ -63,6 +63,35 @@ def test_cpu_reference_is_select_blocks_on_the_packed_keys():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("approx_lse", [True, False])
+def test_cpu_attention_kvcache_is_attention_on_the_packed_keys(approx_lse):
+    """A prefill into empty (NaN) compressed caches, then a decoding step of one token a sequence:
+    each step's output is reference.attention's on the keys so far packed (the sparse path, and
+    the dense one below dense_len), and the caches are compress_keys' of them."""
+    final, hk, D = [700, 200, 65], 2, 32
+    k_all = random_tokens(final, hk, D, torch.float64, seed=3)
+    v_all = random_tokens(final, hk, D, torch.float64, seed=4)
+    kc, vc, table = kv_cache_of(k_all, v_all, final, "paged64")
+    cap = kc.shape[1] * table.shape[1]
+    starts = torch.tensor([0] + final[:-1]).cumsum(0).tolist()
+    for dense_len in (256, 8192):
+        cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=4, approx_lse=approx_lse)
+        ck = torch.full((3, infllmv2.compressed_capacity(cap), hk, D), float("nan"), dtype=torch.float64)
+        nk = torch.full((3, infllmv2.compressed_capacity(cap, 128, 64), hk, D), float("nan"), dtype=torch.float64)
+        for now, n_q, new_keys in (([n - 1 for n in final], 2, max(final)), (final, 1, 1)):
+            lens = torch.tensor(now, dtype=torch.int32)
+            q = random_tokens([n_q] * 3, hk * 4, D, torch.float64, seed=sum(now))
+            k = torch.cat([k_all[s:s + n] for s, n in zip(starts, now)])
+            v = torch.cat([v_all[s:s + n] for s, n in zip(starts, now)])
+            got = infllmv2.attention_kvcache(q, kc, vc, lens, cu_seqlens([n_q] * 3), ck, nk, new_keys, table, cfg)
+            want = reference.attention(q, k, v, cu_seqlens([n_q] * 3), cu_seqlens(now), dense_len,
+                                       topk=cfg.num_selected, local_blocks=cfg.local_blocks, approx_lse=approx_lse)[0]
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"dense_len {dense_len}, lengths {now}")
+            packed, cu_c = reference.compress_keys(k, cu_seqlens(now))
+            for b in range(3):
+                assert torch.equal(ck[b, :cu_c[b + 1] - cu_c[b]], packed[cu_c[b]:cu_c[b + 1]])
+
+
 def test_bad_inputs_name_the_argument():
     q = random_tokens([1, 1], 8, 64, torch.float32)
     ck = torch.zeros((2, 10, 2, 64))
@@ -210,10 +239,12 @@ def test_cuda_attention_kvcache_decoding_loop(layout, G):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ("padded", "paged64"))
 @pytest.mark.parametrize("approx_lse", [True, False])
-def test_cuda_c_attention_kvcache_equals_the_torch_layer(layout, approx_lse):
-    """infllmv2_attention_kvcache, the step in one C call, against infllmv2.attention_kvcache (the
-    same kernels and split counts): bitwise out, lse and compressed caches, on the sparse and the
-    dense path; and its argument errors."""
+def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
+    """infllmv2_attention_kvcache, the step in one C call (both compressed caches in one launch),
+    raw through ctypes and through infllmv2.attention_kvcache, against the ops it chains called one
+    by one (compress_keys_kvcache for each level, every_block_selection or select_decode_kvcache,
+    sparse_decode_kvcache; the same split counts): bitwise out, lse and compressed caches, on the
+    sparse and the dense path; and its argument errors."""
     import ctypes
 
     from infllmv2.ops import _stream
@@ -232,13 +263,26 @@ def test_cuda_c_attention_kvcache_equals_the_torch_layer(layout, approx_lse):
         cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=4, approx_lse=approx_lse)
         c = _lib.SparseConfigC(**{f: int(getattr(cfg, f)) for f, _ in _lib.SparseConfigC._fields_})
         caches = []
-        for _ in range(2):  # one set for each side
+        for _ in range(3):  # the ops', the C call's, attention_kvcache's
             ck = torch.full((3, infllmv2.compressed_capacity(cap), hk, D), float("nan"), dtype=dtype, device="cuda")
             nk = torch.full((3, infllmv2.compressed_capacity(cap, 128, 64), hk, D), float("nan"), dtype=dtype,
                             device="cuda")
             caches.append((ck, nk))
-        want, want_lse = infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, *caches[0], max(lengths), table, cfg,
-                                                    max_seqlen_q=1, max_seqlen_k=max(lengths), return_lse=True)
+        ck, nk = caches[0]
+        infllmv2.compress_keys_kvcache(kc, lens, ck, max(lengths), table)
+        if approx_lse:
+            infllmv2.compress_keys_kvcache(kc, lens, nk, max(lengths), table, 128, 64)
+        if max(lengths) < dense_len:
+            idx = infllmv2.ops.every_block_selection(hk, 3, min(cap, max(lengths)), "cuda")
+        else:
+            idx = infllmv2.select_decode_kvcache(q, ck, nk if approx_lse else None, lens, cu_q, cap,
+                                                 topk=cfg.num_selected, local_blocks=cfg.local_blocks)
+        want, want_lse = infllmv2.sparse_decode_kvcache(q, kc, vc, lens, cu_q, idx, table, 1, return_lse=True)
+        got, got_lse = infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, *caches[2], max(lengths), table, cfg,
+                                                  max_seqlen_q=1, max_seqlen_k=max(lengths), return_lse=True)
+        assert torch.equal(got, want) and torch.equal(got_lse, want_lse), f"dense_len {dense_len}"
+        for i in range(approx_lse + 1):
+            assert torch.equal(caches[2][i].nan_to_num(7.0), caches[0][i].nan_to_num(7.0))
         size = lib.infllmv2_attention_kvcache_workspace_size(3, 3, 1, max(lengths), kc.shape[0], kc.shape[1], pps,
                                                             hk * G, hk, D, ctypes.byref(c))
         assert size > 0, lib.infllmv2_last_error().decode()
@@ -271,3 +315,24 @@ def test_cuda_c_attention_kvcache_equals_the_torch_layer(layout, approx_lse):
         if approx_lse:
             assert call(nk=None) == _lib.ERR_INVALID_ARGUMENT
             assert "nk_cache" in lib.infllmv2_last_error().decode()
+
+
+@pytest.mark.gpu
+def test_cuda_attention_kvcache_torch_compile_fullgraph():
+    """The step (a custom op mutating both compressed caches) traces without a graph break, and
+    the compiled step writes what the eager one does."""
+    c = _case([1, 1, 1], [900, 300, 1200], 16, 128, torch.bfloat16, "paged64")
+    vc = torch.randn_like(c["kc"])
+    cfg = SparseConfig(dense_len=256, window_size=128, topk=4)
+    caches = [tuple(torch.full_like(t, float("nan")) for t in (c["ck"], c["nk"])) for _ in range(2)]
+
+    def step(q, kc, vc, ck, nk):
+        out = infllmv2.attention_kvcache(q, kc, vc, c["lens"], c["cu_q"], ck, nk, 1200, c["table"], cfg,
+                                         max_seqlen_q=1, max_seqlen_k=1200)
+        return out * 1
+
+    want = step(c["q"], c["kc"], vc, *caches[0])
+    got = torch.compile(step, fullgraph=True)(c["q"], c["kc"], vc, *caches[1])
+    assert torch.equal(got, want)
+    for a, b in zip(*caches):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))

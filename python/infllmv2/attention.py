@@ -13,9 +13,11 @@ from typing import Any, Mapping
 
 import torch
 
-from .ops import (_cache_capacity, _check_block_table, _check_int, _check_offsets, _check_tensor3, _index_vector,
-                  _max_seqlen, _sparse_decode_kvcache, _stage2, compress_keys_kvcache, dense_attn_varlen,
-                  every_block_selection, select_decode, select_decode_kvcache)
+from . import _lib, reference
+from .ops import (_attention_kvcache_op, _cache_capacity, _check_block_table, _check_cache_tensor,
+                  _check_compressed_caches, _check_int, _check_kernel_attention, _check_kernel_pages, _check_offsets,
+                  _check_tensor3, _index_vector, _max_seqlen, _needs_grad, _scale_or_zero, _stage2,
+                  dense_attn_varlen, select_decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +189,7 @@ def attention_padded(q, k, v, config=None, softmax_scale=None, punct_mask=None, 
 
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache=None, new_keys=None,
                       block_table=None, config=None, softmax_scale=None, max_seqlen_q=None, max_seqlen_k=None,
-                      num_splits=0, return_lse=False):
+                      return_lse=False):
     """``attention`` for new tokens against a KV cache (decoding, speculative decoding, chunked
     prefill), forward only, with the compressed keys kept across calls.
 
@@ -197,19 +199,25 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     each sequence's last tokens. ``ck_cache (batch, capacity_c, Hk, D)`` and, with
     ``config.approx_lse``, ``nk_cache`` are the sequences' fine and normaliser compressed caches
     (``ops.compressed_capacity`` sizes them; zeros or anything to start with): the call first
-    brings them up to date with ``compress_keys_kvcache`` for the last ``new_keys`` keys
-    (default ``max_seqlen_q``, the new tokens), so that a step compresses only the keys it added,
+    brings them up to date for the last ``new_keys`` keys (default ``max_seqlen_q``, the new
+    tokens), as ``compress_keys_kvcache`` does, so that a step compresses only the keys it added,
     not the whole cache (SPEC.md, Decode). Then, as ``attention``: dense attention (every block
     selected) when ``max_seqlen_k`` (the longest sequence; read from ``cache_seqlens`` on the host
     when not given) is below ``config.dense_len``, else ``select_decode_kvcache`` and
     ``sparse_decode_kvcache``. Returns ``out`` (and ``lse (Hq, total_q)`` with ``return_lse``).
-    With ``max_seqlen_q`` and ``max_seqlen_k`` given there is no host synchronisation (CUDA).
+
+    On CUDA the step is one call of the C library's ``infllmv2_attention_kvcache`` (both compressed
+    caches in one launch; the library's split counts), with no host synchronisation when
+    ``max_seqlen_q`` and ``max_seqlen_k`` are given; CPU runs ``reference.attention_kvcache``.
     """
     cfg = _config(config)
     _check_tensor3(q, "q")
     _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
-    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
-        raise ValueError("k_cache must be a tensor of shape (num_pages, page_size, Hk, D)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_cache_tensor(t, name, q, "q")
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2] or q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"k_cache and v_cache must both have shape (num_pages, page_size, Hk, D={q.shape[2]}) with Hk "
+                         f"dividing q's {q.shape[1]} heads, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     batch = cu_seqlens_q.numel() - 1
     cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
     block_table = _check_block_table(block_table, k_cache, batch)
@@ -217,28 +225,35 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     if cfg.approx_lse and nk_cache is None:
         raise ValueError("nk_cache (the normaliser keys' compressed cache) is needed with config.approx_lse; pass "
                          "one, or a config with approx_lse=False")
+    nk_cache = nk_cache if cfg.approx_lse else None
+    _check_compressed_caches(q, ck_cache, nk_cache, batch, capacity, cfg.kernel_size, cfg.kernel_stride,
+                             cfg.norm_kernel_size, cfg.norm_kernel_stride)
+    for name, t in (("ck_cache", ck_cache), ("nk_cache", nk_cache)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is written in place)")
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q", q.shape[0])
     new_keys = max_seqlen_q if new_keys is None else new_keys
+    _check_int(new_keys, "new_keys", 0)
     if max_seqlen_k is None:
         max_seqlen_k = int(cache_seqlens.max().item()) if batch else 0
     _check_int(max_seqlen_k, "max_seqlen_k", 0)
-    with torch.no_grad():
-        compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table, cfg.kernel_size,
-                              cfg.kernel_stride)
-        if cfg.approx_lse:
-            compress_keys_kvcache(k_cache, cache_seqlens, nk_cache, new_keys, block_table, cfg.norm_kernel_size,
-                                  cfg.norm_kernel_stride)
-        if max_seqlen_k < cfg.dense_len:
-            topk_idx = every_block_selection(k_cache.shape[2], q.shape[0], min(capacity, max(max_seqlen_k, 1)),
-                                             q.device)
-        else:
-            topk_idx = select_decode_kvcache(
-                q, ck_cache, nk_cache if cfg.approx_lse else None, cache_seqlens, cu_seqlens_q, capacity,
-                topk=cfg.num_selected, kernel_size=cfg.kernel_size, kernel_stride=cfg.kernel_stride,
-                block_size=cfg.block_size, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
-                norm_kernel_size=cfg.norm_kernel_size, norm_kernel_stride=cfg.norm_kernel_stride,
-                softmax_scale=softmax_scale, max_seqlen_q=max_seqlen_q, num_splits=num_splits)
-        # both selections' rows are ascending with -1 last, as the kernels read them
-        return _sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table,
-                                      max_seqlen_q, softmax_scale, num_splits, cfg.block_size, return_lse,
-                                      rows_sorted=True)
+    if _needs_grad(q, k_cache, v_cache):
+        raise ValueError("attention_kvcache is forward only, but q or the cache requires grad: call it under "
+                         "torch.no_grad()")
+    if not q.is_cuda:
+        out, lse, ck, nk = reference.attention_kvcache(
+            q, k_cache, v_cache, cache_seqlens.clamp(0, capacity), cu_seqlens_q, ck_cache, nk_cache, new_keys,
+            block_table, cfg.dense_len, softmax_scale, cfg.num_selected, cfg.kernel_size, cfg.kernel_stride,
+            cfg.block_size, cfg.init_blocks, cfg.local_blocks, cfg.approx_lse, cfg.norm_kernel_size,
+            cfg.norm_kernel_stride)
+        ck_cache.copy_(ck)
+        if nk_cache is not None:
+            nk_cache.copy_(nk)
+    else:
+        _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
+        _check_kernel_pages(block_table, k_cache)
+        fields = [int(getattr(cfg, name)) for name, _ in _lib.SparseConfigC._fields_]
+        out, lse = _attention_kvcache_op(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache,
+                                         block_table, new_keys, max_seqlen_q, max_seqlen_k, fields,
+                                         _scale_or_zero(softmax_scale))
+    return (out, lse) if return_lse else out

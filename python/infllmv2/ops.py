@@ -8,6 +8,7 @@ torch.compile traces them.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Optional
 
@@ -698,14 +699,6 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     only (no host synchronisation when ``max_seqlen_q`` is given; lengths past a sequence's
     capacity are clamped to it); on CPU, the reference.
     """
-    return _sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table, max_seqlen_q,
-                                  softmax_scale, num_splits, block_size, return_lse, rows_sorted=False)
-
-
-def _sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table, max_seqlen_q,
-                           softmax_scale, num_splits, block_size, return_lse, rows_sorted):
-    """sparse_decode_kvcache; ``rows_sorted``: topk_idx rows are ascending with -1 last already (a
-    selection's output), so the sort is skipped."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor of shape (total_q, Hq, D)")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -728,8 +721,7 @@ def _sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, top
         _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
         _check_kernel_pages(block_table, k_cache)
         max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
-        idx = topk_idx.to(torch.int32).contiguous() if rows_sorted else sort_topk_idx(topk_idx)
-        out, lse = _sparse_decode_kvcache_op(q, k_cache, v_cache, idx, cu_seqlens_q, cache_seqlens,
+        out, lse = _sparse_decode_kvcache_op(q, k_cache, v_cache, sort_topk_idx(topk_idx), cu_seqlens_q, cache_seqlens,
                                              block_table, max_seqlen_q, _scale_or_zero(softmax_scale), num_splits)
     else:
         out, lse = reference.sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx,
@@ -1150,6 +1142,31 @@ def _(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, topk, capacity, max_se
     return q.new_empty((ck_cache.shape[2], q.shape[0], topk), dtype=torch.int32)
 
 
+def _check_compressed_caches(q, ck_cache, nk_cache, batch, capacity, kernel_size, kernel_stride, norm_kernel_size,
+                             norm_kernel_stride):
+    """``ck_cache`` (and ``nk_cache`` unless None): (batch, rows, Hk, D) in q's dtype and device,
+    Hk dividing q's heads, rows enough for a full cache of ``capacity`` keys; on CUDA, as the
+    kernels need them (contiguous: they are written in place)."""
+    _check_cache_tensor(ck_cache, "ck_cache", q, "q")
+    if ck_cache.shape[3] != q.shape[2] or q.shape[1] % ck_cache.shape[2] != 0:
+        raise ValueError(f"ck_cache must have shape (batch, capacity_c, Hk, D={q.shape[2]}) with Hk dividing q's "
+                         f"{q.shape[1]} heads, got {tuple(ck_cache.shape)}")
+    if nk_cache is not None:
+        _check_cache_tensor(nk_cache, "nk_cache", q, "q")
+        if nk_cache.shape[0] != ck_cache.shape[0] or nk_cache.shape[2:] != ck_cache.shape[2:]:
+            raise ValueError(f"nk_cache must have shape (batch={ck_cache.shape[0]}, capacity_n, Hk={ck_cache.shape[2]}, "
+                             f"D={ck_cache.shape[3]}), got {tuple(nk_cache.shape)}")
+    if ck_cache.shape[0] != batch:
+        raise ValueError(f"ck_cache must hold a sequence per batch entry ({batch}), got {ck_cache.shape[0]}")
+    _check_compressed_rows(ck_cache, "ck_cache", capacity, kernel_size, kernel_stride)
+    if nk_cache is not None:
+        _check_compressed_rows(nk_cache, "nk_cache", capacity, norm_kernel_size, norm_kernel_stride)
+    if q.is_cuda:
+        for name, t in (("ck_cache", ck_cache), ("nk_cache", nk_cache)):
+            if t is not None:
+                _check_kernel_tensor(t, name)
+
+
 def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, capacity, topk=96, kernel_size=32,
                           kernel_stride=16, block_size=64, init_blocks=1, local_blocks=32, norm_kernel_size=128,
                           norm_kernel_stride=64, softmax_scale=None, max_seqlen_q=None, num_splits=0):
@@ -1167,26 +1184,14 @@ def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, ca
     CPU runs the reference.
     """
     _check_tensor3(q, "q")
-    _check_cache_tensor(ck_cache, "ck_cache", q, "q")
-    if ck_cache.shape[3] != q.shape[2] or q.shape[1] % ck_cache.shape[2] != 0:
-        raise ValueError(f"ck_cache must have shape (batch, capacity_c, Hk, D={q.shape[2]}) with Hk dividing q's "
-                         f"{q.shape[1]} heads, got {tuple(ck_cache.shape)}")
-    if nk_cache is not None:
-        _check_cache_tensor(nk_cache, "nk_cache", q, "q")
-        if nk_cache.shape[0] != ck_cache.shape[0] or nk_cache.shape[2:] != ck_cache.shape[2:]:
-            raise ValueError(f"nk_cache must have shape (batch={ck_cache.shape[0]}, capacity_n, Hk={ck_cache.shape[2]}, "
-                             f"D={ck_cache.shape[3]}), got {tuple(nk_cache.shape)}")
     _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
     batch = cu_seqlens_q.numel() - 1
-    if ck_cache.shape[0] != batch:
-        raise ValueError(f"ck_cache must hold a sequence per batch entry ({batch}), got {ck_cache.shape[0]}")
-    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
     for value, name, minimum in ((capacity, "capacity", 0), (topk, "topk", 1), (init_blocks, "init_blocks", 0),
                                  (local_blocks, "local_blocks", 0), (num_splits, "num_splits", 0)):
         _check_int(value, name, minimum)
-    _check_compressed_rows(ck_cache, "ck_cache", capacity, kernel_size, kernel_stride)
-    if nk_cache is not None:
-        _check_compressed_rows(nk_cache, "nk_cache", capacity, norm_kernel_size, norm_kernel_stride)
+    _check_compressed_caches(q, ck_cache, nk_cache, batch, capacity, kernel_size, kernel_stride, norm_kernel_size,
+                             norm_kernel_stride)
+    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
     if not q.is_cuda:
         return reference.select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens.clamp(0, capacity), cu_seqlens_q,
                                                topk, kernel_size, kernel_stride, block_size, init_blocks, local_blocks,
@@ -1199,9 +1204,6 @@ def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, ca
         raise ValueError(f"num_splits must be at most {_MAX_SELECT_SPLITS} (0 lets the library pick), got {num_splits}")
     # the scoring kernels' limits (dtype, head_dim, group size, 32/16, scale) on one sequence's rows
     _check_scoring_qk(q, ck_cache[0], "ck_cache", kernel_size, kernel_stride, softmax_scale)
-    for name, t in (("ck_cache", ck_cache), ("nk_cache", nk_cache)):
-        if t is not None:
-            _check_kernel_tensor(t, name)
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
     return _select_decode_kvcache_op(q.detach(), ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, topk, capacity,
                                      max_seqlen_q, init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
@@ -1268,3 +1270,48 @@ def max_pool_blocks(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32,
     out = torch.empty((S.shape[0], S.shape[1], n_blocks), dtype=torch.float32, device=S.device)
     max_pool_blocks_launch(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, out, init_blocks, local_blocks, max_seqlen_q)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# attention_kvcache: the decoding step in one C call (infllmv2_attention_kvcache)
+# --------------------------------------------------------------------------------------------
+
+
+def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table, out,
+                             lse, new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale):
+    """Runs infllmv2_attention_kvcache; ``config`` the infllmv2_sparse_config fields in order."""
+    lib = _lib.lib()
+    c = _lib.SparseConfigC(*config)
+    batch = cu_seqlens_q.numel() - 1
+    pages_per_seq = 0 if block_table is None else block_table.shape[1]
+    args = (batch, q.shape[0], max_seqlen_q, max_seqlen_k, k_cache.shape[0], k_cache.shape[1], pages_per_seq)
+    size = lib.infllmv2_attention_kvcache_workspace_size(*args, q.shape[1], k_cache.shape[2], q.shape[2],
+                                                         ctypes.byref(c))
+    # 0 is an argument error, which the call below reports
+    workspace = torch.empty(max(size, 256), dtype=torch.uint8, device=q.device)
+    with torch.cuda.device(q.device):
+        status = lib.infllmv2_attention_kvcache(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(cu_seqlens_q),
+            _ptr(ck_cache), _ptr(nk_cache), _ptr(out), _ptr(lse), _ptr(workspace), size, *args,
+            ck_cache.shape[1], 0 if nk_cache is None else nk_cache.shape[1], new_keys, q.shape[1], k_cache.shape[2],
+            q.shape[2], _KERNEL_DTYPES[q.dtype], softmax_scale, ctypes.byref(c), _stream(q.device))
+    _lib.check(status)
+
+
+@torch.library.custom_op("infllmv2::attention_kvcache", mutates_args=("ck_cache", "nk_cache"))
+def _attention_kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, ck_cache: torch.Tensor, nk_cache: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor], new_keys: int, max_seqlen_q: int, max_seqlen_k: int, config: list[int],
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _fwd_outputs(q)
+    attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table, out,
+                             lse, new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale)
+    return out, lse
+
+
+@_attention_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table, new_keys, max_seqlen_q,
+      max_seqlen_k, config, softmax_scale):
+    return _fwd_outputs(q)

@@ -736,6 +736,33 @@ def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, to
     return (idx, blocks) if return_scores else idx
 
 
+def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, new_keys, block_table=None,
+                      dense_len=8192, softmax_scale=None, topk=96, kernel_size=32, kernel_stride=16, block_size=64,
+                      init_blocks=1, local_blocks=32, approx_lse=True, norm_kernel_size=128, norm_kernel_stride=64):
+    """A step of ``attention`` for new tokens against a KV cache (their keys in it already, counted
+    by ``cache_seqlens``): returns ``(out, lse, ck_cache', nk_cache')``, the compressed caches
+    brought up to date for the last ``new_keys`` keys (``compress_keys_kvcache``; ``nk_cache`` only
+    with ``approx_lse``, else returned as given), then every block (dense attention) when the
+    longest sequence is shorter than ``dense_len``, else ``select_decode_kvcache`` over the updated
+    caches, then ``sparse_decode_kvcache``."""
+    ck_cache = compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table, kernel_size,
+                                     kernel_stride)
+    if approx_lse:
+        nk_cache = compress_keys_kvcache(k_cache, cache_seqlens, nk_cache, new_keys, block_table, norm_kernel_size,
+                                         norm_kernel_stride)
+    longest = max([int(n) for n in cache_seqlens.tolist()] + [1])
+    if longest < dense_len:
+        n = -(-longest // block_size)
+        topk_idx = torch.arange(n, dtype=torch.int32, device=q.device).expand(k_cache.shape[2], q.shape[0], n)
+    else:
+        topk_idx = select_decode_kvcache(q, ck_cache, nk_cache if approx_lse else None, cache_seqlens, cu_seqlens_q,
+                                         topk, kernel_size, kernel_stride, block_size, init_blocks, local_blocks,
+                                         norm_kernel_size, norm_kernel_stride, softmax_scale)
+    out, lse = sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table,
+                                     softmax_scale, block_size)
+    return out, lse, ck_cache, nk_cache
+
+
 def sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale=None, block_size=64,
                        chunk=_DEFAULT_CHUNK):
     """Block-sparse attention over the selected blocks (stage 2).
