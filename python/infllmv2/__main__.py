@@ -58,6 +58,32 @@ def _check_compress_keys(device, dtype, head_dim, phsa, geometry, cached=False):
     return within_error_rule(out.cpu(), lowp, ref32)
 
 
+def _check_kvcache_step(device, dtype, head_dim):
+    """attention_kvcache from empty compressed caches of a paged cache (both levels updated in one
+    launch), dense path: its caches against compress_keys' reference."""
+    lengths = [1, 63, 64, 65, 257, 1000]
+    k = random_tokens(lengths, 2, head_dim, dtype, device, seed=head_dim + 7)
+    kc, vc, table = kv_cache_of(k, k, lengths, "paged64")
+    cap = kc.shape[1] * table.shape[1]
+    caches = [torch.zeros((len(lengths), infllmv2.compressed_capacity(cap, *g), 2, head_dim), dtype=dtype,
+                          device=device) for g in ((32, 16), (128, 64))]
+    q = random_tokens([1] * len(lengths), 32, head_dim, dtype, device, seed=head_dim + 8)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with torch.no_grad():
+        infllmv2.attention_kvcache(q, kc, vc, lens, cu_seqlens([1] * len(lengths), device), *caches, max(lengths),
+                                   table, max_seqlen_q=1, max_seqlen_k=max(lengths))
+    ok_all, worst = True, (0.0, 0.0)
+    cu = cu_seqlens(lengths)
+    for cache, g in zip(caches, ((32, 16), (128, 64))):
+        got = torch.cat([cache[b, :reference._num_windows(n, *g)] for b, n in enumerate(lengths)]).cpu()
+        lowp = reference.compress_keys(k.cpu(), cu, *g)[0]
+        ref32 = reference.compress_keys(k.cpu().float(), cu, *g)[0]
+        ok, err, base = within_error_rule(got, lowp, ref32)
+        ok_all &= ok
+        worst = max(worst, (err, base))
+    return ok_all, worst[0], worst[1]
+
+
 def _check_attention(device, dtype, head_dim, G, op):
     """sparse_attn_varlen (op "sparse") or dense_attn_varlen (op "dense"), forward and backward;
     sparse_decode (op "decode", split 5 ways) and sparse_decode_kvcache over a paged cache (op
@@ -169,6 +195,10 @@ def check() -> int:
                         print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  "
                               f"{f'paged {geometry[0]}/{geometry[1]}':<14}{err:>10.2e}{base:>11.2e}  "
                               f"{'ok' if ok else 'FAIL'}")
+                    ok, err, base = _check_kvcache_step("cuda" if gpu else "cpu", dtype, head_dim)
+                    failures += not ok
+                    print(f"{'compress_keys':<16}{arch or 'cpu':<8}{str(dtype)[6:]:<10}{head_dim:>4}  {'step, 2 levels':<14}"
+                          f"{err:>10.2e}{base:>11.2e}  {'ok' if ok else 'FAIL'}")
                     for op in ("sparse", "dense", "decode", "kvcache"):
                         for G in (1, 4, 16):
                             ok, err, base = _check_attention("cuda" if gpu else "cpu", dtype, head_dim, G, op)
