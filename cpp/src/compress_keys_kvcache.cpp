@@ -27,10 +27,12 @@ infllmv2_status infllmv2::compress_kvcache_levels(const char* op, const void* k_
                                                   int n_levels, int32_t batch, int64_t num_pages, int32_t page_size,
                                                   int32_t pages_per_seq, int32_t new_keys, int32_t heads_k,
                                                   int32_t head_dim, infllmv2_dtype dtype, cudaStream_t stream) {
-  // dtype, head_dim, and batch and heads_k within a grid axis (one head a group: no query heads
-  // here; the levels share grid z)
-  infllmv2_status st = check_group_layout(op, dtype, head_dim, batch, heads_k * n_levels, heads_k * n_levels);
+  // dtype, head_dim, and batch and heads_k within a grid axis (one head a group: no query heads here)
+  infllmv2_status st = check_group_layout(op, dtype, head_dim, batch, heads_k, heads_k);
   if (st != INFLLMV2_OK) return st;
+  if (heads_k > kMaxGridYZ / std::max(n_levels, 1))  // the levels share grid z
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: heads_k must be at most %d to update %d compressed caches in one "
+                "launch, got %d", op, kMaxGridYZ / n_levels, n_levels, heads_k);
   if (new_keys < 0)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: new_keys must be >= 0, got %d", op, new_keys);
   if ((st = check_cache_layout(op, block_table != nullptr, batch, num_pages, page_size, pages_per_seq, kBlock)) !=

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 import torch
 
 from . import _lib, reference
-from .ops import (_attention_kvcache_op, _cache_capacity, _check_block_table, _check_cache_tensor,
-                  _check_compressed_caches, _check_int, _check_kernel_attention, _check_kernel_pages, _check_offsets,
+from .ops import (_attention_kvcache_op, _cache_capacity, _check_block_table, _check_compressed_caches,
+                  _check_int, _check_kernel_attention, _check_kernel_pages, _check_kv_cache, _check_offsets,
                   _check_tensor3, _index_vector, _max_seqlen, _needs_grad, _scale_or_zero, _stage2,
                   dense_attn_varlen, select_decode)
 
@@ -213,11 +213,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     cfg = _config(config)
     _check_tensor3(q, "q")
     _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_cache_tensor(t, name, q, "q")
-    if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2] or q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"k_cache and v_cache must both have shape (num_pages, page_size, Hk, D={q.shape[2]}) with Hk "
-                         f"dividing q's {q.shape[1]} heads, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _check_kv_cache(q, k_cache, v_cache)
     batch = cu_seqlens_q.numel() - 1
     cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
     block_table = _check_block_table(block_table, k_cache, batch)

@@ -646,6 +646,18 @@ def _check_cache_tensor(t, name, like, like_name):
                          f"{t.device}")
 
 
+def _check_kv_cache(q, k_cache, v_cache):
+    """k_cache and v_cache of one shape (num_pages, page_size, Hk, D) in q's dtype and device, D q's,
+    Hk dividing q's heads."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_cache_tensor(t, name, q, "q")
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"k_cache and v_cache must both have shape (num_pages, page_size, Hk, D={q.shape[2]}), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of the cache's heads_k ({k_cache.shape[2]})")
+
+
 def _check_block_table(block_table, k_cache, batch):
     """The block table as int32 (None for a padded cache, which needs a page a sequence)."""
     if block_table is None:
@@ -701,13 +713,7 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a tensor of shape (total_q, Hq, D)")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_cache_tensor(t, name, q, "q")
-    if v_cache.shape != k_cache.shape or k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"k_cache and v_cache must both have shape (num_pages, page_size, Hk, D={q.shape[2]}), got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of the cache's heads_k ({k_cache.shape[2]})")
+    _check_kv_cache(q, k_cache, v_cache)
     _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
     batch = cu_seqlens_q.numel() - 1
     cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
