@@ -24,7 +24,8 @@ Kernels (one PrimFunc each):
                   (sm_90a, G >= 16: pairs of 4-token tiles as 2-block clusters, _fwd_pair)
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
   bwd_dq          dQ, tiles and union as fwd (sm_90a also  grid (tiles, batch, Hk)
-                  has a unit of 4-token tiles for G >= 16)
+                  has a unit of 4-token tiles for G >= 16; there the next block's K and V
+                  load by TMA while the current one is computed, see _bwd_dq)
   bwd_members     the inverse index of the selections:     grid (CHUNKS x windows, Hk, batch)
                   each key block's member queries,
                   ascending (counted with fill = 0, written with fill = 1)
@@ -204,7 +205,7 @@ def program(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
 UW = 2048  # blocks per window of the tile union's bitmap (8 KB of shared memory)
 
 
-def _make_tile_union(topk, threads, T_MAX):
+def _make_tile_union(topk, threads, T_MAX, uw=UW):
     """A macro: the union of the selected blocks of tokens t0 .. t0+n_tok-1 of a tile.
 
     Writes ublk_s[0 .. n) (the blocks, in the order of the entries that first list them) and
@@ -212,7 +213,7 @@ def _make_tile_union(topk, threads, T_MAX):
     n_union[0]. Entries < 0, beyond the token's own block, or repeated in a row are dropped.
 
     Each token sets its bit for each block it picked in a shared bitmap (bm_s, one int per
-    block, UW blocks at a time), so finding who else picked a block is one read. (A binary
+    block, uw blocks at a time), so finding who else picked a block is one read. (A binary
     search per entry in every other token's row cost T^2 K log K steps a tile: measured on an
     H100 at 32K x 8, 11.6 of the forward's 51.3 ms at G = 16 and 46.3 of 86.5 ms at G = 4,
     whose tiles have 16 tokens.)"""
@@ -239,24 +240,24 @@ def _make_tile_union(topk, threads, T_MAX):
                 my_keep[e] = T.if_then_else(
                     v >= 0 and v <= (qblk0 + i // K_MAX) // BLOCK_N and (i % K_MAX == 0 or idx_s[i - 1] != v), 1, 0
                 )
-        for w in T.serial(T.ceildiv((qblk0 + n_tok - 1) // BLOCK_N + 1, UW)):
+        for w in T.serial(T.ceildiv((qblk0 + n_tok - 1) // BLOCK_N + 1, uw)):
             if tx < threads:
-                for e in T.serial(UW // threads):
+                for e in T.serial(uw // threads):
                     bm_s[e * threads + tx] = 0
             T.sync_threads()
             if tx < threads:
                 for e in T.serial(TK // threads):
                     i = e * threads + tx
-                    if my_keep[e] == 1 and idx_s[i] // UW == w:
+                    if my_keep[e] == 1 and idx_s[i] // uw == w:
                         # an add sets the bit: a token lists a block once (repeats are dropped).
                         # (TileLang 0.1.15's atomic_or emits red.global, wrong on shared memory.)
-                        T.atomic_add(bm_s[idx_s[i] - w * UW], 1 << (i // K_MAX))
+                        T.atomic_add(bm_s[idx_s[i] - w * uw], 1 << (i // K_MAX))
             T.sync_threads()
             if tx < threads:
                 for e in T.serial(TK // threads):
                     i = e * threads + tx
-                    if my_keep[e] == 1 and idx_s[i] // UW == w:
-                        my_mask[e] = bm_s[idx_s[i] - w * UW]
+                    if my_keep[e] == 1 and idx_s[i] // uw == w:
+                        my_mask[e] = bm_s[idx_s[i] - w * uw]
             T.sync_threads()
         if tx < threads:
             for e in T.serial(TK // threads):
@@ -672,9 +673,71 @@ def _bwd_dq(dtype, D, arch, tokens):
     # G = 16, 67.6 -> 57.9 ms at 32K x 8 and 73 -> 59.6 ms at 128K x 2, dQ bitwise equal.
     # (The 16-token unit needs 80 KB: two tiles an SM.)
     tiles_per_sm = 3 if tokens == SMALL_TOKENS and arch == "sm_90a" else None
+    # sm_90a walks the union with TMA loads into two buffers whose roles alternate (dq_block)
+    rotate = arch == "sm_90a"
     TK = T_MAX * K_MAX
     threads = 128
-    tile_union = _make_tile_union(topk, threads, T_MAX)
+    # TileLang's allocator overlaps no other shared buffer with one that TMA writes, so the
+    # union's scratch no longer shares K_s's and V_s's memory, and the barriers take 1 KB of
+    # static shared memory: a bitmap of 256 blocks keeps the 4-token unit within a third of an
+    # SM (74 KB + 1 KB; the union then takes one pass per 256 blocks: 2 at 32K keys).
+    uw = UW // 8 if tiles_per_sm is not None and rotate else UW
+    tile_union = _make_tile_union(topk, threads, T_MAX, uw)
+    S_REGS = BLOCK_M * BLOCK_N // threads
+    DQ_REGS = BLOCK_M * D // threads
+
+    @T.macro
+    def probabilities(acc_s, um, n_tok, blk, p0, rtok, lse_r, scale_log2):
+        """Scores to P = exp(scale S - LSE) where the row's token picked block blk and sees the
+        key, else 0."""
+        if _whole_block(um, n_tok, blk, p0):
+            # every token picked and sees the block, so its rows' LSEs are finite
+            for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse_r[r])
+        else:
+            for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                acc_s[r, c] = T.if_then_else(
+                    lse_r[r] != NEG_INF
+                    and ((um >> rtok[r]) & 1) == 1
+                    and blk * BLOCK_N + c <= p0 + rtok[r],
+                    T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
+                    0,
+                )
+
+    @T.macro
+    def dq_block(it, n_it, K, V, k0, hk, Kb, Vb, full, iK, iV, Q_s, dO_s, ublk_s, umask_s, n_tok, p0, rtok, lse_r,
+                 delta_r, acc_s, acc_dp, dS_r, acc_dq, scale_log2):
+        """Block it of the union, its K in Kb and its V in Vb (sm_90a). V is free once dP is
+        computed and K once dQ is, so the next block's K loads into Vb during dS and the dQ
+        GEMM, and its V into Kb during the next S GEMM and exponentials: both loads overlap
+        work, with no third buffer (which would cost the SM its third tile). The GEMMs for S and
+        dP are issued together, so dP runs while P is taken. The copies are issued on every
+        step with a clamped index (the last step reloads the last block, waited for after the
+        loop): under a condition TileLang 0.1.15 can put a barrier inside the issuing thread's
+        branch, which deadlocks."""
+        blk = ublk_s[it]
+        nxt = ublk_s[T.min(it + 1, n_it - 1)]
+        T.mbarrier_wait_parity(full[iK], it % 2)
+        T.wgmma_gemm(Q_s, Kb, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        T.mbarrier_wait_parity(full[iV], it % 2)
+        T.wgmma_gemm(dO_s, Vb, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+        T.wait_wgmma(1)
+        T.warpgroup_fence_operand(acc_s, num_regs=S_REGS)
+        probabilities(acc_s, umask_s[it], n_tok, blk, p0, rtok, lse_r, scale_log2)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_dp, num_regs=S_REGS)
+        T.sync_threads()  # every warp's part of dP has read Vb
+        T.tma_copy(K[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], Vb, barrier=full[iV])
+        T.mbarrier_arrive(full[iV])
+        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+            dS_r[r, c] = T.cast(acc_s[r, c] * (acc_dp[r, c] - delta_r[r]), dtype)
+        T.warpgroup_fence_operand(acc_dq, num_regs=DQ_REGS)
+        T.wgmma_gemm(dS_r, Kb, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc_dq, num_regs=DQ_REGS)
+        T.sync_threads()  # every warp's part of dQ has read Kb
+        T.tma_copy(V[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], Kb, barrier=full[iK])
+        T.mbarrier_arrive(full[iK])
 
     @T.prim_func
     def sparse_attn_bwd_dq(
@@ -699,8 +762,10 @@ def _bwd_dq(dtype, D, arch, tokens):
                 T.annotate_min_blocks_per_sm(tiles_per_sm)
             Q_s = T.alloc_shared([BLOCK_M, D], dtype)
             dO_s = T.alloc_shared([BLOCK_M, D], dtype)
+            # K_s, V_s: on sm_90a the two buffers whose roles alternate (dq_block)
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
+            full = T.alloc_barrier([threads, threads]) if rotate else None  # K_s, V_s landed
             # dS stays in registers as the A operand of dS.K (no shared round trip, no barrier)
             dS_r = T.alloc_fragment([BLOCK_M, BLOCK_N], dtype)
             idx_s = T.alloc_shared([TK], "int32")
@@ -710,7 +775,7 @@ def _bwd_dq(dtype, D, arch, tokens):
             n_union = T.alloc_shared([1], "int32")
             my_keep = T.alloc_local([TK // threads], "int32")
             my_mask = T.alloc_local([TK // threads], "int32")
-            bm_s = T.alloc_shared([UW], "int32")
+            bm_s = T.alloc_shared([uw], "int32")
             n_it = T.alloc_var("int32")
             acc_s = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
             acc_dp = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
@@ -743,30 +808,35 @@ def _bwd_dq(dtype, D, arch, tokens):
                            my_keep, my_mask, bm_s)
                 n_it = n_union[0]
                 T.fill(acc_dq, 0)
-                for it in T.Pipelined(n_it, num_stages=_stages(arch)):
-                    blk = ublk_s[it]
-                    T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
-                    T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
-                    T.clear(acc_s)
-                    T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    if _whole_block(umask_s[it], n_tok, blk, p0):
-                        # every token picked and sees the block, so its rows' LSEs are finite
+                if rotate:
+                    # an empty union still loads (and waits for) one block: the sequence's first
+                    first = T.if_then_else(n_it > 0, ublk_s[0], 0)
+                    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
+                    T.mbarrier_arrive(full[0])
+                    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
+                    T.mbarrier_arrive(full[1])
+                    for it in T.serial(n_it):
+                        if it % 2 == 0:
+                            dq_block(it, n_it, K, V, k0, hk, K_s, V_s, full, 0, 1, Q_s, dO_s, ublk_s, umask_s,
+                                     n_tok, p0, rtok, lse_r, delta_r, acc_s, acc_dp, dS_r, acc_dq, scale_log2)
+                        else:
+                            dq_block(it, n_it, K, V, k0, hk, V_s, K_s, full, 1, 0, Q_s, dO_s, ublk_s, umask_s,
+                                     n_tok, p0, rtok, lse_r, delta_r, acc_s, acc_dp, dS_r, acc_dq, scale_log2)
+                    T.mbarrier_wait_parity(full[0], n_it % 2)
+                    T.mbarrier_wait_parity(full[1], n_it % 2)
+                else:
+                    for it in T.Pipelined(n_it, num_stages=_stages(arch)):
+                        blk = ublk_s[it]
+                        T.copy(K[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], K_s)
+                        T.copy(V[k0 + blk * BLOCK_N : k0 + (blk + 1) * BLOCK_N, hk, :], V_s)
+                        T.clear(acc_s)
+                        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        probabilities(acc_s, umask_s[it], n_tok, blk, p0, rtok, lse_r, scale_log2)
+                        T.clear(acc_dp)
+                        T.gemm(dO_s, V_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                         for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                            acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse_r[r])
-                    else:
-                        for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                            acc_s[r, c] = T.if_then_else(
-                                lse_r[r] != NEG_INF
-                                and ((umask_s[it] >> rtok[r]) & 1) == 1
-                                and blk * BLOCK_N + c <= p0 + rtok[r],
-                                T.exp2(acc_s[r, c] * scale_log2 - lse_r[r]),
-                                0,
-                            )
-                    T.clear(acc_dp)
-                    T.gemm(dO_s, V_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    for r, c in T.Parallel(BLOCK_M, BLOCK_N):
-                        dS_r[r, c] = T.cast(acc_s[r, c] * (acc_dp[r, c] - delta_r[r]), dtype)
-                    T.gemm(dS_r, K_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                            dS_r[r, c] = T.cast(acc_s[r, c] * (acc_dp[r, c] - delta_r[r]), dtype)
+                        T.gemm(dS_r, K_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
                 store_rows(acc_dq, dQ, q0 + t0, hk, n_tok, groups, scale_log2 / LOG2E)
 
     return sparse_attn_bwd_dq

@@ -1758,10 +1758,10 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm89_last_error()
 #endif
 static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[] = {
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 90, 81920, 128, 0, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 90, 106512, 128, 0, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 90, 73728, 128, 0, 128, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 90, 74768, 128, 0, 128, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_80", 80, 81920, 128, 0, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm80_last_error},
@@ -1770,10 +1770,10 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_bf16_d128_t8", "sm_89", 89, 81920, 128, 0, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 90, 49152, 128, 0, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 90, 73744, 128, 0, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 90, 40960, 128, 0, 64, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 90, 42000, 128, 0, 64, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_80", 80, 40960, 128, 0, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm80_last_error},
@@ -1782,10 +1782,10 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_bf16_d64_t8", "sm_89", 89, 40960, 128, 0, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_bf16_d64_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 90, 81920, 128, 1, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 90, 106512, 128, 1, 128, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 90, 73728, 128, 1, 128, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 90, 74768, 128, 1, 128, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_80", 80, 81920, 128, 1, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm80_last_error},
@@ -1794,10 +1794,10 @@ static const infllmv2_sparse_attn_bwd_dq_unit infllmv2_sparse_attn_bwd_dq_units[
   {"sparse_attn_bwd_dq_fp16_d128_t8", "sm_89", 89, 81920, 128, 1, 128, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_init, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_call, infllmv2_sparse_attn_bwd_dq_fp16_d128_t8_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 90, 49152, 128, 1, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 90, 73744, 128, 1, 64, 16, 64, 1, 1, 16, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 90, 40960, 128, 1, 64, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_last_error},
+  {"sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 90, 42000, 128, 1, 64, 4, 64, 1, 16, 4, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq_fp16_d64_t8", "sm_80", 80, 40960, 128, 1, 64, 8, 64, 1, 1, 8, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_init, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_call, infllmv2_sparse_attn_bwd_dq_fp16_d64_t8_sm80_last_error},
@@ -2993,10 +2993,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_fp16_d64", "sm_90a", 0, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 81920, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t16", "sm_90a", 106512, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 73728, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t4", "sm_90a", 74768, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t8", "sm_80", 81920, 128},
@@ -3005,10 +3005,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d128_t8", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t16", "sm_90a", 73744, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 40960, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t4", "sm_90a", 42000, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t8", "sm_80", 40960, 128},
@@ -3017,10 +3017,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_bf16_d64_t8", "sm_89", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 81920, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t16", "sm_90a", 106512, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 73728, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t4", "sm_90a", 74768, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t8", "sm_80", 81920, 128},
@@ -3029,10 +3029,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d128_t8", "sm_89", 81920, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 49152, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t16", "sm_90a", 73744, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 40960, 128},
+  {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t4", "sm_90a", 42000, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t8", "sm_80", 40960, 128},

@@ -453,7 +453,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         }
       }
       int blk_2 = ((int*)ublk_s)[it];
-      if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+      int um = ((int*)umask_s)[it];
+      if ((um == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
         for (int i_18 = 0; i_18 < 16; ++i_18) {
           float2 __1;
@@ -474,7 +475,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         #pragma unroll
         for (int i_19 = 0; i_19 < 32; ++i_19) {
           float condval_26;
-          if ((((lse_r[((i_19 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_19 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_19 & 3) >> 1)]) - len_q)))) {
+          if ((((lse_r[((i_19 & 3) >> 1)] != -CUDART_INF_F) && (((um >> rtok[((i_19 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_19 & 3) >> 1)]) - len_q)))) {
             condval_26 = exp2f(((acc_s[i_19] * scale_log2) - lse_r[((i_19 & 3) >> 1)]));
           } else {
             condval_26 = 0x0p+0f/*0.000000e+00*/;
@@ -576,7 +577,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     }
     if (1 <= n_it) {
       int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-      if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+      int um_1 = ((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)];
+      if ((um_1 == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
         for (int i_28 = 0; i_28 < 16; ++i_28) {
           float2 __7;
@@ -597,7 +599,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         #pragma unroll
         for (int i_29 = 0; i_29 < 32; ++i_29) {
           float condval_27;
-          if ((((lse_r[((i_29 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_29 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_29 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_29 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_29 & 3) >> 1)]) - len_q)))) {
+          if ((((lse_r[((i_29 & 3) >> 1)] != -CUDART_INF_F) && (((um_1 >> rtok[((i_29 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_29 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_29 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_29 & 3) >> 1)]) - len_q)))) {
             condval_27 = exp2f(((acc_s[i_29] * scale_log2) - lse_r[((i_29 & 3) >> 1)]));
           } else {
             condval_27 = 0x0p+0f/*0.000000e+00*/;

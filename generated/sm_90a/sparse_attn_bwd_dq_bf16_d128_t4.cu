@@ -11,7 +11,7 @@
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/atomic.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy.h>
+#include <tl_templates/cuda/copy_sm90.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -21,19 +21,21 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel(const float* __restrict__ Delta, __grid_constant__ const CUtensorMap K_desc, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel(const float* __restrict__ Delta, __grid_constant__ const CUtensorMap K_desc, const float* __restrict__ LSE, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const bfloat16_t* __restrict__ dO, bfloat16_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* dO_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* idx_s = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* n_union = ((void*)((char*)buf_dyn_shmem + 32768));
-  void* bm_s = ((void*)((char*)buf_dyn_shmem + 34816));
-  void* keep_s = ((void*)((char*)buf_dyn_shmem + 34816));
-  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 36864));
-  void* umask_s = ((void*)((char*)buf_dyn_shmem + 38912));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 40960));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 57344));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 49152));
+  void* idx_s = ((void*)((char*)buf_dyn_shmem + 65536));
+  void* keep_s = ((void*)((char*)buf_dyn_shmem + 67584));
+  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 69632));
+  void* umask_s = ((void*)((char*)buf_dyn_shmem + 71680));
+  void* bm_s = ((void*)((char*)buf_dyn_shmem + 73728));
+  void* n_union = ((void*)((char*)buf_dyn_shmem + 74752));
+  __shared__ __align__(16) uint64_t full_mem[2];
+  auto full = reinterpret_cast<Barrier*>(full_mem);
   float lse_r[2];
   float delta_r[2];
   int rtok[2];
@@ -44,6 +46,16 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
   float acc_s[32];
   float acc_dp[32];
   bfloat16_t dS_r[32];
+  if (tl::tl_shuffle_elect<0>()) {
+    tl::prefetch_tma_descriptor(K_desc);
+    tl::prefetch_tma_descriptor(V_desc);
+  }
+  if (tl::tl_shuffle_elect<0>()) {
+    full[0].init(128);
+    full[1].init(128);
+  }
+  tl::fence_barrier_init();
+  __syncthreads();
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -342,21 +354,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
       }
       my_keep[e_1] = condval_22;
     }
-    for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
-      for (int e_2 = 0; e_2 < 16; ++e_2) {
+    for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 14) + 1); ++w) {
+      for (int e_2 = 0; e_2 < 2; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
       }
       __syncthreads();
       for (int e_3 = 0; e_3 < 4; ++e_3) {
         __syncthreads();
-        if ((my_keep[e_3] == 1) && ((((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
-          AtomicAdd((&(((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)2048))])), (1 << e_3));
+        if ((my_keep[e_3] == 1) && ((((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))] >> 8) == w)) {
+          AtomicAdd((&(((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)256))])), (1 << e_3));
         }
       }
       __syncthreads();
       for (int e_4 = 0; e_4 < 4; ++e_4) {
-        if ((my_keep[e_4] == 1) && ((((int*)idx_s)[((e_4 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
-          my_mask[e_4] = ((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_4) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)2048))];
+        if ((my_keep[e_4] == 1) && ((((int*)idx_s)[((e_4 * 128) + ((int)threadIdx.x))] >> 8) == w)) {
+          my_mask[e_4] = ((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_4) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)256))];
         }
       }
       __syncthreads();
@@ -395,9 +407,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
-  }
-  __syncthreads();
-  if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+    __syncthreads();
     if (((int)threadIdx.x) == 0) {
       ((int*)n_union)[0] = ((int*)keep_s)[511];
     }
@@ -408,290 +418,292 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
       float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dq + (i_13 * 4)) = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
     }
-    if (0 < n_it) {
-      if (0 < n_it) {
-        int blk = ((int*)ublk_s)[0];
-        __syncthreads();
-        #pragma unroll
-        for (int i_14 = 0; i_14 < 8; ++i_14) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-        }
-      }
-      tl::cp_async_commit();
+    int condval_26;
+    if ((0 < n_it)) {
+      condval_26 = ((int*)ublk_s)[0];
+    } else {
+      condval_26 = 0;
     }
+    int first = condval_26;
     __syncthreads();
-    if (0 < n_it) {
-      if (0 < n_it) {
-        int blk_1 = ((int*)ublk_s)[0];
-        __syncthreads();
-        #pragma unroll
-        for (int i_15 = 0; i_15 < 8; ++i_15) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_15 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_15) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_15 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-        }
-      }
-      tl::cp_async_commit();
-    }
-    for (int it = 0; it < (n_it - 1); ++it) {
+    if (tl::tl_shuffle_elect<128>()) {
+      full[0].expect_transaction(16384);
+      tl::fence_proxy_async();
       #pragma unroll
-      for (int i_16 = 0; i_16 < 8; ++i_16) {
-        float broadcast_var_13 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_16 * 4)) = make_float4(broadcast_var_13, broadcast_var_13, broadcast_var_13, broadcast_var_13);
+      for (int i_14 = 0; i_14 < 2; ++i_14) {
+        tl::tma_load(K_desc, full[0], (&(((bfloat16_t*)K_s)[(i_14 * 4096)])), (i_14 * 64), ((first * 64) + k0), ((int)blockIdx.z));
       }
-      tl::cp_async_wait<0>();
+    }
+    full[0].arrive();
+    if (tl::tl_shuffle_elect<128>()) {
+      full[1].expect_transaction(16384);
+      tl::fence_proxy_async();
+      #pragma unroll
+      for (int i_15 = 0; i_15 < 2; ++i_15) {
+        tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[(i_15 * 4096)])), (i_15 * 64), ((first * 64) + k0), ((int)blockIdx.z));
+      }
+    }
+    full[1].arrive();
+    tl::fence_proxy_async();
+    for (int it = 0; it < n_it; ++it) {
       __syncthreads();
-      {
-        tl::GmmaDescriptor desc_a;
-        tl::GmmaDescriptor desc_b;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki = 0; ki < 8; ++ki) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-      int blk_2 = ((int*)ublk_s)[it];
-      if ((((int*)umask_s)[it] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        #pragma unroll
-        for (int i_17 = 0; i_17 < 16; ++i_17) {
-          float2 __1;
-          float2 __2;
-            float2 __3;
-              float2 v_ = *(float2*)(acc_s + (i_17 * 2));
-              float2 v__1 = make_float2(scale_log2, scale_log2);
-              __3.x = (v_.x*v__1.x);
-              __3.y = (v_.y*v__1.y);
-            float2 v__2 = make_float2(lse_r[(i_17 & 1)], lse_r[(i_17 & 1)]);
-            __2.x = (__3.x-v__2.x);
-            __2.y = (__3.y-v__2.y);
-          __1.x = exp2f(__2.x);
-          __1.y = exp2f(__2.y);
-          *(float2*)(acc_s + (i_17 * 2)) = __1;
-        }
-      } else {
-        #pragma unroll
-        for (int i_18 = 0; i_18 < 32; ++i_18) {
-          float condval_26;
-          if ((((lse_r[((i_18 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[it] >> rtok[((i_18 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_18 & 3) >> 1)]) - len_q)))) {
-            condval_26 = exp2f(((acc_s[i_18] * scale_log2) - lse_r[((i_18 & 3) >> 1)]));
-          } else {
-            condval_26 = 0x0p+0f/*0.000000e+00*/;
+      if ((it % 2) == 0) {
+        int n_it_1 = n_it;
+        int blk = ((int*)ublk_s)[it];
+        int nxt = ((int*)ublk_s)[min((((int64_t)it) + (int64_t)1), (((int64_t)n_it_1) - (int64_t)1))];
+        full[0].wait(0);
+        {
+          tl::GmmaDescriptor desc_a;
+          tl::GmmaDescriptor desc_b;
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki = 0; ki < 8; ++ki) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), ((0 < ki) ? 1 : 0));
           }
-          acc_s[i_18] = condval_26;
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         }
-      }
-      #pragma unroll
-      for (int i_19 = 0; i_19 < 8; ++i_19) {
-        float broadcast_var_14 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_19 * 4)) = make_float4(broadcast_var_14, broadcast_var_14, broadcast_var_14, broadcast_var_14);
-      }
-      tl::cp_async_wait<1>();
-      __syncthreads();
-      {
-        tl::GmmaDescriptor desc_a_1;
-        tl::GmmaDescriptor desc_b_1;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)dO_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-        tl::warpgroup_arrive();
-        #pragma unroll
-        for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
+        full[1].wait(0);
+        {
+          tl::GmmaDescriptor desc_a_1;
+          tl::GmmaDescriptor desc_b_1;
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)dO_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), ((0 < ki_1) ? 1 : 0));
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
         }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-      }
-      int blk_3 = ((int*)ublk_s)[(it + 1)];
-      __syncthreads();
-      #pragma unroll
-      for (int i_20 = 0; i_20 < 8; ++i_20) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_20 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_20) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-      }
-      tl::cp_async_commit();
-      #pragma unroll
-      for (int i_21 = 0; i_21 < 16; ++i_21) {
-        uint1 __4;
-        float2 __5;
-          float2 v__3 = *(float2*)(acc_s + (i_21 * 2));
-          float2 __6;
-            float2 v__4 = *(float2*)(acc_dp + (i_21 * 2));
-            float2 v__5 = make_float2(delta_r[(i_21 & 1)], delta_r[(i_21 & 1)]);
-            __6.x = (v__4.x-v__5.x);
-            __6.y = (v__4.y-v__5.y);
-          __5.x = (v__3.x*__6.x);
-          __5.y = (v__3.y*__6.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_r + (i_21 * 2)) = __4;
-      }
-      {
-        tl::GmmaDescriptor desc_b_2;
-        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dS_r + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dq + 0), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
-      }
-      __syncthreads();
-      int blk_4 = ((int*)ublk_s)[(it + 1)];
-      __syncthreads();
-      #pragma unroll
-      for (int i_22 = 0; i_22 < 8; ++i_22) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_22 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_22) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-      }
-      tl::cp_async_commit();
-    }
-    if (1 <= n_it) {
-      #pragma unroll
-      for (int i_23 = 0; i_23 < 8; ++i_23) {
-        float broadcast_var_15 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_23 * 4)) = make_float4(broadcast_var_15, broadcast_var_15, broadcast_var_15, broadcast_var_15);
-      }
-    }
-    tl::cp_async_wait<0>();
-    __syncthreads();
-    if (1 <= n_it) {
-      {
-        tl::GmmaDescriptor desc_a_2;
-        tl::GmmaDescriptor desc_b_3;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_3, (&(((bfloat16_t*)K_s)[0])));
+        tl::wait_wgmma<1>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), uint64_t(desc_b_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+        int um = ((int*)umask_s)[it];
+        if ((um == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+          #pragma unroll
+          for (int i_16 = 0; i_16 < 16; ++i_16) {
+            float2 __1;
+            float2 __2;
+              float2 __3;
+                float2 v_ = *(float2*)(acc_s + (i_16 * 2));
+                float2 v__1 = make_float2(scale_log2, scale_log2);
+                __3.x = (v_.x*v__1.x);
+                __3.y = (v_.y*v__1.y);
+              float2 v__2 = make_float2(lse_r[(i_16 & 1)], lse_r[(i_16 & 1)]);
+              __2.x = (__3.x-v__2.x);
+              __2.y = (__3.y-v__2.y);
+            __1.x = exp2f(__2.x);
+            __1.y = exp2f(__2.y);
+            *(float2*)(acc_s + (i_16 * 2)) = __1;
+          }
+        } else {
+          #pragma unroll
+          for (int i_17 = 0; i_17 < 32; ++i_17) {
+            float condval_27;
+            if ((((lse_r[((i_17 & 3) >> 1)] != -CUDART_INF_F) && (((um >> rtok[((i_17 & 3) >> 1)]) & 1) == 1)) && (((((blk * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_17 & 3) >> 1)]) - len_q)))) {
+              condval_27 = exp2f(((acc_s[i_17] * scale_log2) - lse_r[((i_17 & 3) >> 1)]));
+            } else {
+              condval_27 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_s[i_17] = condval_27;
+          }
         }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
+        tl::wait_wgmma<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+        __syncthreads();
+        if (tl::tl_shuffle_elect<128>()) {
+          full[1].expect_transaction(16384);
+          #pragma unroll
+          for (int i_18 = 0; i_18 < 2; ++i_18) {
+            tl::tma_load(K_desc, full[1], (&(((bfloat16_t*)V_s)[(i_18 * 4096)])), (i_18 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+          }
+        }
+        full[1].arrive();
+        #pragma unroll
+        for (int i_19 = 0; i_19 < 16; ++i_19) {
+          uint1 __4;
+          float2 __5;
+            float2 v__3 = *(float2*)(acc_s + (i_19 * 2));
+            float2 __6;
+              float2 v__4 = *(float2*)(acc_dp + (i_19 * 2));
+              float2 v__5 = make_float2(delta_r[(i_19 & 1)], delta_r[(i_19 & 1)]);
+              __6.x = (v__4.x-v__5.x);
+              __6.y = (v__4.y-v__5.y);
+            __5.x = (v__3.x*__6.x);
+            __5.y = (v__3.y*__6.y);
+          (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
+          *(uint1*)(dS_r + (i_19 * 2)) = __4;
+        }
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+        {
+          tl::GmmaDescriptor desc_b_2;
+          tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dS_r + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dq + 0), 1);
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
+        }
+        tl::wait_wgmma<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+        __syncthreads();
+        if (tl::tl_shuffle_elect<128>()) {
+          full[0].expect_transaction(16384);
+          #pragma unroll
+          for (int i_20 = 0; i_20 < 2; ++i_20) {
+            tl::tma_load(V_desc, full[0], (&(((bfloat16_t*)K_s)[(i_20 * 4096)])), (i_20 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+          }
+        }
+        full[0].arrive();
+      } else {
+        int n_it_2 = n_it;
+        int blk_1 = ((int*)ublk_s)[it];
+        int nxt_1 = ((int*)ublk_s)[min((((int64_t)it) + (int64_t)1), (((int64_t)n_it_2) - (int64_t)1))];
+        full[1].wait((it & 1));
+        {
+          tl::GmmaDescriptor desc_a_2;
+          tl::GmmaDescriptor desc_b_3;
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)Q_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_3, (&(((bfloat16_t*)V_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), uint64_t(desc_b_3 + ((((ki_3 >> 2) * 8192) + ((ki_3 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), ((0 < ki_3) ? 1 : 0));
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+        }
+        full[0].wait((it & 1));
+        {
+          tl::GmmaDescriptor desc_a_3;
+          tl::GmmaDescriptor desc_b_4;
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)dO_s)[0])));
+          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)K_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
+            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), ((0 < ki_4) ? 1 : 0));
+          }
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+        }
+        tl::wait_wgmma<1>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-    }
-    if (1 <= n_it) {
-      int blk_5 = ((int*)ublk_s)[(((int64_t)n_it) - (int64_t)1)];
-      if ((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        int um_1 = ((int*)umask_s)[it];
+        if ((um_1 == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_1 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+          #pragma unroll
+          for (int i_21 = 0; i_21 < 16; ++i_21) {
+            float2 __7;
+            float2 __8;
+              float2 __9;
+                float2 v__6 = *(float2*)(acc_s + (i_21 * 2));
+                float2 v__7 = make_float2(scale_log2, scale_log2);
+                __9.x = (v__6.x*v__7.x);
+                __9.y = (v__6.y*v__7.y);
+              float2 v__8 = make_float2(lse_r[(i_21 & 1)], lse_r[(i_21 & 1)]);
+              __8.x = (__9.x-v__8.x);
+              __8.y = (__9.y-v__8.y);
+            __7.x = exp2f(__8.x);
+            __7.y = exp2f(__8.y);
+            *(float2*)(acc_s + (i_21 * 2)) = __7;
+          }
+        } else {
+          #pragma unroll
+          for (int i_22 = 0; i_22 < 32; ++i_22) {
+            float condval_28;
+            if ((((lse_r[((i_22 & 3) >> 1)] != -CUDART_INF_F) && (((um_1 >> rtok[((i_22 & 3) >> 1)]) & 1) == 1)) && (((((blk_1 * 64) + ((i_22 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_22 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_22 & 3) >> 1)]) - len_q)))) {
+              condval_28 = exp2f(((acc_s[i_22] * scale_log2) - lse_r[((i_22 & 3) >> 1)]));
+            } else {
+              condval_28 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_s[i_22] = condval_28;
+          }
+        }
+        tl::wait_wgmma<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
+        __syncthreads();
+        if (tl::tl_shuffle_elect<128>()) {
+          full[0].expect_transaction(16384);
+          #pragma unroll
+          for (int i_23 = 0; i_23 < 2; ++i_23) {
+            tl::tma_load(K_desc, full[0], (&(((bfloat16_t*)K_s)[(i_23 * 4096)])), (i_23 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          }
+        }
+        full[0].arrive();
         #pragma unroll
         for (int i_24 = 0; i_24 < 16; ++i_24) {
-          float2 __7;
-          float2 __8;
-            float2 __9;
-              float2 v__6 = *(float2*)(acc_s + (i_24 * 2));
-              float2 v__7 = make_float2(scale_log2, scale_log2);
-              __9.x = (v__6.x*v__7.x);
-              __9.y = (v__6.y*v__7.y);
-            float2 v__8 = make_float2(lse_r[(i_24 & 1)], lse_r[(i_24 & 1)]);
-            __8.x = (__9.x-v__8.x);
-            __8.y = (__9.y-v__8.y);
-          __7.x = exp2f(__8.x);
-          __7.y = exp2f(__8.y);
-          *(float2*)(acc_s + (i_24 * 2)) = __7;
+          uint1 __10;
+          float2 __11;
+            float2 v__9 = *(float2*)(acc_s + (i_24 * 2));
+            float2 __12;
+              float2 v__10 = *(float2*)(acc_dp + (i_24 * 2));
+              float2 v__11 = make_float2(delta_r[(i_24 & 1)], delta_r[(i_24 & 1)]);
+              __12.x = (v__10.x-v__11.x);
+              __12.y = (v__10.y-v__11.y);
+            __11.x = (v__9.x*__12.x);
+            __11.y = (v__9.y*__12.y);
+          (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
+          *(uint1*)(dS_r + (i_24 * 2)) = __10;
         }
-      } else {
-        #pragma unroll
-        for (int i_25 = 0; i_25 < 32; ++i_25) {
-          float condval_27;
-          if ((((lse_r[((i_25 & 3) >> 1)] != -CUDART_INF_F) && (((((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)] >> rtok[((i_25 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_25 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_25 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_25 & 3) >> 1)]) - len_q)))) {
-            condval_27 = exp2f(((acc_s[i_25] * scale_log2) - lse_r[((i_25 & 3) >> 1)]));
-          } else {
-            condval_27 = 0x0p+0f/*0.000000e+00*/;
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+        {
+          tl::GmmaDescriptor desc_b_5;
+          tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_5, (&(((bfloat16_t*)V_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+          tl::warpgroup_arrive();
+          #pragma unroll
+          for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
+            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dS_r + (ki_5 * 8)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dq + 0), 1);
           }
-          acc_s[i_25] = condval_27;
+          tl::warpgroup_commit_batch();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
         }
-      }
-    }
-    if (1 <= n_it) {
-      #pragma unroll
-      for (int i_26 = 0; i_26 < 8; ++i_26) {
-        float broadcast_var_16 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_26 * 4)) = make_float4(broadcast_var_16, broadcast_var_16, broadcast_var_16, broadcast_var_16);
-      }
-    }
-    tl::cp_async_wait<1>();
-    __syncthreads();
-    if (1 <= n_it) {
-      {
-        tl::GmmaDescriptor desc_a_3;
-        tl::GmmaDescriptor desc_b_4;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)dO_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dp + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
-      }
-    }
-    if (1 <= n_it) {
-      #pragma unroll
-      for (int i_27 = 0; i_27 < 16; ++i_27) {
-        uint1 __10;
-        float2 __11;
-          float2 v__9 = *(float2*)(acc_s + (i_27 * 2));
-          float2 __12;
-            float2 v__10 = *(float2*)(acc_dp + (i_27 * 2));
-            float2 v__11 = make_float2(delta_r[(i_27 & 1)], delta_r[(i_27 & 1)]);
-            __12.x = (v__10.x-v__11.x);
-            __12.y = (v__10.y-v__11.y);
-          __11.x = (v__9.x*__12.x);
-          __11.y = (v__9.y*__12.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
-        *(uint1*)(dS_r + (i_27 * 2)) = __10;
-      }
-    }
-    if (1 <= n_it) {
-      {
-        tl::GmmaDescriptor desc_b_5;
-        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_5, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
+        tl::wait_wgmma<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dS_r + (ki_5 * 8)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dq + 0), 1);
+        __syncthreads();
+        if (tl::tl_shuffle_elect<128>()) {
+          full[1].expect_transaction(16384);
+          #pragma unroll
+          for (int i_25 = 0; i_25 < 2; ++i_25) {
+            tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[(i_25 * 4096)])), (i_25 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          }
         }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dS_r + 0), 16);
+        full[1].arrive();
       }
     }
+    full[0].wait((n_it & 1));
+    full[1].wait((n_it & 1));
     if (groups == 16) {
       #pragma unroll
-      for (int i_28 = 0; i_28 < 32; ++i_28) {
+      for (int i_26 = 0; i_26 < 32; ++i_26) {
         bfloat16_t dQ_local_cast[2];
         if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
           uint1 __13;
           float2 __14;
-            float2 v__12 = *(float2*)(acc_dq + (i_28 * 2));
+            float2 v__12 = *(float2*)(acc_dq + (i_26 * 2));
             float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
             __14.x = (v__12.x*v__13.x);
             __14.y = (v__12.y*v__13.y);
           (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
           *(uint1*)(dQ_local_cast + 0) = __13;
-          if ((((((int)blockIdx.z) * 16) + ((i_28 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+          if ((((((int)blockIdx.z) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
             if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
               if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
               }
             }
           }
@@ -700,21 +712,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
     } else {
       if (groups == 8) {
         #pragma unroll
-        for (int i_29 = 0; i_29 < 32; ++i_29) {
+        for (int i_27 = 0; i_27 < 32; ++i_27) {
           bfloat16_t dQ_local_cast_1[2];
-          if (((((((int)threadIdx.x) >> 5) * 2) + (i_29 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+          if (((((((int)threadIdx.x) >> 5) * 2) + (i_27 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
             uint1 __15;
             float2 __16;
-              float2 v__14 = *(float2*)(acc_dq + (i_29 * 2));
+              float2 v__14 = *(float2*)(acc_dq + (i_27 * 2));
               float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
               __16.x = (v__14.x*v__15.x);
               __16.y = (v__14.y*v__15.y);
             (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&__16))[0]);
             *(uint1*)(dQ_local_cast_1 + 0) = __15;
             if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_29 & 1))) {
-                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_29 & 1)) < total_q) {
-                  *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_29) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
+              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_27 & 1))) {
+                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_27 & 1)) < total_q) {
+                  *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_27) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_27) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
                 }
               }
             }
@@ -723,21 +735,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
       } else {
         if (groups == 4) {
           #pragma unroll
-          for (int i_30 = 0; i_30 < 32; ++i_30) {
+          for (int i_28 = 0; i_28 < 32; ++i_28) {
             bfloat16_t dQ_local_cast_2[2];
-            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_30 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
               uint1 __17;
               float2 __18;
-                float2 v__16 = *(float2*)(acc_dq + (i_30 * 2));
+                float2 v__16 = *(float2*)(acc_dq + (i_28 * 2));
                 float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                 __18.x = (v__16.x*v__17.x);
                 __18.y = (v__16.y*v__17.y);
               (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&__18))[0]);
               *(uint1*)(dQ_local_cast_2 + 0) = __17;
               if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_30 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_30 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                    *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
                   }
                 }
               }
@@ -746,21 +758,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
         } else {
           if (groups == 2) {
             #pragma unroll
-            for (int i_31 = 0; i_31 < 32; ++i_31) {
+            for (int i_29 = 0; i_29 < 32; ++i_29) {
               bfloat16_t dQ_local_cast_3[2];
-              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_31 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                 uint1 __19;
                 float2 __20;
-                  float2 v__18 = *(float2*)(acc_dq + (i_31 * 2));
+                  float2 v__18 = *(float2*)(acc_dq + (i_29 * 2));
                   float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                   __20.x = (v__18.x*v__19.x);
                   __20.y = (v__18.y*v__19.y);
                 (reinterpret_cast<__nv_bfloat162*>(&__19))[0] = __float22bfloat162_rn(((float2*)(&__20))[0]);
                 *(uint1*)(dQ_local_cast_3 + 0) = __19;
                 if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_31 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_31 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                      *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_3 + 0);
+                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                      *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_29) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_3 + 0);
                     }
                   }
                 }
@@ -769,21 +781,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
           } else {
             if (groups == 1) {
               #pragma unroll
-              for (int i_32 = 0; i_32 < 32; ++i_32) {
+              for (int i_30 = 0; i_30 < 32; ++i_30) {
                 bfloat16_t dQ_local_cast_4[2];
-                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
                   uint1 __21;
                   float2 __22;
-                    float2 v__20 = *(float2*)(acc_dq + (i_32 * 2));
+                    float2 v__20 = *(float2*)(acc_dq + (i_30 * 2));
                     float2 v__21 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                     __22.x = (v__20.x*v__21.x);
                     __22.y = (v__20.y*v__21.y);
                   (reinterpret_cast<__nv_bfloat162*>(&__21))[0] = __float22bfloat162_rn(((float2*)(&__22))[0]);
                   *(uint1*)(dQ_local_cast_4 + 0) = __21;
                   if (((int)blockIdx.z) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_32) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_32) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_4 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_4 + 0);
                       }
                     }
                   }
@@ -791,34 +803,34 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
               }
             } else {
               #pragma unroll
-              for (int i_33 = 0; i_33 < 32; ++i_33) {
+              for (int i_31 = 0; i_31 < 32; ++i_31) {
                 bfloat16_t dQ_local_cast_5[2];
-                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
                   uint1 __23;
                   float2 __24;
-                    float2 v__22 = *(float2*)(acc_dq + (i_33 * 2));
+                    float2 v__22 = *(float2*)(acc_dq + (i_31 * 2));
                     float2 v__23 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
                     __24.x = (v__22.x*v__23.x);
                     __24.y = (v__22.y*v__23.y);
                   (reinterpret_cast<__nv_bfloat162*>(&__23))[0] = __float22bfloat162_rn(((float2*)(&__24))[0]);
                   *(uint1*)(dQ_local_cast_5 + 0) = __23;
-                  int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-                    int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-                      int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                      int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                      int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                       if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-                        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                         if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                          int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_33) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_5 + 0);
+                          int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_5 + 0);
                         }
                       }
                     }
@@ -851,9 +863,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_last_error
 extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 73728);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 74768);
     if (result_infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 73728, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 74768, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel));
         return -1;
     }
 
@@ -861,6 +873,48 @@ extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_init() {
 }
 
 extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ topk_idx, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dQ, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, cudaStream_t stream) {
+
+	CUtensorMap K_desc;
+	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t K_desc_tensorRank= 3;
+	void *K_desc_globalAddress= K;
+	cuuint64_t K_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t K_desc_boxDim[3]= {64,64,1};
+	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
+
+	if (K_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
+		return -1;
+	}
+
+	CUtensorMap V_desc;
+	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t V_desc_tensorRank= 3;
+	void *V_desc_globalAddress= V;
+	cuuint64_t V_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t V_desc_boxDim[3]= {64,64,1};
+	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
+
+	if (V_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
+		return -1;
+	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -872,8 +926,8 @@ extern "C" int infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_call(bfloat16_t* _
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 73728;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dO, dQ, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_k, total_q);
+		config.dynamicSmemBytes = 74768;
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel, Delta, K_desc, LSE, Q, V_desc, cu_seqlens_k, cu_seqlens_q, dO, dQ, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dq_bf16_d128_t4_sm90a_kernel");
 
