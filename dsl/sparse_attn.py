@@ -169,8 +169,9 @@ def variant_name(kernel, dtype=None, head_dim=None, tokens=None, boxes=0):
 def _stages(arch):
     # TileLang 0.1.15 cannot software-pipeline a loop with a run-time trip count without warp
     # specialisation (codegen aborts: "Downcast from tirx.Sub to ir.IntImm"), and the union
-    # prologue rules warp specialisation out (see pass_configs): the block loop is not
-    # pipelined on any arch yet.
+    # prologue rules warp specialisation out (see pass_configs): T.Pipelined does not overlap
+    # the block loop's loads with its work. On sm_90a the forward and dQ walks overlap them by
+    # hand instead (TMA and mbarriers: _fwd_pair, walk_tile_union_tma, _bwd_dq's dq_block).
     return 1
 
 
@@ -410,6 +411,39 @@ def walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p
                        m_safe, r_scale, r_sum, l_sum, scale_log2)
 
 
+@T.macro
+def walk_tile_union_tma(K, V, k0, hk, Q_s, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
+                        acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2):
+    """walk_tile_union on sm_90a with its own TMA loads (_fwd_pair's tiles that walk alone): K is
+    free once S is computed and V once P V is, so the next block's K loads during this block's
+    softmax and P V, and its V during the next S GEMM, into the same two buffers (full[0] and
+    full[1]: K_s's, V_s's load landed; fresh, phase 0). The copies are issued on every step with
+    a clamped index, as in _fwd_pair's shared walk; the last one's phase is waited for after
+    the loop."""
+    first = T.if_then_else(n_it > 0, ublk_s[0], 0)
+    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
+    T.mbarrier_arrive(full[0])
+    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
+    T.mbarrier_arrive(full[1])
+    for it in T.serial(n_it):
+        blk = ublk_s[it]
+        nxt = ublk_s[T.min(it + 1, n_it - 1)]
+        mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
+        T.mbarrier_wait_parity(full[0], it % 2)
+        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.sync_threads()  # every warp's part of S has read K_s
+        T.tma_copy(K[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
+        T.mbarrier_arrive(full[0])
+        softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2)
+        T.mbarrier_wait_parity(full[1], it % 2)
+        T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+        T.sync_threads()  # every warp's part of P V has read V_s
+        T.tma_copy(V[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
+        T.mbarrier_arrive(full[1])
+    T.mbarrier_wait_parity(full[0], n_it % 2)
+    T.mbarrier_wait_parity(full[1], n_it % 2)
+
+
 def _fwd_signature(dtype, D):
     accum = "float32"
     dyn = _dyn()
@@ -473,6 +507,9 @@ def _fwd(dtype, D, arch, tokens):
                 T.fill(acc_o, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, NEG_INF)
+                # (walk_tile_union_tma here would cost the SM its third tile: TMA-written buffers
+                # share no memory with the union's, 88 KB a tile. H200, 32K x 8, G = 4, kernel
+                # alone: 48.7 ms against 43.6.)
                 walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
                                 acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, _stages(arch))
                 store_out(acc_o, l_sum, m_cur, O, LSE, q0 + t0, hk, n_tok, groups, scale_log2)
@@ -506,8 +543,8 @@ def _fwd_pair(dtype, D):
     neighbouring tokens of a model do): with unrelated picks the union is nearly twice a tile's
     own blocks (H100, 32K x 8, independent selections: 98.1 ms against 77.7 for single tiles).
     So each pair counts its tiles' own blocks, and if the union exceeds 9/8 of the larger count
-    both blocks walk their own tile's union instead, loading K/V themselves, as _fwd does. Both
-    reach the same decision from the same data."""
+    both blocks walk their own tile's union instead, loading K/V themselves by TMA
+    (walk_tile_union_tma). Both reach the same decision from the same data."""
     T_MAX = SMALL_TOKENS
     PAIR = 2 * T_MAX
     threads = 128
@@ -621,9 +658,9 @@ def _fwd_pair(dtype, D):
                     tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
                                my_keep, my_mask, bm_s)
                     n_it = n_union[0]
-                    walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s,
-                                    acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2,
-                                    _stages("sm_90a"))
+                    walk_tile_union_tma(K, V, k0, hk, Q_s, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok,
+                                        acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum,
+                                        scale_log2)
                     if n_tok > 0:
                         store_out(acc_o, l_sum, m_cur, O, LSE, q0 + t0, hk, n_tok, groups, scale_log2)
 

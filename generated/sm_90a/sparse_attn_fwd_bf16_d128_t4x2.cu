@@ -11,7 +11,6 @@
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/atomic.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy.h>
 #include <tl_templates/cuda/copy_sm90.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/cluster.h>
@@ -23,8 +22,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel(const bfloat16_t* __restrict__ K, __grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel(const bfloat16_t* __restrict__ K, __grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));
@@ -56,7 +55,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
   bfloat16_t acc_s_cast[32];
   float m_cur_clear[2];
   float m_cur_clear_1[2];
-  float m_cur_clear_2[2];
   if (tl::tl_shuffle_elect<0>()) {
     tl::prefetch_tma_descriptor(K_desc);
     tl::prefetch_tma_descriptor(V_desc);
@@ -824,30 +822,39 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       __syncthreads();
       n_it = ((int*)n_union)[0];
       int n_it_1 = n_it;
-      if (0 < n_it_1) {
-        int blk_1 = ((int*)ublk_s)[0];
-        __syncthreads();
-        #pragma unroll
-        for (int i_32 = 0; i_32 < 8; ++i_32) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_32 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_32) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-        }
-        tl::cp_async_commit();
+      int condval_29;
+      if ((0 < n_it_1)) {
+        condval_29 = ((int*)ublk_s)[0];
+      } else {
+        condval_29 = 0;
       }
+      int first_1 = condval_29;
       __syncthreads();
-      if (0 < n_it_1) {
-        int blk_2 = ((int*)ublk_s)[0];
-        __syncthreads();
+      if (tl::tl_shuffle_elect<128>()) {
+        full[0].expect_transaction(16384);
+        tl::fence_proxy_async();
         #pragma unroll
-        for (int i_33 = 0; i_33 < 8; ++i_33) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_33 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_2) * (int64_t)64) + (((int64_t)i_33) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        for (int i_32 = 0; i_32 < 2; ++i_32) {
+          tl::tma_load(K_desc, full[0], (&(((bfloat16_t*)K_s)[(i_32 * 4096)])), (i_32 * 64), ((first_1 * 64) + k0), ((int)blockIdx.z));
         }
-        tl::cp_async_commit();
       }
-      for (int it_1 = 0; it_1 < (n_it_1 - 1); ++it_1) {
+      full[0].arrive();
+      if (tl::tl_shuffle_elect<128>()) {
+        full[1].expect_transaction(16384);
+        tl::fence_proxy_async();
+        #pragma unroll
+        for (int i_33 = 0; i_33 < 2; ++i_33) {
+          tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[(i_33 * 4096)])), (i_33 * 64), ((first_1 * 64) + k0), ((int)blockIdx.z));
+        }
+      }
+      full[1].arrive();
+      tl::fence_proxy_async();
+      for (int it_1 = 0; it_1 < n_it_1; ++it_1) {
         __syncthreads();
-        int blk_3 = ((int*)ublk_s)[it_1];
+        int blk_1 = ((int*)ublk_s)[it_1];
+        int nxt_1 = ((int*)ublk_s)[min((it_1 + 1), (n_it_1 - 1))];
         int um_1 = ((int*)umask_s)[it_1];
-        if ((um_1 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_3 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
+        if ((um_1 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_1 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
           for (int i_34 = 0; i_34 < 8; ++i_34) {
             float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
@@ -856,17 +863,16 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         } else {
           #pragma unroll
           for (int i_35 = 0; i_35 < 32; ++i_35) {
-            float condval_29;
-            if (((((um_1 >> rtok[((i_35 & 3) >> 1)]) & 1) == 1) && (((((blk_3 * 64) + ((i_35 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_35 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_35 & 3) >> 1)]) - len_q)))) {
-              condval_29 = 0x0p+0f/*0.000000e+00*/;
+            float condval_30;
+            if (((((um_1 >> rtok[((i_35 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_35 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_35 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_35 & 3) >> 1)]) - len_q)))) {
+              condval_30 = 0x0p+0f/*0.000000e+00*/;
             } else {
-              condval_29 = -CUDART_INF_F;
+              condval_30 = -CUDART_INF_F;
             }
-            acc_s[i_35] = condval_29;
+            acc_s[i_35] = condval_30;
           }
         }
-        tl::cp_async_wait<1>();
-        __syncthreads();
+        full[0].wait((it_1 & 1));
         {
           tl::GmmaDescriptor desc_a_1;
           tl::GmmaDescriptor desc_b_2;
@@ -874,7 +880,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
-          tl::fence_proxy_async();
           #pragma unroll
           for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
             tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), uint64_t(desc_b_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
@@ -883,13 +888,15 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         }
-        int blk_4 = ((int*)ublk_s)[(it_1 + 1)];
         __syncthreads();
-        #pragma unroll
-        for (int i_36 = 0; i_36 < 8; ++i_36) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_36 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_36) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_36 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_36 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_36 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_36 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        if (tl::tl_shuffle_elect<128>()) {
+          full[0].expect_transaction(16384);
+          #pragma unroll
+          for (int i_36 = 0; i_36 < 2; ++i_36) {
+            tl::tma_load(K_desc, full[0], (&(((bfloat16_t*)K_s)[(i_36 * 4096)])), (i_36 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          }
         }
-        tl::cp_async_commit();
+        full[0].arrive();
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
         #pragma unroll
         for (int i_37 = 0; i_37 < 2; ++i_37) {
@@ -903,13 +910,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         }
         #pragma unroll
         for (int i_38 = 0; i_38 < 2; ++i_38) {
-          float condval_30;
+          float condval_31;
           if ((m_cur[i_38] == -CUDART_INF_F)) {
-            condval_30 = 0x0p+0f/*0.000000e+00*/;
+            condval_31 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_30 = m_cur[i_38];
+            condval_31 = m_cur[i_38];
           }
-          m_safe[i_38] = condval_30;
+          m_safe[i_38] = condval_31;
           r_scale[i_38] = exp2f(((m_prev[i_38] - m_safe[i_38]) * scale_log2));
         }
         #pragma unroll
@@ -964,15 +971,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
             __21.y = (v__24.y*v__25.y);
           *(float2*)(acc_o + (i_42 * 2)) = __21;
         }
-        tl::cp_async_wait<1>();
-        __syncthreads();
+        full[1].wait((it_1 & 1));
         {
           tl::GmmaDescriptor desc_b_3;
           tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)V_s)[0])));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
           tl::warpgroup_arrive();
-          tl::fence_proxy_async();
           #pragma unroll
           for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
             tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
@@ -982,181 +987,48 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
         }
-        int blk_5 = ((int*)ublk_s)[(it_1 + 1)];
         __syncthreads();
-        #pragma unroll
-        for (int i_43 = 0; i_43 < 8; ++i_43) {
-          tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_43 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_5) * (int64_t)64) + (((int64_t)i_43) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_5 * 64) + (i_43 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_5 * 64) + (i_43 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_5 * 64) + (i_43 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_5 * 64) + (i_43 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+        if (tl::tl_shuffle_elect<128>()) {
+          full[1].expect_transaction(16384);
+          #pragma unroll
+          for (int i_43 = 0; i_43 < 2; ++i_43) {
+            tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[(i_43 * 4096)])), (i_43 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          }
         }
-        tl::cp_async_commit();
+        full[1].arrive();
       }
-      __syncthreads();
-      if (1 <= n_it_1) {
-        int blk_6 = ((int*)ublk_s)[(n_it_1 - 1)];
-        int um_2 = ((int*)umask_s)[(n_it_1 - 1)];
-        if ((um_2 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_6 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          #pragma unroll
-          for (int i_44 = 0; i_44 < 8; ++i_44) {
-            float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_s + (i_44 * 4)) = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
-          }
-        } else {
-          #pragma unroll
-          for (int i_45 = 0; i_45 < 32; ++i_45) {
-            float condval_31;
-            if (((((um_2 >> rtok[((i_45 & 3) >> 1)]) & 1) == 1) && (((((blk_6 * 64) + ((i_45 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_45 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_45 & 3) >> 1)]) - len_q)))) {
-              condval_31 = 0x0p+0f/*0.000000e+00*/;
-            } else {
-              condval_31 = -CUDART_INF_F;
-            }
-            acc_s[i_45] = condval_31;
-          }
-        }
-      }
-      tl::cp_async_wait<1>();
-      __syncthreads();
-      if (1 <= n_it_1) {
-        {
-          tl::GmmaDescriptor desc_a_2;
-          tl::GmmaDescriptor desc_b_4;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)Q_s)[0])));
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)K_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        }
-        *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-        #pragma unroll
-        for (int i_46 = 0; i_46 < 2; ++i_46) {
-          m_cur_clear_2[i_46] = -CUDART_INF_F;
-          #pragma unroll
-          for (int rv_4 = 0; rv_4 < 16; ++rv_4) {
-            m_cur_clear_2[i_46] = max(m_cur_clear_2[i_46], acc_s[((((rv_4 & 7) * 4) + (i_46 * 2)) + (rv_4 >> 3))]);
-          }
-          m_cur_clear_2[i_46] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_2[i_46]);
-          m_cur[i_46] = max(m_cur[i_46], m_cur_clear_2[i_46]);
-        }
-        #pragma unroll
-        for (int i_47 = 0; i_47 < 2; ++i_47) {
-          float condval_32;
-          if ((m_cur[i_47] == -CUDART_INF_F)) {
-            condval_32 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_32 = m_cur[i_47];
-          }
-          m_safe[i_47] = condval_32;
-          r_scale[i_47] = exp2f(((m_prev[i_47] - m_safe[i_47]) * scale_log2));
-        }
-        #pragma unroll
-        for (int i_48 = 0; i_48 < 16; ++i_48) {
-          float2 __22;
-          float2 __23;
-            float2 __24;
-              float2 v__26 = *(float2*)(acc_s + (i_48 * 2));
-              float2 v__27 = make_float2(m_safe[(i_48 & 1)], m_safe[(i_48 & 1)]);
-              __24.x = (v__26.x-v__27.x);
-              __24.y = (v__26.y-v__27.y);
-            float2 v__28 = make_float2(scale_log2, scale_log2);
-            __23.x = (__24.x*v__28.x);
-            __23.y = (__24.y*v__28.y);
-          __22.x = exp2f(__23.x);
-          __22.y = exp2f(__23.y);
-          *(float2*)(acc_s + (i_48 * 2)) = __22;
-        }
-        #pragma unroll
-        for (int i_49 = 0; i_49 < 2; ++i_49) {
-          r_sum[i_49] = 0x0p+0f/*0.000000e+00*/;
-          #pragma unroll
-          for (int rv_5 = 0; rv_5 < 16; ++rv_5) {
-            r_sum[i_49] = (r_sum[i_49] + acc_s[((((rv_5 & 7) * 4) + (i_49 * 2)) + (rv_5 >> 3))]);
-          }
-          r_sum[i_49] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_49]);
-        }
-        float2 __25;
-          float2 __26;
-            float2 v__29 = *(float2*)(l_sum + 0);
-            float2 v__30 = *(float2*)(r_scale + 0);
-            __26.x = (v__29.x*v__30.x);
-            __26.y = (v__29.y*v__30.y);
-          float2 v__31 = *(float2*)(r_sum + 0);
-          __25.x = (__26.x+v__31.x);
-          __25.y = (__26.y+v__31.y);
-        *(float2*)(l_sum + 0) = __25;
-        #pragma unroll
-        for (int i_50 = 0; i_50 < 8; ++i_50) {
-          uint2 __27;
-          float4 v__32 = *(float4*)(acc_s + (i_50 * 4));
-          (reinterpret_cast<__nv_bfloat162*>(&__27))[0] = __float22bfloat162_rn(((float2*)(&v__32))[0]);
-          (reinterpret_cast<__nv_bfloat162*>(&__27))[1] = __float22bfloat162_rn(((float2*)(&v__32))[1]);
-          *(uint2*)(acc_s_cast + (i_50 * 4)) = __27;
-        }
-        #pragma unroll
-        for (int i_51 = 0; i_51 < 32; ++i_51) {
-          float2 __28;
-            float2 v__33 = *(float2*)(acc_o + (i_51 * 2));
-            float2 v__34 = make_float2(r_scale[(i_51 & 1)], r_scale[(i_51 & 1)]);
-            __28.x = (v__33.x*v__34.x);
-            __28.y = (v__33.y*v__34.y);
-          *(float2*)(acc_o + (i_51 * 2)) = __28;
-        }
-      }
-      tl::cp_async_wait<0>();
-      __syncthreads();
-      if (1 <= n_it_1) {
-        {
-          tl::GmmaDescriptor desc_b_5;
-          tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_5, (&(((bfloat16_t*)V_s)[0])));
-          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-          tl::warpgroup_arrive();
-          tl::fence_proxy_async();
-          #pragma unroll
-          for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_5 * 8)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
-          }
-          tl::warpgroup_commit_batch();
-          tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-        }
-      }
+      full[0].wait((n_it_1 & 1));
+      full[1].wait((n_it_1 & 1));
       if (0 < (len_q - (((int)blockIdx.x) * tile_tokens))) {
         #pragma unroll
-        for (int i_52 = 0; i_52 < 32; ++i_52) {
-          float broadcast_var_13 = 0x0p+0f/*0.000000e+00*/;
-          float2 condval_33;
-          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_52 & 1)])) {
-            float2 __29;
-              float2 v__35 = *(float2*)(acc_o + (i_52 * 2));
-              float2 v__36 = make_float2(l_sum[(i_52 & 1)], l_sum[(i_52 & 1)]);
-              __29.x = (v__35.x/v__36.x);
-              __29.y = (v__35.y/v__36.y);
-            condval_33 = __29;
+        for (int i_44 = 0; i_44 < 32; ++i_44) {
+          float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
+          float2 condval_32;
+          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_44 & 1)])) {
+            float2 __22;
+              float2 v__26 = *(float2*)(acc_o + (i_44 * 2));
+              float2 v__27 = make_float2(l_sum[(i_44 & 1)], l_sum[(i_44 & 1)]);
+              __22.x = (v__26.x/v__27.x);
+              __22.y = (v__26.y/v__27.y);
+            condval_32 = __22;
           } else {
-            condval_33 = make_float2(broadcast_var_13, broadcast_var_13);
+            condval_32 = make_float2(broadcast_var_12, broadcast_var_12);
           }
-          *(float2*)(acc_o + (i_52 * 2)) = condval_33;
+          *(float2*)(acc_o + (i_44 * 2)) = condval_32;
         }
         if (groups == 16) {
           #pragma unroll
-          for (int i_53 = 0; i_53 < 32; ++i_53) {
+          for (int i_45 = 0; i_45 < 32; ++i_45) {
             bfloat16_t O_local_cast_6[2];
             if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-              uint1 __30;
-              float2 v__37 = *(float2*)(acc_o + (i_53 * 2));
-              (reinterpret_cast<__nv_bfloat162*>(&__30))[0] = __float22bfloat162_rn(((float2*)(&v__37))[0]);
-              *(uint1*)(O_local_cast_6 + 0) = __30;
-              if ((((((int)blockIdx.z) * 16) + ((i_53 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+              uint1 __23;
+              float2 v__28 = *(float2*)(acc_o + (i_45 * 2));
+              (reinterpret_cast<__nv_bfloat162*>(&__23))[0] = __float22bfloat162_rn(((float2*)(&v__28))[0]);
+              *(uint1*)(O_local_cast_6 + 0) = __23;
+              if ((((((int)blockIdx.z) * 16) + ((i_45 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
                 if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
                   if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_53) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_53) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_6 + 0);
+                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_45) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_45) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_6 + 0);
                   }
                 }
               }
@@ -1165,17 +1037,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         } else {
           if (groups == 8) {
             #pragma unroll
-            for (int i_54 = 0; i_54 < 32; ++i_54) {
+            for (int i_46 = 0; i_46 < 32; ++i_46) {
               bfloat16_t O_local_cast_7[2];
-              if (((((((int)threadIdx.x) >> 5) * 2) + (i_54 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-                uint1 __31;
-                float2 v__38 = *(float2*)(acc_o + (i_54 * 2));
-                (reinterpret_cast<__nv_bfloat162*>(&__31))[0] = __float22bfloat162_rn(((float2*)(&v__38))[0]);
-                *(uint1*)(O_local_cast_7 + 0) = __31;
+              if (((((((int)threadIdx.x) >> 5) * 2) + (i_46 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                uint1 __24;
+                float2 v__29 = *(float2*)(acc_o + (i_46 * 2));
+                (reinterpret_cast<__nv_bfloat162*>(&__24))[0] = __float22bfloat162_rn(((float2*)(&v__29))[0]);
+                *(uint1*)(O_local_cast_7 + 0) = __24;
                 if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_54 & 1))) {
-                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_54 & 1)) < total_q) {
-                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_54) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_54) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_7 + 0);
+                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_46 & 1))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_46 & 1)) < total_q) {
+                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_46) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_46) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_7 + 0);
                     }
                   }
                 }
@@ -1184,17 +1056,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           } else {
             if (groups == 4) {
               #pragma unroll
-              for (int i_55 = 0; i_55 < 32; ++i_55) {
+              for (int i_47 = 0; i_47 < 32; ++i_47) {
                 bfloat16_t O_local_cast_8[2];
-                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_55 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-                  uint1 __32;
-                  float2 v__39 = *(float2*)(acc_o + (i_55 * 2));
-                  (reinterpret_cast<__nv_bfloat162*>(&__32))[0] = __float22bfloat162_rn(((float2*)(&v__39))[0]);
-                  *(uint1*)(O_local_cast_8 + 0) = __32;
+                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_47 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                  uint1 __25;
+                  float2 v__30 = *(float2*)(acc_o + (i_47 * 2));
+                  (reinterpret_cast<__nv_bfloat162*>(&__25))[0] = __float22bfloat162_rn(((float2*)(&v__30))[0]);
+                  *(uint1*)(O_local_cast_8 + 0) = __25;
                   if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_55 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_55 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_55) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_55) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_8 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_47 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_47 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_47) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_47) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_8 + 0);
                       }
                     }
                   }
@@ -1203,17 +1075,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
             } else {
               if (groups == 2) {
                 #pragma unroll
-                for (int i_56 = 0; i_56 < 32; ++i_56) {
+                for (int i_48 = 0; i_48 < 32; ++i_48) {
                   bfloat16_t O_local_cast_9[2];
-                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_56 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-                    uint1 __33;
-                    float2 v__40 = *(float2*)(acc_o + (i_56 * 2));
-                    (reinterpret_cast<__nv_bfloat162*>(&__33))[0] = __float22bfloat162_rn(((float2*)(&v__40))[0]);
-                    *(uint1*)(O_local_cast_9 + 0) = __33;
+                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_48 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                    uint1 __26;
+                    float2 v__31 = *(float2*)(acc_o + (i_48 * 2));
+                    (reinterpret_cast<__nv_bfloat162*>(&__26))[0] = __float22bfloat162_rn(((float2*)(&v__31))[0]);
+                    *(uint1*)(O_local_cast_9 + 0) = __26;
                     if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_56 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_56 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_56) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_56) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_9 + 0);
+                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_48 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_48 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_48) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_48) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_9 + 0);
                         }
                       }
                     }
@@ -1222,17 +1094,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
               } else {
                 if (groups == 1) {
                   #pragma unroll
-                  for (int i_57 = 0; i_57 < 32; ++i_57) {
+                  for (int i_49 = 0; i_49 < 32; ++i_49) {
                     bfloat16_t O_local_cast_10[2];
-                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_57 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_57 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-                      uint1 __34;
-                      float2 v__41 = *(float2*)(acc_o + (i_57 * 2));
-                      (reinterpret_cast<__nv_bfloat162*>(&__34))[0] = __float22bfloat162_rn(((float2*)(&v__41))[0]);
-                      *(uint1*)(O_local_cast_10 + 0) = __34;
+                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                      uint1 __27;
+                      float2 v__32 = *(float2*)(acc_o + (i_49 * 2));
+                      (reinterpret_cast<__nv_bfloat162*>(&__27))[0] = __float22bfloat162_rn(((float2*)(&v__32))[0]);
+                      *(uint1*)(O_local_cast_10 + 0) = __27;
                       if (((int)blockIdx.z) < heads) {
-                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_57 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_57 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_57) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_57) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_10 + 0);
+                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_49) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_49) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_10 + 0);
                           }
                         }
                       }
@@ -1240,30 +1112,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                   }
                 } else {
                   #pragma unroll
-                  for (int i_58 = 0; i_58 < 32; ++i_58) {
+                  for (int i_50 = 0; i_50 < 32; ++i_50) {
                     bfloat16_t O_local_cast_11[2];
-                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_58 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-                      uint1 __35;
-                      float2 v__42 = *(float2*)(acc_o + (i_58 * 2));
-                      (reinterpret_cast<__nv_bfloat162*>(&__35))[0] = __float22bfloat162_rn(((float2*)(&v__42))[0]);
-                      *(uint1*)(O_local_cast_11 + 0) = __35;
-                      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_58 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                      uint1 __28;
+                      float2 v__33 = *(float2*)(acc_o + (i_50 * 2));
+                      (reinterpret_cast<__nv_bfloat162*>(&__28))[0] = __float22bfloat162_rn(((float2*)(&v__33))[0]);
+                      *(uint1*)(O_local_cast_11 + 0) = __28;
+                      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                       if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rmod_25 : (rmod_25 + groups)))) {
-                        int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_58 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                         if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))) < heads) {
-                          int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_58 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                          int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_58 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                          int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                          int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rdiv_13 : (rdiv_13 - 1)))) {
-                            int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_58 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                            int rdiv_14 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_58 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                            int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                            int rdiv_14 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) < total_q) {
-                              int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_58) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_58) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_58) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_58) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_58) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_58) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rmod_31 : (rmod_31 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_58) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_11 + 0);
+                              int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rmod_31 : (rmod_31 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_50) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_11 + 0);
                             }
                           }
                         }
@@ -1277,31 +1149,31 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         }
         if ((((int)threadIdx.x) % 4) == 0) {
           #pragma unroll
-          for (int i_59 = 0; i_59 < 2; ++i_59) {
-            if (((((((int)threadIdx.x) >> 5) * 16) + (i_59 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-              int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (i_59 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_59 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+          for (int i_51 = 0; i_51 < 2; ++i_51) {
+            if (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+              int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-                int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (i_59 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_59 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                 if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                  int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (i_59 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rmod_35 : (rmod_35 + groups)))) {
-                    int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + (i_59 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rmod_36 : (rmod_36 + groups))) < heads) {
-                      float condval_34;
-                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_59])) {
-                        condval_34 = (((m_cur[i_59] * scale_log2) + log2f(l_sum[i_59])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                      float condval_33;
+                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_51])) {
+                        condval_33 = (((m_cur[i_51] * scale_log2) + log2f(l_sum[i_51])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                       } else {
-                        condval_34 = -CUDART_INF_F;
+                        condval_33 = -CUDART_INF_F;
                       }
-                      int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_59) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_59) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_59) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_59) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_59) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_59) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1)))] = condval_34;
+                      int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1)))] = condval_33;
                     }
                   }
                 }
@@ -1403,7 +1275,7 @@ extern "C" int infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_call(bfloat16_t* __
 			snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set cluster attribute for infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel: %s", cudaGetErrorString(cluster_attr_result));
 			return -1;
 		}
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel, K, K_desc, LSE, O, Q, V, V_desc, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_k, total_q);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel, K_desc, LSE, O, Q, V_desc, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_fwd_bf16_d128_t4x2_sm90a_kernel");
 
