@@ -705,10 +705,10 @@ def _bwd_dq(dtype, D, arch, tokens):
     total_q, total_k, heads, heads_k, topk, batch_plus_one = (
         dyn["total_q"], dyn["total_k"], dyn["heads"], dyn["heads_k"], dyn["topk"], dyn["batch_plus_one"])
     T_MAX = tokens
-    # The 4-token unit's union buffers leave a tile 72 KB of shared memory, so three tiles share
-    # an H100 SM if ptxas keeps to 168 registers (it spills 8 bytes): H100, this kernel alone at
-    # G = 16, 67.6 -> 57.9 ms at 32K x 8 and 73 -> 59.6 ms at 128K x 2, dQ bitwise equal.
-    # (The 16-token unit needs 80 KB: two tiles an SM.)
+    # The 4-token unit's union buffers are small enough for three tiles an H100 SM if ptxas keeps
+    # to 168 registers: H100, this kernel alone at G = 16, 67.6 -> 57.9 ms at 32K x 8 and 73 ->
+    # 59.6 ms at 128K x 2, dQ bitwise equal (72 KB a tile then; 74 KB + 1 KB with the TMA walk
+    # below, 167 registers, no spill). The 16-token unit takes two tiles an SM (104 KB on sm_90a).
     tiles_per_sm = 3 if tokens == SMALL_TOKENS and arch == "sm_90a" else None
     # sm_90a walks the union with TMA loads into two buffers whose roles alternate (dq_block)
     rotate = arch == "sm_90a"
@@ -718,7 +718,7 @@ def _bwd_dq(dtype, D, arch, tokens):
     # union's scratch no longer shares K_s's and V_s's memory, and the barriers take 1 KB of
     # static shared memory: a bitmap of 256 blocks keeps the 4-token unit within a third of an
     # SM (74 KB + 1 KB; the union then takes one pass per 256 blocks: 2 at 32K keys).
-    uw = UW // 8 if tiles_per_sm is not None and rotate else UW
+    uw = UW // 8 if tiles_per_sm is not None else UW  # tiles_per_sm: sm_90a's 4-token unit
     tile_union = _make_tile_union(topk, threads, T_MAX, uw)
     S_REGS = BLOCK_M * BLOCK_N // threads
     DQ_REGS = BLOCK_M * D // threads
