@@ -131,6 +131,10 @@ def pass_configs(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
         # their barriers are placed by hand: the planner added two more to every row step of
         # bwd_members, between a counter's read and its write by the same thread
         return {PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    if kernel == "bwd_dkdv" and _prefetch(arch):
+        # its group loop's barriers are placed by hand, one a step: the planner added two to
+        # three more (before the next group's copies and after their commit)
+        return {PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
     return {}
 
 
@@ -1102,9 +1106,10 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         # member rows are zero-filled. Row r is head rhead_s[r] of member token
         # tok_s[base + rtok_s[r]]: a gather, one 16-byte cp.async a thread and vector, except in
         # the unit for G = `boxes` (sm_90a), where the group is its BM // G tokens' rows of Q and
-        # dO, each a TMA box of the G heads and a 128-byte half of D that one thread issues onto
-        # rbar[bi] (tokens past the group read row total_q, out of bounds, which TMA fills with
-        # zeros). H100, dK/dV alone at G = 16, two runs: 72.9 / 82.3 / 84.9 and 74.9 / 82.6 /
+        # dO, each a TMA box of the G heads and a 128-byte half of D issued onto rbar[bi] by one
+        # lane of the warp that takes the token (the four warps issue side by side rather than
+        # one thread all 16 boxes; alone this measured no change), tokens past the group reading
+        # row total_q, out of bounds, which TMA fills with zeros. H100, dK/dV alone at G = 16, two runs: 72.9 / 82.3 / 84.9 and 74.9 / 82.6 /
         # 88.3 ms -> 68.8 / 79.3 / 82.1 and 70.9 / 79.8 / 82.6 at 32K x 8 / 128K x 2 / 32K x 8
         # independent, gradients bitwise equal. (Boxes for any G a multiple of 16 and the gather
         # for other G in one kernel, chosen at run time, spilled at 255 registers and took 88 /
@@ -1124,11 +1129,14 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                 boxl[j] = T.if_then_else(j * boxes < n_rows, q0 + tok_s[base + j], total_q)
             for j in T.unroll(BM // boxes):
                 # box j: rows j * boxes .., the heads of group hk of the group's token j
-                for hf in T.unroll(D // BOX_D):
-                    T.tma_copy(Q[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
-                               Qb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi])
-                    T.tma_copy(dO[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
-                               dOb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi])
+                if tx // 32 == j % (threads // 32):
+                    for hf in T.unroll(D // BOX_D):
+                        T.tma_copy(Q[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                   Qb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi],
+                                   leader_scope_threads=32)
+                        T.tma_copy(dO[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                   dOb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi],
+                                   leader_scope_threads=32)
             T.mbarrier_arrive(rbar[bi])
         else:
             row_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
@@ -1346,6 +1354,24 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                             T.ptx_commit_group()
                         for m in T.serial(n_m):
                             if prefetch:
+                                # this group's rows (the only copies in flight)
+                                T.ptx_wait_group(0)
+                                if boxes:
+                                    # this group's boxes; the phase flips with each use
+                                    if m % 2 == 0:
+                                        T.mbarrier_wait_parity(rbar[0], ph0)
+                                        ph0 = ph0 ^ 1
+                                    else:
+                                        T.mbarrier_wait_parity(rbar[1], ph1)
+                                        ph1 = ph1 ^ 1
+                                # One barrier a step: every thread's copies of this group have
+                                # landed, and every warp is done with the previous group, whose
+                                # buffer the next group's rows then load into while this one is
+                                # computed. (With the prefetch issued before this wait and the
+                                # barriers TileLang's planner added, a step had four. H100 at base
+                                # clocks, this kernel alone: 18.74 -> 18.17 ms at 32K x 2, 39.34 ->
+                                # 38.23 at 128K x 1, 18.66 -> 18.50 at G = 4.)
+                                T.sync_threads()
                                 if m + 1 < n_m:
                                     nb = (m + 1) * tile_tokens
                                     if m % 2 == 0:
@@ -1359,17 +1385,6 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                                   rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
                                                   rbar, 0, boxl)
                                     T.ptx_commit_group()
-                                    T.ptx_wait_group(1)
-                                else:
-                                    T.ptx_wait_group(0)
-                                if boxes:
-                                    # this group's boxes; the phase flips with each use
-                                    if m % 2 == 0:
-                                        T.mbarrier_wait_parity(rbar[0], ph0)
-                                        ph0 = ph0 ^ 1
-                                    else:
-                                        T.mbarrier_wait_parity(rbar[1], ph1)
-                                        ph1 = ph1 ^ 1
                             else:
                                 if m > 0:
                                     load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
@@ -1378,7 +1393,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                               rbar, 0, boxl)
                                     T.ptx_commit_group()
                                 T.ptx_wait_group(0)
-                            T.sync_threads()
+                                T.sync_threads()
                             base = m * tile_tokens
                             n_rows = T.min(tile_tokens, n_toks - base) * groups
                             if prefetch:
@@ -1393,8 +1408,9 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                             else:
                                 compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
                                         dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
-                            # the next step's prefetch overwrites this step's buffers
-                            T.sync_threads()
+                                # the next group's load overwrites this group's buffer
+                                T.sync_threads()
+                        # the next slice overwrites tok_s
                         T.sync_threads()
                 if split == 1:
                     for c, d in T.Parallel(BLOCK_N, D):

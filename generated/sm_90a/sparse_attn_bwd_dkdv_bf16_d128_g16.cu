@@ -331,18 +331,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             boxl[j_1] = condval_17;
           }
         }
-        __syncthreads();
         if (0 < n_m) {
-          if (tl::tl_shuffle_elect<128>()) {
+          if (tl::tl_shuffle_elect<32>()) {
             tl::fence_proxy_async();
             #pragma unroll
             for (int j_2 = 0; j_2 < 4; ++j_2) {
-              #pragma unroll
-              for (int hf = 0; hf < 2; ++hf) {
-                rbar[0].expect_transaction(2048);
-                tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
-                rbar[0].expect_transaction(2048);
-                tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
+              if ((((int)threadIdx.x) >> 5) == j_2) {
+                #pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                  rbar[0].expect_transaction(2048);
+                  tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
+                  rbar[0].expect_transaction(2048);
+                  tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf * 4096) + (j_2 * 1024))])), (hf * 64), (((int)blockIdx.y) * 16), boxl[j_2]);
+                }
               }
             }
           }
@@ -363,8 +364,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         if (0 < n_m) {
           tl::cp_async_commit();
         }
-        __syncthreads();
         for (int m = 0; m < n_m; ++m) {
+          tl::cp_async_wait<0>();
+          if ((m % 2) == 0) {
+            rbar[0].wait(ph0);
+            ph0 = (ph0 ^ 1);
+          } else {
+            rbar[1].wait(ph1);
+            ph1 = (ph1 ^ 1);
+          }
+          __syncthreads();
           if ((m + 1) < n_m) {
             if ((m % 2) == 0) {
               int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
@@ -388,17 +397,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 }
                 boxl[j_3] = condval_19;
               }
-              __syncthreads();
-              if (tl::tl_shuffle_elect<128>()) {
+              if (tl::tl_shuffle_elect<32>()) {
                 tl::fence_proxy_async();
                 #pragma unroll
                 for (int j_4 = 0; j_4 < 4; ++j_4) {
-                  #pragma unroll
-                  for (int hf_1 = 0; hf_1 < 2; ++hf_1) {
-                    rbar[1].expect_transaction(2048);
-                    tl::tma_load(Q_desc, rbar[1], (&(((bfloat16_t*)Q_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
-                    rbar[1].expect_transaction(2048);
-                    tl::tma_load(dO_desc, rbar[1], (&(((bfloat16_t*)dO_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
+                  if ((((int)threadIdx.x) >> 5) == j_4) {
+                    #pragma unroll
+                    for (int hf_1 = 0; hf_1 < 2; ++hf_1) {
+                      rbar[1].expect_transaction(2048);
+                      tl::tma_load(Q_desc, rbar[1], (&(((bfloat16_t*)Q_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
+                      rbar[1].expect_transaction(2048);
+                      tl::tma_load(dO_desc, rbar[1], (&(((bfloat16_t*)dO_s1)[((hf_1 * 4096) + (j_4 * 1024))])), (hf_1 * 64), (((int)blockIdx.y) * 16), boxl[j_4]);
+                    }
                   }
                 }
               }
@@ -429,17 +439,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 }
                 boxl[j_5] = condval_21;
               }
-              __syncthreads();
-              if (tl::tl_shuffle_elect<128>()) {
+              if (tl::tl_shuffle_elect<32>()) {
                 tl::fence_proxy_async();
                 #pragma unroll
                 for (int j_6 = 0; j_6 < 4; ++j_6) {
-                  #pragma unroll
-                  for (int hf_2 = 0; hf_2 < 2; ++hf_2) {
-                    rbar[0].expect_transaction(2048);
-                    tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
-                    rbar[0].expect_transaction(2048);
-                    tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
+                  if ((((int)threadIdx.x) >> 5) == j_6) {
+                    #pragma unroll
+                    for (int hf_2 = 0; hf_2 < 2; ++hf_2) {
+                      rbar[0].expect_transaction(2048);
+                      tl::tma_load(Q_desc, rbar[0], (&(((bfloat16_t*)Q_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
+                      rbar[0].expect_transaction(2048);
+                      tl::tma_load(dO_desc, rbar[0], (&(((bfloat16_t*)dO_s0)[((hf_2 * 4096) + (j_6 * 1024))])), (hf_2 * 64), (((int)blockIdx.y) * 16), boxl[j_6]);
+                    }
                   }
                 }
               }
@@ -449,20 +460,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
               }
             }
+          }
+          if ((m + 1) < n_m) {
             tl::cp_async_commit();
-            tl::cp_async_wait<1>();
-            __syncthreads();
-          } else {
-            tl::cp_async_wait<0>();
           }
-          if ((m % 2) == 0) {
-            rbar[0].wait(ph0);
-            ph0 = (ph0 ^ 1);
-          } else {
-            rbar[1].wait(ph1);
-            ph1 = (ph1 ^ 1);
-          }
-          __syncthreads();
           int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
           tl::fence_proxy_async();
           if ((m % 2) == 0) {
@@ -718,7 +719,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           }
-          __syncthreads();
         }
         __syncthreads();
       }

@@ -310,7 +310,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
           }
         }
-        __syncthreads();
         if (0 < n_m) {
           #pragma unroll
           for (int p_1 = 0; p_1 < 2; ++p_1) {
@@ -334,8 +333,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         if (0 < n_m) {
           tl::cp_async_commit();
         }
-        __syncthreads();
         for (int m = 0; m < n_m; ++m) {
+          tl::cp_async_wait<0>();
+          __syncthreads();
           if ((m + 1) < n_m) {
             if ((m % 2) == 0) {
               int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
@@ -360,7 +360,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 rowl[2] = (q0 + condval_19);
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
-              __syncthreads();
               #pragma unroll
               for (int p_3 = 0; p_3 < 2; ++p_3) {
                 #pragma unroll
@@ -396,7 +395,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 rowl[2] = (q0 + condval_21);
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
-              __syncthreads();
               #pragma unroll
               for (int p_5 = 0; p_5 < 2; ++p_5) {
                 #pragma unroll
@@ -410,13 +408,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
               }
             }
-            tl::cp_async_commit();
-            tl::cp_async_wait<1>();
-            __syncthreads();
-          } else {
-            tl::cp_async_wait<0>();
           }
-          __syncthreads();
+          if ((m + 1) < n_m) {
+            tl::cp_async_commit();
+          }
           int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
           tl::fence_proxy_async();
           if ((m % 2) == 0) {
@@ -672,7 +667,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           }
-          __syncthreads();
         }
         __syncthreads();
       }
