@@ -12,6 +12,7 @@
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "registry.h"
 
@@ -158,6 +159,48 @@ infllmv2_status init_unit_once(const char* op, const void* unit_key, int device,
   if (init() != 0) return fail(INFLLMV2_ERR_CUDA, "%s: kernel initialisation failed: %s", op, last_error());
   done.insert({unit_key, device});
   return INFLLMV2_OK;
+}
+
+namespace {
+
+struct SideStreams {
+  std::vector<SideStream> per_device;
+  ~SideStreams() {
+    // at thread exit; during process teardown these may fail, which is harmless
+    for (SideStream& s : per_device) {
+      if (s.fork != nullptr) cudaEventDestroy(s.fork);
+      if (s.join != nullptr) cudaEventDestroy(s.join);
+      if (s.stream != nullptr) cudaStreamDestroy(s.stream);
+    }
+  }
+};
+
+}  // namespace
+
+bool side_stream(int device, cudaStream_t stream, SideStream* out) {
+  thread_local SideStreams streams;
+  if (device < 0) return false;
+  if ((size_t)device >= streams.per_device.size()) streams.per_device.resize(device + 1);
+  SideStream& s = streams.per_device[device];
+  if (s.stream == nullptr) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();
+      return false;
+    }
+    SideStream made;
+    if (cudaStreamCreateWithFlags(&made.stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&made.fork, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&made.join, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      if (made.fork != nullptr) cudaEventDestroy(made.fork);
+      if (made.stream != nullptr) cudaStreamDestroy(made.stream);
+      return false;
+    }
+    s = made;
+  }
+  *out = s;
+  return true;
 }
 
 infllmv2_status launch_result(const char* op, const char* unit_name, int rc, const char* (*last_error)()) {

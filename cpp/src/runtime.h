@@ -164,6 +164,17 @@ infllmv2_status pick_unit(const char* op, const Unit* table, const Device& dev, 
               op, config_desc.c_str(), dev.index, dev.cc, dev.smem_optin);
 }
 
+// A second stream of the calling thread on `device`, with two events, for work that can run
+// beside the caller's stream. Per thread, so concurrent callers never share an event between a
+// record and its wait. Returns false where none can be had: creating it failed, or `stream` is
+// being captured into a graph before this thread made one (creating it then could invalidate
+// the capture). The caller then stays on its own stream.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+bool side_stream(int device, cudaStream_t stream, SideStream* out);
+
 // Runs a unit's call() and turns its status into ours.
 infllmv2_status launch_result(const char* op, const char* unit_name, int rc, const char* (*last_error)());
 
