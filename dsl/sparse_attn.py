@@ -1109,9 +1109,9 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         # dO, each a TMA box of the G heads and a 128-byte half of D issued onto rbar[bi] by one
         # lane of the warp that takes the token (the four warps issue side by side rather than
         # one thread all 16 boxes; alone this measured no change), tokens past the group reading
-        # row total_q, out of bounds, which TMA fills with zeros. H100, dK/dV alone at G = 16, two runs: 72.9 / 82.3 / 84.9 and 74.9 / 82.6 /
-        # 88.3 ms -> 68.8 / 79.3 / 82.1 and 70.9 / 79.8 / 82.6 at 32K x 8 / 128K x 2 / 32K x 8
-        # independent, gradients bitwise equal. (Boxes for any G a multiple of 16 and the gather
+        # row total_q, out of bounds, which TMA fills with zeros. H100, dK/dV alone at G = 16,
+        # two runs: 72.9 / 82.3 / 84.9 and 74.9 / 82.6 / 88.3 ms -> 68.8 / 79.3 / 82.1 and 70.9 /
+        # 79.8 / 82.6 at 32K x 8 / 128K x 2 / 32K x 8 independent, gradients bitwise equal. (Boxes for any G a multiple of 16 and the gather
         # for other G in one kernel, chosen at run time, spilled at 255 registers and took 88 /
         # 98 / 103 ms.)
         # Each thread reads its rows' token and head into registers (rowl, headl; the last entry

@@ -253,25 +253,31 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   // 1.7 ms at 32K x 8 and 3.0 ms at 128K x 2 in line. Beside them bwd_dq runs up to 3 ms
   // slower, so the backward gains less (H100, median of 5: 131.9 -> 129.3 ms at 128K x 2,
   // unchanged at 32K x 8).
-  SideStream side;
-  const bool forked = keys && side_stream(dev.index, stream, &side);
-  // Once the lists are launched on the side stream, the caller's stream waits for them on every
-  // way out, an error's included: they write into the caller's workspace.
+  // Once the lists are launched on the side stream, the caller's stream waits for them before
+  // bwd_dkdv and on every way out, an error's included: they write into the caller's workspace.
   struct Join {
+    SideStream side;
     cudaStream_t stream;
-    cudaEvent_t event = nullptr;
-    ~Join() {
-      if (event != nullptr) cudaStreamWaitEvent(stream, event, 0);
+    bool armed = false;
+    cudaError_t wait() {
+      if (!armed) return cudaSuccess;
+      armed = false;
+      cudaError_t e = cudaEventRecord(side.join, side.stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, side.join, 0);
+      if (e != cudaSuccess) cudaStreamSynchronize(side.stream);  // no event to wait on
+      return e;
     }
-  } join{stream};
+    ~Join() { wait(); }
+  } join{{}, stream};
   if (keys) {
     cudaStream_t ms = stream;
-    if (forked) {
-      cudaError_t e = cudaEventRecord(side.fork, stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(side.stream, side.fork, 0);
+    if (side_stream(dev.index, stream, &join.side)) {
+      cudaError_t e = cudaEventRecord(join.side.fork, stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(join.side.stream, join.side.fork, 0);
       if (e != cudaSuccess) return fail(INFLLMV2_ERR_CUDA, "%s: forking the member-list stream failed: %s", op,
                                         cudaGetErrorString(e));
-      ms = side.stream;
+      join.armed = true;
+      ms = join.side.stream;
     }
     // a sequence owns its key blocks' indices and one spare
     const int windows = (max_kblocks + 1 + umem->window - 1) / umem->window;
@@ -285,14 +291,6 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
     int rc = uscan->call(counts, offsets, const_cast<int32_t*>(cu_seqlens_k), batch, heads_k, n_gb, batch + 1, ms);
     if ((st = launch_result(op, uscan->name, rc, uscan->last_error)) != INFLLMV2_OK) return st;
     if ((st = launch_result(op, umem->name, members_pass(1), umem->last_error)) != INFLLMV2_OK) return st;
-    if (forked) {
-      cudaError_t e = cudaEventRecord(side.join, side.stream);
-      if (e != cudaSuccess) {
-        cudaStreamSynchronize(side.stream);  // no event to wait on: the lists must be written before returning
-        return fail(INFLLMV2_ERR_CUDA, "%s: joining the member-list stream failed: %s", op, cudaGetErrorString(e));
-      }
-      join.event = side.join;
-    }
   }
   int rc = pre->call(const_cast<void*>(out), const_cast<void*>(dout), delta, (int)total_q, heads, stream);
   if ((st = launch_result(op, pre->name, rc, pre->last_error)) != INFLLMV2_OK) return st;
@@ -303,16 +301,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                  (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
   if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
   if (!keys) return INFLLMV2_OK;
-  if (join.event != nullptr) {
-    // side.join is this thread's own event, recorded above, so nothing re-recorded it since
-    cudaError_t e = cudaStreamWaitEvent(stream, join.event, 0);
-    if (e != cudaSuccess) {
-      cudaStreamSynchronize(side.stream);
-      join.event = nullptr;
-      return fail(INFLLMV2_ERR_CUDA, "%s: joining the member-list stream failed: %s", op, cudaGetErrorString(e));
-    }
-    join.event = nullptr;
-  }
+  if (cudaError_t e = join.wait(); e != cudaSuccess)
+    return fail(INFLLMV2_ERR_CUDA, "%s: joining the member-list stream failed: %s", op, cudaGetErrorString(e));
   T = tile_tokens(udkdv->block_m, udkdv->t_max, groups);
   // a sequence of L > kPiece queries overlaps at most ceil(L / kPiece) + 1 pieces
   const bool split = max_seqlen_q > kPiece && total_q > kPiece;
