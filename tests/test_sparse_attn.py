@@ -1,5 +1,7 @@
 """sparse_attn (stage 2): kernels against the reference, forward and backward, every layer."""
 
+import threading
+
 import pytest
 import torch
 
@@ -403,3 +405,96 @@ def test_tile_union_blocks_counts_distinct_visible_blocks(tile_tokens):
                 want += len(blocks)
         off += lq
     assert tile_union_blocks(idx, lengths_q, lengths_k, tile_tokens) == want
+
+
+def _graph_case():
+    """A backward call with every input and output allocated up front (nothing allocates while a
+    graph is captured): the call, its (dq, dk, dv), and the eager gradients of a first call."""
+    lengths = [700, 65, 1, 2000]
+    q, k, v, cu_q, cu_k, idx = _case(lengths, lengths, 16, 128, torch.bfloat16, seed=31)
+    idx = sort_topk_idx(idx)
+    out, lse = _fwd_poisoned(q, k, v, cu_q, cu_k, idx)
+    dout = random_tokens(lengths, q.shape[1], 128, torch.bfloat16, "cuda", seed=32)
+    ws = torch.empty(sparse_attn_bwd_workspace_floats(q, k, idx, cu_k), device="cuda")
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    mq = max(lengths)
+
+    def run():
+        sparse_attn_bwd_launch(dout, q, k, v, out, lse, idx, cu_q, cu_k, mq, mq, 0.0, *grads, ws)
+
+    run()
+    torch.cuda.synchronize()
+    want = [g.clone() for g in grads]
+    for g in grads:
+        g.fill_(float("nan"))
+    torch.cuda.synchronize()  # a call on another stream must not overtake the fill
+    return run, grads, want
+
+
+def _in_new_thread(fn):
+    """fn() in a thread of its own (one without the library's member-list stream), its
+    exception re-raised here."""
+    errors = []
+
+    def body():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("thread", ["with_side_stream", "new"])
+def test_backward_in_cuda_graph(thread):
+    """Captured into a CUDA graph, the backward replays to the eager gradients bit for bit: in a
+    thread whose member-list stream exists (the capture forks into it and joins it back) and in a
+    new one (no stream is created while capturing; the lists stay on the captured stream)."""
+    run, grads, want = _graph_case()
+
+    def capture_and_replay():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        graph.replay()
+        torch.cuda.synchronize()
+
+    if thread == "new":
+        _in_new_thread(capture_and_replay)
+    else:
+        run()  # this thread's member-list stream exists before the capture
+        torch.cuda.synchronize()
+        for g in grads:
+            g.fill_(float("nan"))
+        capture_and_replay()
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert torch.equal(g, w), f"{name} replayed from the graph differs from the eager call"
+
+
+@pytest.mark.gpu
+def test_backward_beside_another_threads_capture():
+    """A thread's first backward creates its member-list stream, and the thread's exit destroys
+    it. Another thread's capture in global mode (torch.cuda.graph's default) must survive both."""
+    run, grads, want = _graph_case()
+    side = torch.cuda.Stream()
+    x = torch.zeros(8, device="cuda")
+
+    def first_backward():
+        with torch.cuda.stream(side):
+            run()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="global"):
+        y = x + 1
+        _in_new_thread(first_backward)  # the thread starts and exits while this capture is open
+        y = y * 2
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 2.0))
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+        assert torch.equal(g, w), f"{name} of the backward beside the capture differs from the eager call"
