@@ -1111,9 +1111,9 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         # one thread all 16 boxes; alone this measured no change), tokens past the group reading
         # row total_q, out of bounds, which TMA fills with zeros. H100, dK/dV alone at G = 16,
         # two runs: 72.9 / 82.3 / 84.9 and 74.9 / 82.6 / 88.3 ms -> 68.8 / 79.3 / 82.1 and 70.9 /
-        # 79.8 / 82.6 at 32K x 8 / 128K x 2 / 32K x 8 independent, gradients bitwise equal. (Boxes for any G a multiple of 16 and the gather
-        # for other G in one kernel, chosen at run time, spilled at 255 registers and took 88 /
-        # 98 / 103 ms.)
+        # 79.8 / 82.6 at 32K x 8 / 128K x 2 / 32K x 8 independent, gradients bitwise equal.
+        # (Boxes for any G a multiple of 16 and the gather for other G in one kernel, chosen at
+        # run time, spilled at 255 registers and took 88 / 98 / 103 ms.)
         # Each thread reads its rows' token and head into registers (rowl, headl; the last entry
         # is its LSE / Delta row; boxl the boxes' tokens) before any copy is issued: TileLang's
         # sync planner cannot tell the merged shared buffers apart, and with a read of tok_s

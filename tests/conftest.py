@@ -29,14 +29,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seeded_global_rng():
     """Every test starts from the same torch RNG state, so the draws it makes from the global
-    generator (douts, mostly) do not depend on which tests ran before it in the process. Before,
-    test_sparse_attn's fp16 D = 64 G = 8 65-token case failed once in a run that also held
-    tests/test_attention.py: its dQ error was 2.1x PyTorch's. With its q, k, v fixed, 3000
-    calls were bitwise equal (no race), and over 1500 random douts the ratio was 0.72 at the
-    median, 1.25 at p99 and 2.12 at most (H200, session 31): a numerical tail. An fp64
-    emulation of the worst of those douts reproduces the kernel's dQ error (0.0030, PyTorch's
-    0.00155) from two roundings that FlashAttention makes too: dS to fp16 for the dQ GEMM, and
-    Delta from the fp16 O (each alone: 0.0013 and 0.00095, the output's own rounding)."""
+    generator (douts, mostly) do not depend on which tests ran before it in the process: an
+    order-dependent dout once put an fp16 case into a rare numerical tail of the 2x rule
+    (benchmarks/NOTES.md, session 31, "The flaky GPU test of session 30")."""
     torch.manual_seed(0)
 
 
