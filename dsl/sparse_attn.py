@@ -416,9 +416,10 @@ def walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p
 
 
 @T.macro
-def walk_tile_union_tma(K, V, k0, hk, Q_s, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
+def walk_tile_union_tma(K, V, k0, hk, Q_r, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
                         acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2):
-    """walk_tile_union on sm_90a with its own TMA loads (_fwd_pair's tiles that walk alone): K is
+    """walk_tile_union on sm_90a with its own TMA loads (_fwd_pair's tiles that walk alone; the
+    query tile in registers, Q_r, as in the pair's shared walk): K is
     free once S is computed and V once P V is, so the next block's K loads during this block's
     softmax and P V, and its V during the next S GEMM, into the same two buffers (full[0] and
     full[1]: K_s's, V_s's load landed; fresh, phase 0). The copies are issued on every step with
@@ -434,7 +435,7 @@ def walk_tile_union_tma(K, V, k0, hk, Q_s, K_s, V_s, full, ublk_s, umask_s, n_it
         nxt = ublk_s[T.min(it + 1, n_it - 1)]
         mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
         T.mbarrier_wait_parity(full[0], it % 2)
-        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(Q_r, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.sync_threads()  # every warp's part of S has read K_s
         T.tma_copy(K[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
         T.mbarrier_arrive(full[0])
@@ -536,6 +537,14 @@ def _fwd_pair(dtype, D):
     (two warpgroups) would halve the reads too, but lost more in latency hiding (H100, 32K x 8:
     51.6 ms against 44.7); the pair keeps 4-token tiles, 74 KB a tile, three tiles an SM.
 
+    The query tile is the A operand of the S GEMM from registers (Q_r, read once from Q_s), not
+    from shared memory: a 64 x 64 x 128 wgmma with both operands in shared memory reads 32 KB
+    of it for 1 MFLOP, and every block step also takes the TMA's 32 KB of K and V. ptxas, held
+    to 168 registers for three tiles an SM, then spills 12 bytes (68 bytes of reloads). H200,
+    32K x 8 and 128K x 2, forward alone, O and LSE bitwise equal: 40.97, 40.98 ->
+    40.11, 40.31 ms and 43.46, 43.79 -> 42.58, 42.61 ms; with two tiles an SM and no spill,
+    50.2 and 52.4 ms.
+
     Both blocks compute the same union (8 tokens' rows); a block's own tokens are bits
     rank * tile_tokens .. of its masks. A block whose tokens are past the sequence still runs
     the loop (its partner multicasts into it) and stores nothing. The copies are issued with a
@@ -569,9 +578,10 @@ def _fwd_pair(dtype, D):
     ):
         # max_tiles is even (the host rounds it up): tiles 2c and 2c + 1 are cluster c
         with T.Kernel(max_tiles, batch, sig["K"].shape[1], threads=threads, cluster_dims=(2, 1, 1)) as (bx, b, hk):
-            # three tiles an SM (74 KB each): ptxas would take 174 registers, which fits two
+            # three tiles an SM (74 KB each): ptxas would take 176 registers, which fits two
             T.annotate_min_blocks_per_sm(3)
             Q_s = T.alloc_shared([BLOCK_M, D], dtype)
+            Q_r = T.alloc_fragment([BLOCK_M, D], dtype)
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
             idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask, bm_s = _union_buffers(PAIR, threads)
@@ -617,6 +627,7 @@ def _fwd_pair(dtype, D):
                 T.fill(acc_o, 0)
                 T.fill(l_sum, 0)
                 T.fill(m_cur, NEG_INF)
+                T.copy(Q_s, Q_r)
                 if shared_walk == 1:
                     # an empty union still loads (and waits for) one block: the sequence's first
                     first = T.if_then_else(n_it > 0, ublk_s[0], 0)
@@ -631,7 +642,7 @@ def _fwd_pair(dtype, D):
                         nxt = ublk_s[T.min(it + 1, n_it - 1)]
                         mask_scores(acc_s, (umask_s[it] >> (rank * tile_tokens)) & own, n_tok, blk, p0, rtok)
                         T.mbarrier_wait_parity(full[0], it % 2)
-                        T.gemm(Q_s, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.gemm(Q_r, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                         if tx % 32 == 0:
                             T.mbarrier_arrive(empty[0], 0)
                         if rank == 0:
@@ -662,7 +673,7 @@ def _fwd_pair(dtype, D):
                     tile_union(topk_idx, hk, q0 + t0, n_tok, p0, tx, idx_s, keep_s, ublk_s, umask_s, n_union,
                                my_keep, my_mask, bm_s)
                     n_it = n_union[0]
-                    walk_tile_union_tma(K, V, k0, hk, Q_s, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok,
+                    walk_tile_union_tma(K, V, k0, hk, Q_r, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok,
                                         acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum,
                                         scale_log2)
                     if n_tok > 0:

@@ -47,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
   float acc_o[32];
   float l_sum[2];
   float m_cur[2];
+  bfloat16_t Q_r[32];
   float acc_s[32];
   float m_prev[2];
   float m_safe[2];
@@ -106,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         } else {
           condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((bfloat16_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+        *(uint4*)(((bfloat16_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_4;
       }
     } else {
       if (groups == 8) {
@@ -119,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           } else {
             condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((bfloat16_t*)Q_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+          *(uint4*)(((bfloat16_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_5;
         }
       } else {
         if (groups == 4) {
@@ -132,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
             } else {
               condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((bfloat16_t*)Q_s) + (((((i_2 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+            *(uint4*)(((bfloat16_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_6;
           }
         } else {
           if (groups == 2) {
@@ -145,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
               } else {
                 condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((bfloat16_t*)Q_s) + (((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
+              *(uint4*)(((bfloat16_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_7;
             }
           } else {
             if (groups == 1) {
@@ -158,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                 } else {
                   condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
               }
             } else {
               #pragma unroll
@@ -182,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                 } else {
                   condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
               }
             }
           }
@@ -322,6 +323,10 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
     *(float2*)(l_sum + 0) = make_float2(broadcast_var_7, broadcast_var_7);
     float broadcast_var_8 = -CUDART_INF_F;
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
+    #pragma unroll
+    for (int i_8 = 0; i_8 < 4; ++i_8) {
+      tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (i_8 * 16)) + (((((int)threadIdx.x) & 31) >> 4) * 8))])), (&(Q_r[(i_8 * 8)])));
+    }
     if (shared_walk == 1) {
       int condval_18;
       if ((0 < n_it)) {
@@ -363,37 +368,37 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         int um = ((((int*)umask_s)[it] >> ((((int)blockIdx.x) & 1) * tile_tokens)) & ((1 << tile_tokens) - 1));
         if ((um == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
-          for (int i_8 = 0; i_8 < 8; ++i_8) {
+          for (int i_9 = 0; i_9 < 8; ++i_9) {
             float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_s + (i_8 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
+            *(float4*)(acc_s + (i_9 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
           }
         } else {
           #pragma unroll
-          for (int i_9 = 0; i_9 < 32; ++i_9) {
+          for (int i_10 = 0; i_10 < 32; ++i_10) {
             float condval_19;
-            if (((((um >> rtok[((i_9 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_9 & 3) >> 1)]) - len_q)))) {
+            if (((((um >> rtok[((i_10 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_10 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_10 & 3) >> 1)]) - len_q)))) {
               condval_19 = 0x0p+0f/*0.000000e+00*/;
             } else {
               condval_19 = -CUDART_INF_F;
             }
-            acc_s[i_9] = condval_19;
+            acc_s[i_10] = condval_19;
           }
         }
         full[0].wait((it & 1));
         {
-          tl::GmmaDescriptor desc_a;
           tl::GmmaDescriptor desc_b;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 16);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki = 0; ki < 4; ++ki) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((ki * 32) >> 4)), uint64_t(desc_b + ((ki * 32) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(reinterpret_cast<const uint32_t*>(Q_r + (ki * 8)), uint64_t(desc_b + ((ki * 32) >> 4)), reinterpret_cast<uint32_t*>(acc_s + 0), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 16);
         }
         if ((((int)threadIdx.x) % 32) == 0) {
           empty[0].arrive(0u);
@@ -415,33 +420,33 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         full[0].arrive();
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
         #pragma unroll
-        for (int i_10 = 0; i_10 < 2; ++i_10) {
-          m_cur_clear[i_10] = -CUDART_INF_F;
+        for (int i_11 = 0; i_11 < 2; ++i_11) {
+          m_cur_clear[i_11] = -CUDART_INF_F;
           #pragma unroll
           for (int rv = 0; rv < 16; ++rv) {
-            m_cur_clear[i_10] = max(m_cur_clear[i_10], acc_s[((((rv & 7) * 4) + (i_10 * 2)) + (rv >> 3))]);
+            m_cur_clear[i_11] = max(m_cur_clear[i_11], acc_s[((((rv & 7) * 4) + (i_11 * 2)) + (rv >> 3))]);
           }
-          m_cur_clear[i_10] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_10]);
-          m_cur[i_10] = max(m_cur[i_10], m_cur_clear[i_10]);
+          m_cur_clear[i_11] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_11]);
+          m_cur[i_11] = max(m_cur[i_11], m_cur_clear[i_11]);
         }
         #pragma unroll
-        for (int i_11 = 0; i_11 < 2; ++i_11) {
+        for (int i_12 = 0; i_12 < 2; ++i_12) {
           float condval_20;
-          if ((m_cur[i_11] == -CUDART_INF_F)) {
+          if ((m_cur[i_12] == -CUDART_INF_F)) {
             condval_20 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_20 = m_cur[i_11];
+            condval_20 = m_cur[i_12];
           }
-          m_safe[i_11] = condval_20;
-          r_scale[i_11] = exp2f(((m_prev[i_11] - m_safe[i_11]) * scale_log2));
+          m_safe[i_12] = condval_20;
+          r_scale[i_12] = exp2f(((m_prev[i_12] - m_safe[i_12]) * scale_log2));
         }
         #pragma unroll
-        for (int i_12 = 0; i_12 < 16; ++i_12) {
+        for (int i_13 = 0; i_13 < 16; ++i_13) {
           float2 __1;
           float2 __2;
             float2 __3;
-              float2 v_ = *(float2*)(acc_s + (i_12 * 2));
-              float2 v__1 = make_float2(m_safe[(i_12 & 1)], m_safe[(i_12 & 1)]);
+              float2 v_ = *(float2*)(acc_s + (i_13 * 2));
+              float2 v__1 = make_float2(m_safe[(i_13 & 1)], m_safe[(i_13 & 1)]);
               __3.x = (v_.x-v__1.x);
               __3.y = (v_.y-v__1.y);
             float2 v__2 = make_float2(scale_log2, scale_log2);
@@ -449,16 +454,16 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
             __2.y = (__3.y*v__2.y);
           __1.x = exp2f(__2.x);
           __1.y = exp2f(__2.y);
-          *(float2*)(acc_s + (i_12 * 2)) = __1;
+          *(float2*)(acc_s + (i_13 * 2)) = __1;
         }
         #pragma unroll
-        for (int i_13 = 0; i_13 < 2; ++i_13) {
-          r_sum[i_13] = 0x0p+0f/*0.000000e+00*/;
+        for (int i_14 = 0; i_14 < 2; ++i_14) {
+          r_sum[i_14] = 0x0p+0f/*0.000000e+00*/;
           #pragma unroll
           for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-            r_sum[i_13] = (r_sum[i_13] + acc_s[((((rv_1 & 7) * 4) + (i_13 * 2)) + (rv_1 >> 3))]);
+            r_sum[i_14] = (r_sum[i_14] + acc_s[((((rv_1 & 7) * 4) + (i_14 * 2)) + (rv_1 >> 3))]);
           }
-          r_sum[i_13] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_13]);
+          r_sum[i_14] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_14]);
         }
         float2 __4;
           float2 __5;
@@ -471,21 +476,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           __4.y = (__5.y+v__5.y);
         *(float2*)(l_sum + 0) = __4;
         #pragma unroll
-        for (int i_14 = 0; i_14 < 8; ++i_14) {
+        for (int i_15 = 0; i_15 < 8; ++i_15) {
           uint2 __6;
-          float4 v__6 = *(float4*)(acc_s + (i_14 * 4));
+          float4 v__6 = *(float4*)(acc_s + (i_15 * 4));
           (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
           (reinterpret_cast<__nv_bfloat162*>(&__6))[1] = __float22bfloat162_rn(((float2*)(&v__6))[1]);
-          *(uint2*)(acc_s_cast + (i_14 * 4)) = __6;
+          *(uint2*)(acc_s_cast + (i_15 * 4)) = __6;
         }
         #pragma unroll
-        for (int i_15 = 0; i_15 < 16; ++i_15) {
+        for (int i_16 = 0; i_16 < 16; ++i_16) {
           float2 __7;
-            float2 v__7 = *(float2*)(acc_o + (i_15 * 2));
-            float2 v__8 = make_float2(r_scale[(i_15 & 1)], r_scale[(i_15 & 1)]);
+            float2 v__7 = *(float2*)(acc_o + (i_16 * 2));
+            float2 v__8 = make_float2(r_scale[(i_16 & 1)], r_scale[(i_16 & 1)]);
             __7.x = (v__7.x*v__8.x);
             __7.y = (v__7.y*v__8.y);
-          *(float2*)(acc_o + (i_15 * 2)) = __7;
+          *(float2*)(acc_o + (i_16 * 2)) = __7;
         }
         full[1].wait((it & 1));
         {
@@ -526,34 +531,34 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       full[1].wait((n_it & 1));
       if (0 < (len_q - (((int)blockIdx.x) * tile_tokens))) {
         #pragma unroll
-        for (int i_16 = 0; i_16 < 16; ++i_16) {
+        for (int i_17 = 0; i_17 < 16; ++i_17) {
           float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
           float2 condval_21;
-          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_16 & 1)])) {
+          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_17 & 1)])) {
             float2 __8;
-              float2 v__9 = *(float2*)(acc_o + (i_16 * 2));
-              float2 v__10 = make_float2(l_sum[(i_16 & 1)], l_sum[(i_16 & 1)]);
+              float2 v__9 = *(float2*)(acc_o + (i_17 * 2));
+              float2 v__10 = make_float2(l_sum[(i_17 & 1)], l_sum[(i_17 & 1)]);
               __8.x = (v__9.x/v__10.x);
               __8.y = (v__9.y/v__10.y);
             condval_21 = __8;
           } else {
             condval_21 = make_float2(broadcast_var_10, broadcast_var_10);
           }
-          *(float2*)(acc_o + (i_16 * 2)) = condval_21;
+          *(float2*)(acc_o + (i_17 * 2)) = condval_21;
         }
         if (groups == 16) {
           #pragma unroll
-          for (int i_17 = 0; i_17 < 16; ++i_17) {
+          for (int i_18 = 0; i_18 < 16; ++i_18) {
             bfloat16_t O_local_cast[2];
             if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
               uint1 __9;
-              float2 v__11 = *(float2*)(acc_o + (i_17 * 2));
+              float2 v__11 = *(float2*)(acc_o + (i_18 * 2));
               (reinterpret_cast<__nv_bfloat162*>(&__9))[0] = __float22bfloat162_rn(((float2*)(&v__11))[0]);
               *(uint1*)(O_local_cast + 0) = __9;
-              if ((((((int)blockIdx.z) * 16) + ((i_17 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+              if ((((((int)blockIdx.z) * 16) + ((i_18 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
                 if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
                   if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((int64_t)i_17) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_17) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
+                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((int64_t)i_18) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_18) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
                   }
                 }
               }
@@ -562,17 +567,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         } else {
           if (groups == 8) {
             #pragma unroll
-            for (int i_18 = 0; i_18 < 16; ++i_18) {
+            for (int i_19 = 0; i_19 < 16; ++i_19) {
               bfloat16_t O_local_cast_1[2];
-              if (((((((int)threadIdx.x) >> 5) * 2) + (i_18 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              if (((((((int)threadIdx.x) >> 5) * 2) + (i_19 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                 uint1 __10;
-                float2 v__12 = *(float2*)(acc_o + (i_18 * 2));
+                float2 v__12 = *(float2*)(acc_o + (i_19 * 2));
                 (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
                 *(uint1*)(O_local_cast_1 + 0) = __10;
                 if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_18 & 1))) {
-                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_18 & 1)) < total_q) {
-                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_18) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_18) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_1 + 0);
+                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_19 & 1))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_19 & 1)) < total_q) {
+                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_19) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_1 + 0);
                     }
                   }
                 }
@@ -581,17 +586,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           } else {
             if (groups == 4) {
               #pragma unroll
-              for (int i_19 = 0; i_19 < 16; ++i_19) {
+              for (int i_20 = 0; i_20 < 16; ++i_20) {
                 bfloat16_t O_local_cast_2[2];
-                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_19 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_20 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                   uint1 __11;
-                  float2 v__13 = *(float2*)(acc_o + (i_19 * 2));
+                  float2 v__13 = *(float2*)(acc_o + (i_20 * 2));
                   (reinterpret_cast<__nv_bfloat162*>(&__11))[0] = __float22bfloat162_rn(((float2*)(&v__13))[0]);
                   *(uint1*)(O_local_cast_2 + 0) = __11;
                   if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_19 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_19 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_19) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_19) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_2 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_20 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_20 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_20) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_2 + 0);
                       }
                     }
                   }
@@ -600,17 +605,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
             } else {
               if (groups == 2) {
                 #pragma unroll
-                for (int i_20 = 0; i_20 < 16; ++i_20) {
+                for (int i_21 = 0; i_21 < 16; ++i_21) {
                   bfloat16_t O_local_cast_3[2];
-                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_20 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_21 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                     uint1 __12;
-                    float2 v__14 = *(float2*)(acc_o + (i_20 * 2));
+                    float2 v__14 = *(float2*)(acc_o + (i_21 * 2));
                     (reinterpret_cast<__nv_bfloat162*>(&__12))[0] = __float22bfloat162_rn(((float2*)(&v__14))[0]);
                     *(uint1*)(O_local_cast_3 + 0) = __12;
                     if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_20 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_20 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_20) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_20) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_3 + 0);
+                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_21 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_21 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_21) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_3 + 0);
                         }
                       }
                     }
@@ -619,17 +624,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
               } else {
                 if (groups == 1) {
                   #pragma unroll
-                  for (int i_21 = 0; i_21 < 16; ++i_21) {
+                  for (int i_22 = 0; i_22 < 16; ++i_22) {
                     bfloat16_t O_local_cast_4[2];
-                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
                       uint1 __13;
-                      float2 v__15 = *(float2*)(acc_o + (i_21 * 2));
+                      float2 v__15 = *(float2*)(acc_o + (i_22 * 2));
                       (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__15))[0]);
                       *(uint1*)(O_local_cast_4 + 0) = __13;
                       if (((int)blockIdx.z) < heads) {
-                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_21) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_4 + 0);
+                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_22) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_4 + 0);
                           }
                         }
                       }
@@ -637,30 +642,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                   }
                 } else {
                   #pragma unroll
-                  for (int i_22 = 0; i_22 < 16; ++i_22) {
+                  for (int i_23 = 0; i_23 < 16; ++i_23) {
                     bfloat16_t O_local_cast_5[2];
-                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
                       uint1 __14;
-                      float2 v__16 = *(float2*)(acc_o + (i_22 * 2));
+                      float2 v__16 = *(float2*)(acc_o + (i_23 * 2));
                       (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&v__16))[0]);
                       *(uint1*)(O_local_cast_5 + 0) = __14;
-                      int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                       if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-                        int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                         if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-                          int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                          int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                          int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                          int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-                            int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                            int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_22 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                            int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                            int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_23 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                              int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_22) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_22) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_5 + 0);
+                              int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_5 + 0);
                             }
                           }
                         }
@@ -674,30 +679,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         }
         if ((((int)threadIdx.x) % 4) == 0) {
           #pragma unroll
-          for (int i_23 = 0; i_23 < 2; ++i_23) {
-            if (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-              int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+          for (int i_24 = 0; i_24 < 2; ++i_24) {
+            if (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+              int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-                int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                 if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-                  int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                    int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_23 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
                       float condval_22;
-                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_23])) {
-                        condval_22 = (((m_cur[i_23] * scale_log2) + log2f(l_sum[i_23])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_24])) {
+                        condval_22 = (((m_cur[i_24] * scale_log2) + log2f(l_sum[i_24])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                       } else {
                         condval_22 = -CUDART_INF_F;
                       }
-                      int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_23) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
                       LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_22;
                     }
                   }
@@ -826,37 +831,37 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         int um_1 = ((int*)umask_s)[it_1];
         if ((um_1 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_1 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
-          for (int i_24 = 0; i_24 < 8; ++i_24) {
+          for (int i_25 = 0; i_25 < 8; ++i_25) {
             float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_s + (i_24 * 4)) = make_float4(broadcast_var_11, broadcast_var_11, broadcast_var_11, broadcast_var_11);
+            *(float4*)(acc_s + (i_25 * 4)) = make_float4(broadcast_var_11, broadcast_var_11, broadcast_var_11, broadcast_var_11);
           }
         } else {
           #pragma unroll
-          for (int i_25 = 0; i_25 < 32; ++i_25) {
+          for (int i_26 = 0; i_26 < 32; ++i_26) {
             float condval_30;
-            if (((((um_1 >> rtok[((i_25 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_25 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_25 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_25 & 3) >> 1)]) - len_q)))) {
+            if (((((um_1 >> rtok[((i_26 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_26 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_26 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_26 & 3) >> 1)]) - len_q)))) {
               condval_30 = 0x0p+0f/*0.000000e+00*/;
             } else {
               condval_30 = -CUDART_INF_F;
             }
-            acc_s[i_25] = condval_30;
+            acc_s[i_26] = condval_30;
           }
         }
         full[0].wait((it_1 & 1));
         {
-          tl::GmmaDescriptor desc_a_1;
           tl::GmmaDescriptor desc_b_2;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)Q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 16);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-            tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((ki_2 * 32) >> 4)), uint64_t(desc_b_2 + ((ki_2 * 32) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+            tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(reinterpret_cast<const uint32_t*>(Q_r + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 32) >> 4)), reinterpret_cast<uint32_t*>(acc_s + 0), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 16);
         }
         __syncthreads();
         if (tl::tl_shuffle_elect<128>()) {
@@ -866,33 +871,33 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         full[0].arrive();
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
         #pragma unroll
-        for (int i_26 = 0; i_26 < 2; ++i_26) {
-          m_cur_clear_1[i_26] = -CUDART_INF_F;
+        for (int i_27 = 0; i_27 < 2; ++i_27) {
+          m_cur_clear_1[i_27] = -CUDART_INF_F;
           #pragma unroll
           for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-            m_cur_clear_1[i_26] = max(m_cur_clear_1[i_26], acc_s[((((rv_2 & 7) * 4) + (i_26 * 2)) + (rv_2 >> 3))]);
+            m_cur_clear_1[i_27] = max(m_cur_clear_1[i_27], acc_s[((((rv_2 & 7) * 4) + (i_27 * 2)) + (rv_2 >> 3))]);
           }
-          m_cur_clear_1[i_26] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_26]);
-          m_cur[i_26] = max(m_cur[i_26], m_cur_clear_1[i_26]);
+          m_cur_clear_1[i_27] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_27]);
+          m_cur[i_27] = max(m_cur[i_27], m_cur_clear_1[i_27]);
         }
         #pragma unroll
-        for (int i_27 = 0; i_27 < 2; ++i_27) {
+        for (int i_28 = 0; i_28 < 2; ++i_28) {
           float condval_31;
-          if ((m_cur[i_27] == -CUDART_INF_F)) {
+          if ((m_cur[i_28] == -CUDART_INF_F)) {
             condval_31 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_31 = m_cur[i_27];
+            condval_31 = m_cur[i_28];
           }
-          m_safe[i_27] = condval_31;
-          r_scale[i_27] = exp2f(((m_prev[i_27] - m_safe[i_27]) * scale_log2));
+          m_safe[i_28] = condval_31;
+          r_scale[i_28] = exp2f(((m_prev[i_28] - m_safe[i_28]) * scale_log2));
         }
         #pragma unroll
-        for (int i_28 = 0; i_28 < 16; ++i_28) {
+        for (int i_29 = 0; i_29 < 16; ++i_29) {
           float2 __15;
           float2 __16;
             float2 __17;
-              float2 v__17 = *(float2*)(acc_s + (i_28 * 2));
-              float2 v__18 = make_float2(m_safe[(i_28 & 1)], m_safe[(i_28 & 1)]);
+              float2 v__17 = *(float2*)(acc_s + (i_29 * 2));
+              float2 v__18 = make_float2(m_safe[(i_29 & 1)], m_safe[(i_29 & 1)]);
               __17.x = (v__17.x-v__18.x);
               __17.y = (v__17.y-v__18.y);
             float2 v__19 = make_float2(scale_log2, scale_log2);
@@ -900,16 +905,16 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
             __16.y = (__17.y*v__19.y);
           __15.x = exp2f(__16.x);
           __15.y = exp2f(__16.y);
-          *(float2*)(acc_s + (i_28 * 2)) = __15;
+          *(float2*)(acc_s + (i_29 * 2)) = __15;
         }
         #pragma unroll
-        for (int i_29 = 0; i_29 < 2; ++i_29) {
-          r_sum[i_29] = 0x0p+0f/*0.000000e+00*/;
+        for (int i_30 = 0; i_30 < 2; ++i_30) {
+          r_sum[i_30] = 0x0p+0f/*0.000000e+00*/;
           #pragma unroll
           for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-            r_sum[i_29] = (r_sum[i_29] + acc_s[((((rv_3 & 7) * 4) + (i_29 * 2)) + (rv_3 >> 3))]);
+            r_sum[i_30] = (r_sum[i_30] + acc_s[((((rv_3 & 7) * 4) + (i_30 * 2)) + (rv_3 >> 3))]);
           }
-          r_sum[i_29] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_29]);
+          r_sum[i_30] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_30]);
         }
         float2 __18;
           float2 __19;
@@ -922,21 +927,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           __18.y = (__19.y+v__22.y);
         *(float2*)(l_sum + 0) = __18;
         #pragma unroll
-        for (int i_30 = 0; i_30 < 8; ++i_30) {
+        for (int i_31 = 0; i_31 < 8; ++i_31) {
           uint2 __20;
-          float4 v__23 = *(float4*)(acc_s + (i_30 * 4));
+          float4 v__23 = *(float4*)(acc_s + (i_31 * 4));
           (reinterpret_cast<__nv_bfloat162*>(&__20))[0] = __float22bfloat162_rn(((float2*)(&v__23))[0]);
           (reinterpret_cast<__nv_bfloat162*>(&__20))[1] = __float22bfloat162_rn(((float2*)(&v__23))[1]);
-          *(uint2*)(acc_s_cast + (i_30 * 4)) = __20;
+          *(uint2*)(acc_s_cast + (i_31 * 4)) = __20;
         }
         #pragma unroll
-        for (int i_31 = 0; i_31 < 16; ++i_31) {
+        for (int i_32 = 0; i_32 < 16; ++i_32) {
           float2 __21;
-            float2 v__24 = *(float2*)(acc_o + (i_31 * 2));
-            float2 v__25 = make_float2(r_scale[(i_31 & 1)], r_scale[(i_31 & 1)]);
+            float2 v__24 = *(float2*)(acc_o + (i_32 * 2));
+            float2 v__25 = make_float2(r_scale[(i_32 & 1)], r_scale[(i_32 & 1)]);
             __21.x = (v__24.x*v__25.x);
             __21.y = (v__24.y*v__25.y);
-          *(float2*)(acc_o + (i_31 * 2)) = __21;
+          *(float2*)(acc_o + (i_32 * 2)) = __21;
         }
         full[1].wait((it_1 & 1));
         {
@@ -965,34 +970,34 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       full[1].wait((n_it_1 & 1));
       if (0 < (len_q - (((int)blockIdx.x) * tile_tokens))) {
         #pragma unroll
-        for (int i_32 = 0; i_32 < 16; ++i_32) {
+        for (int i_33 = 0; i_33 < 16; ++i_33) {
           float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
           float2 condval_32;
-          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_32 & 1)])) {
+          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_33 & 1)])) {
             float2 __22;
-              float2 v__26 = *(float2*)(acc_o + (i_32 * 2));
-              float2 v__27 = make_float2(l_sum[(i_32 & 1)], l_sum[(i_32 & 1)]);
+              float2 v__26 = *(float2*)(acc_o + (i_33 * 2));
+              float2 v__27 = make_float2(l_sum[(i_33 & 1)], l_sum[(i_33 & 1)]);
               __22.x = (v__26.x/v__27.x);
               __22.y = (v__26.y/v__27.y);
             condval_32 = __22;
           } else {
             condval_32 = make_float2(broadcast_var_12, broadcast_var_12);
           }
-          *(float2*)(acc_o + (i_32 * 2)) = condval_32;
+          *(float2*)(acc_o + (i_33 * 2)) = condval_32;
         }
         if (groups == 16) {
           #pragma unroll
-          for (int i_33 = 0; i_33 < 16; ++i_33) {
+          for (int i_34 = 0; i_34 < 16; ++i_34) {
             bfloat16_t O_local_cast_6[2];
             if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
               uint1 __23;
-              float2 v__28 = *(float2*)(acc_o + (i_33 * 2));
+              float2 v__28 = *(float2*)(acc_o + (i_34 * 2));
               (reinterpret_cast<__nv_bfloat162*>(&__23))[0] = __float22bfloat162_rn(((float2*)(&v__28))[0]);
               *(uint1*)(O_local_cast_6 + 0) = __23;
-              if ((((((int)blockIdx.z) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+              if ((((((int)blockIdx.z) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
                 if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
                   if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_33) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_6 + 0);
+                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_34) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_6 + 0);
                   }
                 }
               }
@@ -1001,17 +1006,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         } else {
           if (groups == 8) {
             #pragma unroll
-            for (int i_34 = 0; i_34 < 16; ++i_34) {
+            for (int i_35 = 0; i_35 < 16; ++i_35) {
               bfloat16_t O_local_cast_7[2];
-              if (((((((int)threadIdx.x) >> 5) * 2) + (i_34 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              if (((((((int)threadIdx.x) >> 5) * 2) + (i_35 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                 uint1 __24;
-                float2 v__29 = *(float2*)(acc_o + (i_34 * 2));
+                float2 v__29 = *(float2*)(acc_o + (i_35 * 2));
                 (reinterpret_cast<__nv_bfloat162*>(&__24))[0] = __float22bfloat162_rn(((float2*)(&v__29))[0]);
                 *(uint1*)(O_local_cast_7 + 0) = __24;
                 if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_34 & 1))) {
-                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_34 & 1)) < total_q) {
-                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_34) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_34) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_7 + 0);
+                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_35 & 1))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_35 & 1)) < total_q) {
+                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_35) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_35) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_7 + 0);
                     }
                   }
                 }
@@ -1020,17 +1025,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
           } else {
             if (groups == 4) {
               #pragma unroll
-              for (int i_35 = 0; i_35 < 16; ++i_35) {
+              for (int i_36 = 0; i_36 < 16; ++i_36) {
                 bfloat16_t O_local_cast_8[2];
-                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_35 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                   uint1 __25;
-                  float2 v__30 = *(float2*)(acc_o + (i_35 * 2));
+                  float2 v__30 = *(float2*)(acc_o + (i_36 * 2));
                   (reinterpret_cast<__nv_bfloat162*>(&__25))[0] = __float22bfloat162_rn(((float2*)(&v__30))[0]);
                   *(uint1*)(O_local_cast_8 + 0) = __25;
                   if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_35 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_35 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_35) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_35) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_8 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_36) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_8 + 0);
                       }
                     }
                   }
@@ -1039,17 +1044,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
             } else {
               if (groups == 2) {
                 #pragma unroll
-                for (int i_36 = 0; i_36 < 16; ++i_36) {
+                for (int i_37 = 0; i_37 < 16; ++i_37) {
                   bfloat16_t O_local_cast_9[2];
-                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_36 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                     uint1 __26;
-                    float2 v__31 = *(float2*)(acc_o + (i_36 * 2));
+                    float2 v__31 = *(float2*)(acc_o + (i_37 * 2));
                     (reinterpret_cast<__nv_bfloat162*>(&__26))[0] = __float22bfloat162_rn(((float2*)(&v__31))[0]);
                     *(uint1*)(O_local_cast_9 + 0) = __26;
                     if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_36 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_36 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_36) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_9 + 0);
+                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)64)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_37) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_37) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_9 + 0);
                         }
                       }
                     }
@@ -1058,17 +1063,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
               } else {
                 if (groups == 1) {
                   #pragma unroll
-                  for (int i_37 = 0; i_37 < 16; ++i_37) {
+                  for (int i_38 = 0; i_38 < 16; ++i_38) {
                     bfloat16_t O_local_cast_10[2];
-                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_37 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_37 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
                       uint1 __27;
-                      float2 v__32 = *(float2*)(acc_o + (i_37 * 2));
+                      float2 v__32 = *(float2*)(acc_o + (i_38 * 2));
                       (reinterpret_cast<__nv_bfloat162*>(&__27))[0] = __float22bfloat162_rn(((float2*)(&v__32))[0]);
                       *(uint1*)(O_local_cast_10 + 0) = __27;
                       if (((int)blockIdx.z) < heads) {
-                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_37 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_37 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_37) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_37) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_10 + 0);
+                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_38) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_10 + 0);
                           }
                         }
                       }
@@ -1076,30 +1081,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                   }
                 } else {
                   #pragma unroll
-                  for (int i_38 = 0; i_38 < 16; ++i_38) {
+                  for (int i_39 = 0; i_39 < 16; ++i_39) {
                     bfloat16_t O_local_cast_11[2];
-                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
                       uint1 __28;
-                      float2 v__33 = *(float2*)(acc_o + (i_38 * 2));
+                      float2 v__33 = *(float2*)(acc_o + (i_39 * 2));
                       (reinterpret_cast<__nv_bfloat162*>(&__28))[0] = __float22bfloat162_rn(((float2*)(&v__33))[0]);
                       *(uint1*)(O_local_cast_11 + 0) = __28;
-                      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                       if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rmod_25 : (rmod_25 + groups)))) {
-                        int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                         if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))) < heads) {
-                          int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                          int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                          int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                          int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rdiv_13 : (rdiv_13 - 1)))) {
-                            int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                            int rdiv_14 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                            int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                            int rdiv_14 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) < total_q) {
-                              int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rmod_31 : (rmod_31 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_38) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_11 + 0);
+                              int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rmod_31 : (rmod_31 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)i_39) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_11 + 0);
                             }
                           }
                         }
@@ -1113,30 +1118,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         }
         if ((((int)threadIdx.x) % 4) == 0) {
           #pragma unroll
-          for (int i_39 = 0; i_39 < 2; ++i_39) {
-            if (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-              int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+          for (int i_40 = 0; i_40 < 2; ++i_40) {
+            if (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+              int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-                int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                 if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                  int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rmod_35 : (rmod_35 + groups)))) {
-                    int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rmod_36 : (rmod_36 + groups))) < heads) {
                       float condval_33;
-                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_39])) {
-                        condval_33 = (((m_cur[i_39] * scale_log2) + log2f(l_sum[i_39])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_40])) {
+                        condval_33 = (((m_cur[i_40] * scale_log2) + log2f(l_sum[i_40])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                       } else {
                         condval_33 = -CUDART_INF_F;
                       }
-                      int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
                       LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1)))] = condval_33;
                     }
                   }

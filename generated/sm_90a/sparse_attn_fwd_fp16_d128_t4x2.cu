@@ -47,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
   float acc_o[64];
   float l_sum[2];
   float m_cur[2];
+  half_t Q_r[64];
   float acc_s[32];
   float m_prev[2];
   float m_safe[2];
@@ -106,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         } else {
           condval_4 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+        *(uint4*)(((half_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_4;
       }
     } else {
       if (groups == 8) {
@@ -119,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           } else {
             condval_5 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+          *(uint4*)(((half_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_5;
         }
       } else {
         if (groups == 4) {
@@ -132,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
             } else {
               condval_6 = make_uint4(__pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_2 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+            *(uint4*)(((half_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_6;
           }
         } else {
           if (groups == 2) {
@@ -145,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
               } else {
                 condval_7 = make_uint4(__pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_3 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
+              *(uint4*)(((half_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_7;
             }
           } else {
             if (groups == 1) {
@@ -158,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
                 } else {
                   condval_8 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
+                *(uint4*)(((half_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
               }
             } else {
               #pragma unroll
@@ -182,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
                 } else {
                   condval_9 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((half_t*)Q_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
+                *(uint4*)(((half_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
               }
             }
           }
@@ -322,6 +323,10 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
     *(float2*)(l_sum + 0) = make_float2(broadcast_var_7, broadcast_var_7);
     float broadcast_var_8 = -CUDART_INF_F;
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
+    #pragma unroll
+    for (int i_8 = 0; i_8 < 8; ++i_8) {
+      tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[(((((((int)threadIdx.x) >> 5) * 2048) + ((((int)threadIdx.x) & 15) * 128)) + (i_8 * 16)) + (((((int)threadIdx.x) & 31) >> 4) * 8))])), (&(Q_r[(i_8 * 8)])));
+    }
     if (shared_walk == 1) {
       int condval_18;
       if ((0 < n_it)) {
@@ -336,14 +341,14 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         tl::fence_proxy_async();
         if (tl::block_rank_in_cluster() == 0) {
           #pragma unroll
-          for (int i_8 = 0; i_8 < 2; ++i_8) {
-            tl::tma_load_multicast(K_desc, full[0], (&(((half_t*)K_s)[(i_8 * 4096)])), (uint16_t)(3), (i_8 * 64), ((first * 64) + k0), ((int)blockIdx.z));
+          for (int i_9 = 0; i_9 < 2; ++i_9) {
+            tl::tma_load_multicast(K_desc, full[0], (&(((half_t*)K_s)[(i_9 * 4096)])), (uint16_t)(3), (i_9 * 64), ((first * 64) + k0), ((int)blockIdx.z));
           }
         } else {
           if (((3 >> tl::block_rank_in_cluster()) & 1) == 0) {
             #pragma unroll
-            for (int i_9 = 0; i_9 < 2; ++i_9) {
-              tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_9 * 4096)])), (i_9 * 64), ((first * 64) + k0), ((int)blockIdx.z));
+            for (int i_10 = 0; i_10 < 2; ++i_10) {
+              tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_10 * 4096)])), (i_10 * 64), ((first * 64) + k0), ((int)blockIdx.z));
             }
           }
         }
@@ -354,14 +359,14 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         tl::fence_proxy_async();
         if (tl::block_rank_in_cluster() == 0) {
           #pragma unroll
-          for (int i_10 = 0; i_10 < 2; ++i_10) {
-            tl::tma_load_multicast(V_desc, full[1], (&(((half_t*)V_s)[(i_10 * 4096)])), (uint16_t)(3), (i_10 * 64), ((first * 64) + k0), ((int)blockIdx.z));
+          for (int i_11 = 0; i_11 < 2; ++i_11) {
+            tl::tma_load_multicast(V_desc, full[1], (&(((half_t*)V_s)[(i_11 * 4096)])), (uint16_t)(3), (i_11 * 64), ((first * 64) + k0), ((int)blockIdx.z));
           }
         } else {
           if (((3 >> tl::block_rank_in_cluster()) & 1) == 0) {
             #pragma unroll
-            for (int i_11 = 0; i_11 < 2; ++i_11) {
-              tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_11 * 4096)])), (i_11 * 64), ((first * 64) + k0), ((int)blockIdx.z));
+            for (int i_12 = 0; i_12 < 2; ++i_12) {
+              tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_12 * 4096)])), (i_12 * 64), ((first * 64) + k0), ((int)blockIdx.z));
             }
           }
         }
@@ -375,37 +380,37 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         int um = ((((int*)umask_s)[it] >> ((((int)blockIdx.x) & 1) * tile_tokens)) & ((1 << tile_tokens) - 1));
         if ((um == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
-          for (int i_12 = 0; i_12 < 8; ++i_12) {
+          for (int i_13 = 0; i_13 < 8; ++i_13) {
             float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_s + (i_12 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
+            *(float4*)(acc_s + (i_13 * 4)) = make_float4(broadcast_var_9, broadcast_var_9, broadcast_var_9, broadcast_var_9);
           }
         } else {
           #pragma unroll
-          for (int i_13 = 0; i_13 < 32; ++i_13) {
+          for (int i_14 = 0; i_14 < 32; ++i_14) {
             float condval_19;
-            if (((((um >> rtok[((i_13 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_13 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_13 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_13 & 3) >> 1)]) - len_q)))) {
+            if (((((um >> rtok[((i_14 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_14 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_14 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_14 & 3) >> 1)]) - len_q)))) {
               condval_19 = 0x0p+0f/*0.000000e+00*/;
             } else {
               condval_19 = -CUDART_INF_F;
             }
-            acc_s[i_13] = condval_19;
+            acc_s[i_14] = condval_19;
           }
         }
         full[0].wait((it & 1));
         {
-          tl::GmmaDescriptor desc_a;
           tl::GmmaDescriptor desc_b;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)Q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki = 0; ki < 8; ++ki) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+            tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(reinterpret_cast<const uint32_t*>(Q_r + (ki * 8)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), reinterpret_cast<uint32_t*>(acc_s + 0), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 32);
         }
         if ((((int)threadIdx.x) % 32) == 0) {
           empty[0].arrive(0u);
@@ -418,14 +423,14 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           full[0].expect_transaction(16384);
           if (tl::block_rank_in_cluster() == 0) {
             #pragma unroll
-            for (int i_14 = 0; i_14 < 2; ++i_14) {
-              tl::tma_load_multicast(K_desc, full[0], (&(((half_t*)K_s)[(i_14 * 4096)])), (uint16_t)(3), (i_14 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+            for (int i_15 = 0; i_15 < 2; ++i_15) {
+              tl::tma_load_multicast(K_desc, full[0], (&(((half_t*)K_s)[(i_15 * 4096)])), (uint16_t)(3), (i_15 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
             }
           } else {
             if (((3 >> tl::block_rank_in_cluster()) & 1) == 0) {
               #pragma unroll
-              for (int i_15 = 0; i_15 < 2; ++i_15) {
-                tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_15 * 4096)])), (i_15 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+              for (int i_16 = 0; i_16 < 2; ++i_16) {
+                tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_16 * 4096)])), (i_16 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
               }
             }
           }
@@ -433,33 +438,33 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         full[0].arrive();
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
         #pragma unroll
-        for (int i_16 = 0; i_16 < 2; ++i_16) {
-          m_cur_clear[i_16] = -CUDART_INF_F;
+        for (int i_17 = 0; i_17 < 2; ++i_17) {
+          m_cur_clear[i_17] = -CUDART_INF_F;
           #pragma unroll
           for (int rv = 0; rv < 16; ++rv) {
-            m_cur_clear[i_16] = max(m_cur_clear[i_16], acc_s[((((rv & 7) * 4) + (i_16 * 2)) + (rv >> 3))]);
+            m_cur_clear[i_17] = max(m_cur_clear[i_17], acc_s[((((rv & 7) * 4) + (i_17 * 2)) + (rv >> 3))]);
           }
-          m_cur_clear[i_16] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_16]);
-          m_cur[i_16] = max(m_cur[i_16], m_cur_clear[i_16]);
+          m_cur_clear[i_17] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear[i_17]);
+          m_cur[i_17] = max(m_cur[i_17], m_cur_clear[i_17]);
         }
         #pragma unroll
-        for (int i_17 = 0; i_17 < 2; ++i_17) {
+        for (int i_18 = 0; i_18 < 2; ++i_18) {
           float condval_20;
-          if ((m_cur[i_17] == -CUDART_INF_F)) {
+          if ((m_cur[i_18] == -CUDART_INF_F)) {
             condval_20 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_20 = m_cur[i_17];
+            condval_20 = m_cur[i_18];
           }
-          m_safe[i_17] = condval_20;
-          r_scale[i_17] = exp2f(((m_prev[i_17] - m_safe[i_17]) * scale_log2));
+          m_safe[i_18] = condval_20;
+          r_scale[i_18] = exp2f(((m_prev[i_18] - m_safe[i_18]) * scale_log2));
         }
         #pragma unroll
-        for (int i_18 = 0; i_18 < 16; ++i_18) {
+        for (int i_19 = 0; i_19 < 16; ++i_19) {
           float2 __1;
           float2 __2;
             float2 __3;
-              float2 v_ = *(float2*)(acc_s + (i_18 * 2));
-              float2 v__1 = make_float2(m_safe[(i_18 & 1)], m_safe[(i_18 & 1)]);
+              float2 v_ = *(float2*)(acc_s + (i_19 * 2));
+              float2 v__1 = make_float2(m_safe[(i_19 & 1)], m_safe[(i_19 & 1)]);
               __3.x = (v_.x-v__1.x);
               __3.y = (v_.y-v__1.y);
             float2 v__2 = make_float2(scale_log2, scale_log2);
@@ -467,16 +472,16 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
             __2.y = (__3.y*v__2.y);
           __1.x = exp2f(__2.x);
           __1.y = exp2f(__2.y);
-          *(float2*)(acc_s + (i_18 * 2)) = __1;
+          *(float2*)(acc_s + (i_19 * 2)) = __1;
         }
         #pragma unroll
-        for (int i_19 = 0; i_19 < 2; ++i_19) {
-          r_sum[i_19] = 0x0p+0f/*0.000000e+00*/;
+        for (int i_20 = 0; i_20 < 2; ++i_20) {
+          r_sum[i_20] = 0x0p+0f/*0.000000e+00*/;
           #pragma unroll
           for (int rv_1 = 0; rv_1 < 16; ++rv_1) {
-            r_sum[i_19] = (r_sum[i_19] + acc_s[((((rv_1 & 7) * 4) + (i_19 * 2)) + (rv_1 >> 3))]);
+            r_sum[i_20] = (r_sum[i_20] + acc_s[((((rv_1 & 7) * 4) + (i_20 * 2)) + (rv_1 >> 3))]);
           }
-          r_sum[i_19] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_19]);
+          r_sum[i_20] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_20]);
         }
         float2 __4;
           float2 __5;
@@ -489,21 +494,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           __4.y = (__5.y+v__5.y);
         *(float2*)(l_sum + 0) = __4;
         #pragma unroll
-        for (int i_20 = 0; i_20 < 8; ++i_20) {
+        for (int i_21 = 0; i_21 < 8; ++i_21) {
           uint2 __6;
-          float4 v__6 = *(float4*)(acc_s + (i_20 * 4));
+          float4 v__6 = *(float4*)(acc_s + (i_21 * 4));
           ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&v__6))[0]);
           ((half2*)(&__6))[1] = __float22half2_rn(((float2*)(&v__6))[1]);
-          *(uint2*)(acc_s_cast + (i_20 * 4)) = __6;
+          *(uint2*)(acc_s_cast + (i_21 * 4)) = __6;
         }
         #pragma unroll
-        for (int i_21 = 0; i_21 < 32; ++i_21) {
+        for (int i_22 = 0; i_22 < 32; ++i_22) {
           float2 __7;
-            float2 v__7 = *(float2*)(acc_o + (i_21 * 2));
-            float2 v__8 = make_float2(r_scale[(i_21 & 1)], r_scale[(i_21 & 1)]);
+            float2 v__7 = *(float2*)(acc_o + (i_22 * 2));
+            float2 v__8 = make_float2(r_scale[(i_22 & 1)], r_scale[(i_22 & 1)]);
             __7.x = (v__7.x*v__8.x);
             __7.y = (v__7.y*v__8.y);
-          *(float2*)(acc_o + (i_21 * 2)) = __7;
+          *(float2*)(acc_o + (i_22 * 2)) = __7;
         }
         full[1].wait((it & 1));
         {
@@ -532,14 +537,14 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           full[1].expect_transaction(16384);
           if (tl::block_rank_in_cluster() == 0) {
             #pragma unroll
-            for (int i_22 = 0; i_22 < 2; ++i_22) {
-              tl::tma_load_multicast(V_desc, full[1], (&(((half_t*)V_s)[(i_22 * 4096)])), (uint16_t)(3), (i_22 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+            for (int i_23 = 0; i_23 < 2; ++i_23) {
+              tl::tma_load_multicast(V_desc, full[1], (&(((half_t*)V_s)[(i_23 * 4096)])), (uint16_t)(3), (i_23 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
             }
           } else {
             if (((3 >> tl::block_rank_in_cluster()) & 1) == 0) {
               #pragma unroll
-              for (int i_23 = 0; i_23 < 2; ++i_23) {
-                tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_23 * 4096)])), (i_23 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+              for (int i_24 = 0; i_24 < 2; ++i_24) {
+                tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_24 * 4096)])), (i_24 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
               }
             }
           }
@@ -550,34 +555,34 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       full[1].wait((n_it & 1));
       if (0 < (len_q - (((int)blockIdx.x) * tile_tokens))) {
         #pragma unroll
-        for (int i_24 = 0; i_24 < 32; ++i_24) {
+        for (int i_25 = 0; i_25 < 32; ++i_25) {
           float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
           float2 condval_21;
-          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_24 & 1)])) {
+          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_25 & 1)])) {
             float2 __8;
-              float2 v__9 = *(float2*)(acc_o + (i_24 * 2));
-              float2 v__10 = make_float2(l_sum[(i_24 & 1)], l_sum[(i_24 & 1)]);
+              float2 v__9 = *(float2*)(acc_o + (i_25 * 2));
+              float2 v__10 = make_float2(l_sum[(i_25 & 1)], l_sum[(i_25 & 1)]);
               __8.x = (v__9.x/v__10.x);
               __8.y = (v__9.y/v__10.y);
             condval_21 = __8;
           } else {
             condval_21 = make_float2(broadcast_var_10, broadcast_var_10);
           }
-          *(float2*)(acc_o + (i_24 * 2)) = condval_21;
+          *(float2*)(acc_o + (i_25 * 2)) = condval_21;
         }
         if (groups == 16) {
           #pragma unroll
-          for (int i_25 = 0; i_25 < 32; ++i_25) {
+          for (int i_26 = 0; i_26 < 32; ++i_26) {
             half_t O_local_cast[2];
             if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
               uint1 __9;
-              float2 v__11 = *(float2*)(acc_o + (i_25 * 2));
+              float2 v__11 = *(float2*)(acc_o + (i_26 * 2));
               ((half2*)(&__9))[0] = __float22half2_rn(((float2*)(&v__11))[0]);
               *(uint1*)(O_local_cast + 0) = __9;
-              if ((((((int)blockIdx.z) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+              if ((((((int)blockIdx.z) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
                 if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
                   if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_25) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
+                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast + 0);
                   }
                 }
               }
@@ -586,17 +591,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         } else {
           if (groups == 8) {
             #pragma unroll
-            for (int i_26 = 0; i_26 < 32; ++i_26) {
+            for (int i_27 = 0; i_27 < 32; ++i_27) {
               half_t O_local_cast_1[2];
-              if (((((((int)threadIdx.x) >> 5) * 2) + (i_26 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              if (((((((int)threadIdx.x) >> 5) * 2) + (i_27 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                 uint1 __10;
-                float2 v__12 = *(float2*)(acc_o + (i_26 * 2));
+                float2 v__12 = *(float2*)(acc_o + (i_27 * 2));
                 ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&v__12))[0]);
                 *(uint1*)(O_local_cast_1 + 0) = __10;
                 if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_26 & 1))) {
-                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_26 & 1)) < total_q) {
-                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_26) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_1 + 0);
+                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_27 & 1))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_27 & 1)) < total_q) {
+                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_27) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_27) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_1 + 0);
                     }
                   }
                 }
@@ -605,17 +610,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           } else {
             if (groups == 4) {
               #pragma unroll
-              for (int i_27 = 0; i_27 < 32; ++i_27) {
+              for (int i_28 = 0; i_28 < 32; ++i_28) {
                 half_t O_local_cast_2[2];
-                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_27 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                   uint1 __11;
-                  float2 v__13 = *(float2*)(acc_o + (i_27 * 2));
+                  float2 v__13 = *(float2*)(acc_o + (i_28 * 2));
                   ((half2*)(&__11))[0] = __float22half2_rn(((float2*)(&v__13))[0]);
                   *(uint1*)(O_local_cast_2 + 0) = __11;
                   if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_27 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_27 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_27) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_27) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_2 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_2 + 0);
                       }
                     }
                   }
@@ -624,17 +629,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
             } else {
               if (groups == 2) {
                 #pragma unroll
-                for (int i_28 = 0; i_28 < 32; ++i_28) {
+                for (int i_29 = 0; i_29 < 32; ++i_29) {
                   half_t O_local_cast_3[2];
-                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_28 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                     uint1 __12;
-                    float2 v__14 = *(float2*)(acc_o + (i_28 * 2));
+                    float2 v__14 = *(float2*)(acc_o + (i_29 * 2));
                     ((half2*)(&__12))[0] = __float22half2_rn(((float2*)(&v__14))[0]);
                     *(uint1*)(O_local_cast_3 + 0) = __12;
                     if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_28 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_28 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_3 + 0);
+                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_29) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_3 + 0);
                         }
                       }
                     }
@@ -643,17 +648,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
               } else {
                 if (groups == 1) {
                   #pragma unroll
-                  for (int i_29 = 0; i_29 < 32; ++i_29) {
+                  for (int i_30 = 0; i_30 < 32; ++i_30) {
                     half_t O_local_cast_4[2];
-                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_29 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_29 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
                       uint1 __13;
-                      float2 v__15 = *(float2*)(acc_o + (i_29 * 2));
+                      float2 v__15 = *(float2*)(acc_o + (i_30 * 2));
                       ((half2*)(&__13))[0] = __float22half2_rn(((float2*)(&v__15))[0]);
                       *(uint1*)(O_local_cast_4 + 0) = __13;
                       if (((int)blockIdx.z) < heads) {
-                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_29 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_29 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_29) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_4 + 0);
+                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_4 + 0);
                           }
                         }
                       }
@@ -661,30 +666,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
                   }
                 } else {
                   #pragma unroll
-                  for (int i_30 = 0; i_30 < 32; ++i_30) {
+                  for (int i_31 = 0; i_31 < 32; ++i_31) {
                     half_t O_local_cast_5[2];
-                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
                       uint1 __14;
-                      float2 v__16 = *(float2*)(acc_o + (i_30 * 2));
+                      float2 v__16 = *(float2*)(acc_o + (i_31 * 2));
                       ((half2*)(&__14))[0] = __float22half2_rn(((float2*)(&v__16))[0]);
                       *(uint1*)(O_local_cast_5 + 0) = __14;
-                      int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rmod_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                       if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rmod_9 : (rmod_9 + groups)))) {
-                        int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rmod_10 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                         if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads) {
-                          int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                          int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                          int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                          int rdiv_5 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) {
-                            int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                            int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                            int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                            int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < total_q) {
-                              int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_5 + 0);
+                              int64_t rmod_13 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_7 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              int64_t rmod_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_8 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_15)) || ((((int64_t)groups) < (int64_t)0) && (rmod_15 <= (int64_t)0))) ? rmod_15 : (rmod_15 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_5 + 0);
                             }
                           }
                         }
@@ -698,30 +703,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         }
         if ((((int)threadIdx.x) % 4) == 0) {
           #pragma unroll
-          for (int i_31 = 0; i_31 < 2; ++i_31) {
-            if (((((((int)threadIdx.x) >> 5) * 16) + (i_31 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-              int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_31 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_31 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+          for (int i_32 = 0; i_32 < 2; ++i_32) {
+            if (((((((int)threadIdx.x) >> 5) * 16) + (i_32 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+              int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_32 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + (i_32 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_9 : (rdiv_9 - 1)))) {
-                int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_31 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_31 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_32 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rdiv_10 = (((((((int)threadIdx.x) >> 5) * 16) + (i_32 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                 if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_10 : (rdiv_10 - 1))) < total_q) {
-                  int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_31 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_32 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
-                    int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_31 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_32 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
                       float condval_22;
-                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_31])) {
-                        condval_22 = (((m_cur[i_31] * scale_log2) + log2f(l_sum[i_31])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_32])) {
+                        condval_22 = (((m_cur[i_32] * scale_log2) + log2f(l_sum[i_32])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                       } else {
                         condval_22 = -CUDART_INF_F;
                       }
-                      int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_31) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_31) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_31) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_31) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_31) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_31) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_32) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_32) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_32) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_32) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_32) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_32) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
                       LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_22;
                     }
                   }
@@ -834,8 +839,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         full[0].expect_transaction(16384);
         tl::fence_proxy_async();
         #pragma unroll
-        for (int i_32 = 0; i_32 < 2; ++i_32) {
-          tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_32 * 4096)])), (i_32 * 64), ((first_1 * 64) + k0), ((int)blockIdx.z));
+        for (int i_33 = 0; i_33 < 2; ++i_33) {
+          tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_33 * 4096)])), (i_33 * 64), ((first_1 * 64) + k0), ((int)blockIdx.z));
         }
       }
       full[0].arrive();
@@ -843,8 +848,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         full[1].expect_transaction(16384);
         tl::fence_proxy_async();
         #pragma unroll
-        for (int i_33 = 0; i_33 < 2; ++i_33) {
-          tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_33 * 4096)])), (i_33 * 64), ((first_1 * 64) + k0), ((int)blockIdx.z));
+        for (int i_34 = 0; i_34 < 2; ++i_34) {
+          tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_34 * 4096)])), (i_34 * 64), ((first_1 * 64) + k0), ((int)blockIdx.z));
         }
       }
       full[1].arrive();
@@ -856,76 +861,76 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         int um_1 = ((int*)umask_s)[it_1];
         if ((um_1 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_1 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
-          for (int i_34 = 0; i_34 < 8; ++i_34) {
+          for (int i_35 = 0; i_35 < 8; ++i_35) {
             float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_s + (i_34 * 4)) = make_float4(broadcast_var_11, broadcast_var_11, broadcast_var_11, broadcast_var_11);
+            *(float4*)(acc_s + (i_35 * 4)) = make_float4(broadcast_var_11, broadcast_var_11, broadcast_var_11, broadcast_var_11);
           }
         } else {
           #pragma unroll
-          for (int i_35 = 0; i_35 < 32; ++i_35) {
+          for (int i_36 = 0; i_36 < 32; ++i_36) {
             float condval_30;
-            if (((((um_1 >> rtok[((i_35 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_35 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_35 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_35 & 3) >> 1)]) - len_q)))) {
+            if (((((um_1 >> rtok[((i_36 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_36 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_36 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_36 & 3) >> 1)]) - len_q)))) {
               condval_30 = 0x0p+0f/*0.000000e+00*/;
             } else {
               condval_30 = -CUDART_INF_F;
             }
-            acc_s[i_35] = condval_30;
+            acc_s[i_36] = condval_30;
           }
         }
         full[0].wait((it_1 & 1));
         {
-          tl::GmmaDescriptor desc_a_1;
           tl::GmmaDescriptor desc_b_2;
-          tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)Q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((half_t*)K_s)[0])));
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
-            tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), uint64_t(desc_b_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
+            tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(reinterpret_cast<const uint32_t*>(Q_r + (ki_2 * 8)), uint64_t(desc_b_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), reinterpret_cast<uint32_t*>(acc_s + 0), 1);
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(Q_r + 0), 32);
         }
         __syncthreads();
         if (tl::tl_shuffle_elect<128>()) {
           full[0].expect_transaction(16384);
           #pragma unroll
-          for (int i_36 = 0; i_36 < 2; ++i_36) {
-            tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_36 * 4096)])), (i_36 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          for (int i_37 = 0; i_37 < 2; ++i_37) {
+            tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_37 * 4096)])), (i_37 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
           }
         }
         full[0].arrive();
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
         #pragma unroll
-        for (int i_37 = 0; i_37 < 2; ++i_37) {
-          m_cur_clear_1[i_37] = -CUDART_INF_F;
+        for (int i_38 = 0; i_38 < 2; ++i_38) {
+          m_cur_clear_1[i_38] = -CUDART_INF_F;
           #pragma unroll
           for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-            m_cur_clear_1[i_37] = max(m_cur_clear_1[i_37], acc_s[((((rv_2 & 7) * 4) + (i_37 * 2)) + (rv_2 >> 3))]);
+            m_cur_clear_1[i_38] = max(m_cur_clear_1[i_38], acc_s[((((rv_2 & 7) * 4) + (i_38 * 2)) + (rv_2 >> 3))]);
           }
-          m_cur_clear_1[i_37] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_37]);
-          m_cur[i_37] = max(m_cur[i_37], m_cur_clear_1[i_37]);
+          m_cur_clear_1[i_38] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_38]);
+          m_cur[i_38] = max(m_cur[i_38], m_cur_clear_1[i_38]);
         }
         #pragma unroll
-        for (int i_38 = 0; i_38 < 2; ++i_38) {
+        for (int i_39 = 0; i_39 < 2; ++i_39) {
           float condval_31;
-          if ((m_cur[i_38] == -CUDART_INF_F)) {
+          if ((m_cur[i_39] == -CUDART_INF_F)) {
             condval_31 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_31 = m_cur[i_38];
+            condval_31 = m_cur[i_39];
           }
-          m_safe[i_38] = condval_31;
-          r_scale[i_38] = exp2f(((m_prev[i_38] - m_safe[i_38]) * scale_log2));
+          m_safe[i_39] = condval_31;
+          r_scale[i_39] = exp2f(((m_prev[i_39] - m_safe[i_39]) * scale_log2));
         }
         #pragma unroll
-        for (int i_39 = 0; i_39 < 16; ++i_39) {
+        for (int i_40 = 0; i_40 < 16; ++i_40) {
           float2 __15;
           float2 __16;
             float2 __17;
-              float2 v__17 = *(float2*)(acc_s + (i_39 * 2));
-              float2 v__18 = make_float2(m_safe[(i_39 & 1)], m_safe[(i_39 & 1)]);
+              float2 v__17 = *(float2*)(acc_s + (i_40 * 2));
+              float2 v__18 = make_float2(m_safe[(i_40 & 1)], m_safe[(i_40 & 1)]);
               __17.x = (v__17.x-v__18.x);
               __17.y = (v__17.y-v__18.y);
             float2 v__19 = make_float2(scale_log2, scale_log2);
@@ -933,16 +938,16 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
             __16.y = (__17.y*v__19.y);
           __15.x = exp2f(__16.x);
           __15.y = exp2f(__16.y);
-          *(float2*)(acc_s + (i_39 * 2)) = __15;
+          *(float2*)(acc_s + (i_40 * 2)) = __15;
         }
         #pragma unroll
-        for (int i_40 = 0; i_40 < 2; ++i_40) {
-          r_sum[i_40] = 0x0p+0f/*0.000000e+00*/;
+        for (int i_41 = 0; i_41 < 2; ++i_41) {
+          r_sum[i_41] = 0x0p+0f/*0.000000e+00*/;
           #pragma unroll
           for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-            r_sum[i_40] = (r_sum[i_40] + acc_s[((((rv_3 & 7) * 4) + (i_40 * 2)) + (rv_3 >> 3))]);
+            r_sum[i_41] = (r_sum[i_41] + acc_s[((((rv_3 & 7) * 4) + (i_41 * 2)) + (rv_3 >> 3))]);
           }
-          r_sum[i_40] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_40]);
+          r_sum[i_41] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_41]);
         }
         float2 __18;
           float2 __19;
@@ -955,21 +960,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           __18.y = (__19.y+v__22.y);
         *(float2*)(l_sum + 0) = __18;
         #pragma unroll
-        for (int i_41 = 0; i_41 < 8; ++i_41) {
+        for (int i_42 = 0; i_42 < 8; ++i_42) {
           uint2 __20;
-          float4 v__23 = *(float4*)(acc_s + (i_41 * 4));
+          float4 v__23 = *(float4*)(acc_s + (i_42 * 4));
           ((half2*)(&__20))[0] = __float22half2_rn(((float2*)(&v__23))[0]);
           ((half2*)(&__20))[1] = __float22half2_rn(((float2*)(&v__23))[1]);
-          *(uint2*)(acc_s_cast + (i_41 * 4)) = __20;
+          *(uint2*)(acc_s_cast + (i_42 * 4)) = __20;
         }
         #pragma unroll
-        for (int i_42 = 0; i_42 < 32; ++i_42) {
+        for (int i_43 = 0; i_43 < 32; ++i_43) {
           float2 __21;
-            float2 v__24 = *(float2*)(acc_o + (i_42 * 2));
-            float2 v__25 = make_float2(r_scale[(i_42 & 1)], r_scale[(i_42 & 1)]);
+            float2 v__24 = *(float2*)(acc_o + (i_43 * 2));
+            float2 v__25 = make_float2(r_scale[(i_43 & 1)], r_scale[(i_43 & 1)]);
             __21.x = (v__24.x*v__25.x);
             __21.y = (v__24.y*v__25.y);
-          *(float2*)(acc_o + (i_42 * 2)) = __21;
+          *(float2*)(acc_o + (i_43 * 2)) = __21;
         }
         full[1].wait((it_1 & 1));
         {
@@ -991,8 +996,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         if (tl::tl_shuffle_elect<128>()) {
           full[1].expect_transaction(16384);
           #pragma unroll
-          for (int i_43 = 0; i_43 < 2; ++i_43) {
-            tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_43 * 4096)])), (i_43 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          for (int i_44 = 0; i_44 < 2; ++i_44) {
+            tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_44 * 4096)])), (i_44 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
           }
         }
         full[1].arrive();
@@ -1001,34 +1006,34 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       full[1].wait((n_it_1 & 1));
       if (0 < (len_q - (((int)blockIdx.x) * tile_tokens))) {
         #pragma unroll
-        for (int i_44 = 0; i_44 < 32; ++i_44) {
+        for (int i_45 = 0; i_45 < 32; ++i_45) {
           float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
           float2 condval_32;
-          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_44 & 1)])) {
+          if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_45 & 1)])) {
             float2 __22;
-              float2 v__26 = *(float2*)(acc_o + (i_44 * 2));
-              float2 v__27 = make_float2(l_sum[(i_44 & 1)], l_sum[(i_44 & 1)]);
+              float2 v__26 = *(float2*)(acc_o + (i_45 * 2));
+              float2 v__27 = make_float2(l_sum[(i_45 & 1)], l_sum[(i_45 & 1)]);
               __22.x = (v__26.x/v__27.x);
               __22.y = (v__26.y/v__27.y);
             condval_32 = __22;
           } else {
             condval_32 = make_float2(broadcast_var_12, broadcast_var_12);
           }
-          *(float2*)(acc_o + (i_44 * 2)) = condval_32;
+          *(float2*)(acc_o + (i_45 * 2)) = condval_32;
         }
         if (groups == 16) {
           #pragma unroll
-          for (int i_45 = 0; i_45 < 32; ++i_45) {
+          for (int i_46 = 0; i_46 < 32; ++i_46) {
             half_t O_local_cast_6[2];
             if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
               uint1 __23;
-              float2 v__28 = *(float2*)(acc_o + (i_45 * 2));
+              float2 v__28 = *(float2*)(acc_o + (i_46 * 2));
               ((half2*)(&__23))[0] = __float22half2_rn(((float2*)(&v__28))[0]);
               *(uint1*)(O_local_cast_6 + 0) = __23;
-              if ((((((int)blockIdx.z) * 16) + ((i_45 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+              if ((((((int)blockIdx.z) * 16) + ((i_46 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
                 if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
                   if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_45) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_45) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_6 + 0);
+                    *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_46) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_46) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_6 + 0);
                   }
                 }
               }
@@ -1037,17 +1042,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         } else {
           if (groups == 8) {
             #pragma unroll
-            for (int i_46 = 0; i_46 < 32; ++i_46) {
+            for (int i_47 = 0; i_47 < 32; ++i_47) {
               half_t O_local_cast_7[2];
-              if (((((((int)threadIdx.x) >> 5) * 2) + (i_46 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              if (((((((int)threadIdx.x) >> 5) * 2) + (i_47 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                 uint1 __24;
-                float2 v__29 = *(float2*)(acc_o + (i_46 * 2));
+                float2 v__29 = *(float2*)(acc_o + (i_47 * 2));
                 ((half2*)(&__24))[0] = __float22half2_rn(((float2*)(&v__29))[0]);
                 *(uint1*)(O_local_cast_7 + 0) = __24;
                 if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_46 & 1))) {
-                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_46 & 1)) < total_q) {
-                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_46) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_46) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_7 + 0);
+                  if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_47 & 1))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_47 & 1)) < total_q) {
+                      *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_47) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_47) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_7 + 0);
                     }
                   }
                 }
@@ -1056,17 +1061,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
           } else {
             if (groups == 4) {
               #pragma unroll
-              for (int i_47 = 0; i_47 < 32; ++i_47) {
+              for (int i_48 = 0; i_48 < 32; ++i_48) {
                 half_t O_local_cast_8[2];
-                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_47 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_48 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                   uint1 __25;
-                  float2 v__30 = *(float2*)(acc_o + (i_47 * 2));
+                  float2 v__30 = *(float2*)(acc_o + (i_48 * 2));
                   ((half2*)(&__25))[0] = __float22half2_rn(((float2*)(&v__30))[0]);
                   *(uint1*)(O_local_cast_8 + 0) = __25;
                   if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_47 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_47 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_47) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_47) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_8 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_48 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_48 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_48) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_48) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_8 + 0);
                       }
                     }
                   }
@@ -1075,17 +1080,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
             } else {
               if (groups == 2) {
                 #pragma unroll
-                for (int i_48 = 0; i_48 < 32; ++i_48) {
+                for (int i_49 = 0; i_49 < 32; ++i_49) {
                   half_t O_local_cast_9[2];
-                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_48 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                  if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_49 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
                     uint1 __26;
-                    float2 v__31 = *(float2*)(acc_o + (i_48 * 2));
+                    float2 v__31 = *(float2*)(acc_o + (i_49 * 2));
                     ((half2*)(&__26))[0] = __float22half2_rn(((float2*)(&v__31))[0]);
                     *(uint1*)(O_local_cast_9 + 0) = __26;
                     if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_48 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_48 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_48) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_48) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_9 + 0);
+                      if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_49 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                        if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_49 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                          *(uint1*)(O + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_49) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_49) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_9 + 0);
                         }
                       }
                     }
@@ -1094,17 +1099,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
               } else {
                 if (groups == 1) {
                   #pragma unroll
-                  for (int i_49 = 0; i_49 < 32; ++i_49) {
+                  for (int i_50 = 0; i_50 < 32; ++i_50) {
                     half_t O_local_cast_10[2];
-                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                    if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
                       uint1 __27;
-                      float2 v__32 = *(float2*)(acc_o + (i_49 * 2));
+                      float2 v__32 = *(float2*)(acc_o + (i_50 * 2));
                       ((half2*)(&__27))[0] = __float22half2_rn(((float2*)(&v__32))[0]);
                       *(uint1*)(O_local_cast_10 + 0) = __27;
                       if (((int)blockIdx.z) < heads) {
-                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_49 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_49) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_49) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_10 + 0);
+                        if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                          if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                            *(uint1*)(O + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_50) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_10 + 0);
                           }
                         }
                       }
@@ -1112,30 +1117,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
                   }
                 } else {
                   #pragma unroll
-                  for (int i_50 = 0; i_50 < 32; ++i_50) {
+                  for (int i_51 = 0; i_51 < 32; ++i_51) {
                     half_t O_local_cast_11[2];
-                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                    if (((((((int)threadIdx.x) >> 5) * 16) + ((i_51 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
                       uint1 __28;
-                      float2 v__33 = *(float2*)(acc_o + (i_50 * 2));
+                      float2 v__33 = *(float2*)(acc_o + (i_51 * 2));
                       ((half2*)(&__28))[0] = __float22half2_rn(((float2*)(&v__33))[0]);
                       *(uint1*)(O_local_cast_11 + 0) = __28;
-                      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_51 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                       if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rmod_25 : (rmod_25 + groups)))) {
-                        int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_51 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                         if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))) < heads) {
-                          int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                          int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                          int rmod_27 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_51 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                          int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_51 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                           if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_27)) || ((groups < 0) && (rmod_27 <= 0))) ? rdiv_13 : (rdiv_13 - 1)))) {
-                            int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                            int rdiv_14 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_50 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                            int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_51 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                            int rdiv_14 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_51 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                             if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_14 : (rdiv_14 - 1))) < total_q) {
-                              int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                              int64_t rdiv_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_50) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rmod_31 : (rmod_31 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_50) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_11 + 0);
+                              int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_51) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_51) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_51) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              int64_t rmod_31 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_51) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_51) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                              int64_t rdiv_16 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_51) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                              *(uint1*)(O + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_31)) || ((((int64_t)groups) < (int64_t)0) && (rmod_31 <= (int64_t)0))) ? rmod_31 : (rmod_31 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_32)) || ((((int64_t)groups) < (int64_t)0) && (rmod_32 <= (int64_t)0))) ? rdiv_16 : (rdiv_16 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_51) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(O_local_cast_11 + 0);
                             }
                           }
                         }
@@ -1149,30 +1154,30 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         }
         if ((((int)threadIdx.x) % 4) == 0) {
           #pragma unroll
-          for (int i_51 = 0; i_51 < 2; ++i_51) {
-            if (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-              int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-              int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+          for (int i_52 = 0; i_52 < 2; ++i_52) {
+            if (((((((int)threadIdx.x) >> 5) * 16) + (i_52 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+              int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + (i_52 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_52 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
               if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-                int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + (i_52 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + (i_52 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                 if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                  int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                  int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + (i_52 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rmod_35 : (rmod_35 + groups)))) {
-                    int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + (i_52 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rmod_36 : (rmod_36 + groups))) < heads) {
                       float condval_33;
-                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_51])) {
-                        condval_33 = (((m_cur[i_51] * scale_log2) + log2f(l_sum[i_51])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                      if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_52])) {
+                        condval_33 = (((m_cur[i_52] * scale_log2) + log2f(l_sum[i_52])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                       } else {
                         condval_33 = -CUDART_INF_F;
                       }
-                      int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                      int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_52) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_52) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_52) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                      int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_52) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_52) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                      int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_52) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
                       LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1)))] = condval_33;
                     }
                   }
