@@ -26,3 +26,9 @@ def test_library_needs_no_cudart_torch_or_tilelang():
     deps = subprocess.run(["ldd", infllmv2.library_path()], capture_output=True, text=True, check=True).stdout
     for name in ("libcudart", "libtorch", "tilelang", "libcuda.so"):
         assert name not in deps, deps
+
+
+def test_library_holds_no_temporary_file_names():
+    # nvcc's per-process temporary names would make two builds of the same sources differ
+    with open(infllmv2.library_path(), "rb") as f:
+        assert b"tmpxft_" not in f.read()
