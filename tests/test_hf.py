@@ -140,6 +140,93 @@ def test_sparse_path_with_padding_and_packing_equals_each_sequence_alone():
         torch.testing.assert_close(got.logits[0], torch.cat(alone), atol=1e-4, rtol=1e-4)
 
 
+def _count_cache_paths(monkeypatch):
+    """Counts of InfLLMv2Cache's prefills and attention_kvcache steps."""
+    calls = {"prefill": 0, "kvcache": 0}
+    for name, key in (("attention_padded", "prefill"), ("attention_kvcache", "kvcache")):
+        def counted(*a, _f=getattr(infllmv2.hf, name), _k=key, **kw):
+            calls[_k] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(infllmv2.hf, name, counted)
+    return calls
+
+
+def _assert_compressed_caches_hold_the_keys(cache, cfg=SPARSE):
+    for layer in cache.layers:
+        st = layer.state
+        B, L = st.k_cache.shape[0], st.length
+        cu = torch.arange(B + 1, dtype=torch.int32, device=st.k_cache.device) * L
+        keys = st.k_cache[:, :L].reshape(B * L, *st.k_cache.shape[2:])
+        for got, (w, s) in ((st.ck, (cfg.kernel_size, cfg.kernel_stride)),
+                            (st.nk, (cfg.norm_kernel_size, cfg.norm_kernel_stride))):
+            packed, cu_c = infllmv2.compress_keys(keys, cu, w, s)
+            n = int(cu_c[1] - cu_c[0])
+            assert torch.equal(got[:, :n], packed.view(B, n, *packed.shape[1:])), f"{w}/{s} compressed keys"
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_infllmv2_cache_decodes_with_kept_compressed_keys(monkeypatch):
+    """generate() with InfLLMv2Cache: the prompt through the prefill path, every later step through
+    attention_kvcache, the same tokens and logits as with a DynamicCache (which compresses all the
+    keys again each step), and compressed caches that are compress_keys' of the cached keys."""
+    model, ids = _model("infllmv2"), _ids(2, 300, seed=11)  # past dense_len: the sparse path
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **kw)
+    calls = _count_cache_paths(monkeypatch)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    got = model.generate(ids, past_key_values=cache, **kw)
+    layers = model.config.num_hidden_layers
+    assert calls == {"prefill": layers, "kvcache": layers * 7}
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == 307
+    _assert_compressed_caches_hold_the_keys(cache)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_infllmv2_cache_beam_search_and_crop(monkeypatch):
+    model, ids = _model("infllmv2"), _ids(2, 300, seed=12)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, num_beams=3)
+    calls = _count_cache_paths(monkeypatch)
+    got = model.generate(ids, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    assert calls["kvcache"] > 0
+    assert torch.equal(got, model.generate(ids, **kw))
+    # crop from 306 keys back to 302, across the end of the compressed key of keys 272-303, then
+    # other tokens: the logits of a DynamicCache fed the final tokens, and that compressed key
+    # rewritten from the new keys
+    first, second = _ids(1, 6, seed=13), _ids(1, 3, seed=14)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    with torch.no_grad():
+        model(ids[:1], past_key_values=cache)
+        for t in range(6):
+            model(first[:, t:t + 1], past_key_values=cache)
+        cache.crop(-4)
+        assert cache.get_seq_length() == 302
+        got = [model(second[:, t:t + 1], past_key_values=cache).logits for t in range(3)]
+        ref = transformers.DynamicCache()
+        model(torch.cat([ids[:1], first[:, :2]], 1), past_key_values=ref)
+        want = [model(second[:, t:t + 1], past_key_values=ref).logits for t in range(3)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    _assert_compressed_caches_hold_the_keys(cache)
+    with pytest.raises(ValueError, match="negative number"):
+        cache.crop(3)
+
+
+def test_infllmv2_cache_needs_transformers_only_when_used(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers.cache_utils", None)
+    infllmv2.hf._cache_classes.cache_clear()
+    try:
+        with pytest.raises(ImportError, match="InfLLMv2Cache needs transformers"):
+            infllmv2.hf.InfLLMv2Cache
+    finally:
+        infllmv2.hf._cache_classes.cache_clear()
+    with pytest.raises(AttributeError):
+        infllmv2.hf.NoSuchName
+
+
 def test_unsupported_uses_raise():
     fn = transformers.AttentionInterface._global_mapping["infllmv2"]
     layer = _model("infllmv2").model.layers[0].self_attn
@@ -205,3 +292,20 @@ def test_cuda_padding_and_packing_equal_each_sequence_alone():
     torch.testing.assert_close(padded[mask.bool()], alone, atol=2e-2, rtol=0)
     torch.testing.assert_close(packed, alone, atol=2e-2, rtol=0)
     assert all(torch.equal(g, gen_alone) for g in gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_cuda_infllmv2_cache_bf16_head_dim_128(monkeypatch):
+    model, ids = _model("infllmv2", 128, torch.bfloat16, "cuda"), _ids(2, 300, seed=15, device="cuda")
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **kw)
+    calls = _count_cache_paths(monkeypatch)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    got = model.generate(ids, past_key_values=cache, **kw)
+    assert calls == {"prefill": 2, "kvcache": 10}
+    # the same kernels on bitwise-equal compressed keys: the same selections and outputs
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    _assert_compressed_caches_hold_the_keys(cache)

@@ -23,6 +23,14 @@ Supported:
 - packed sequences (padding-free training): FlashAttention's ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keyword arguments, or batch-1 ``position_ids`` that restart.
 
+Decoding with ``past_key_values=infllmv2.hf.InfLLMv2Cache()`` (``generate`` takes it as any
+cache) keeps each layer's keys and values in the library's padded cache layout with the
+compressed keys beside them: the prompt runs ``infllmv2.attention`` and compresses its keys once,
+and every later step runs ``infllmv2.attention_kvcache``, which compresses only the keys the step
+added. With a ``DynamicCache`` every step compresses all of the keys again (the outputs are the
+same). Beam search, ``crop`` and batch selection work on it; padded batches (a 2-D mask) take
+the general path over the cached keys.
+
 Non-causal attention, sliding windows shorter than the keys, soft-capping, attention sinks,
 position biases and the paged (continuous batching) cache raise ``NotImplementedError``;
 ``dropout > 0`` raises ``ValueError``. Importing this module does not import transformers;
@@ -36,7 +44,8 @@ from typing import Mapping
 
 import torch
 
-from .attention import SparseConfig, _config, attention, attention_padded
+from .attention import SparseConfig, _config, attention, attention_kvcache, attention_padded
+from .ops import compress_keys_kvcache, compressed_capacity
 
 NAME = "infllmv2"
 
@@ -116,6 +125,183 @@ def _unpadded(q, k, v, mask, cfg, scaling):
     return out.index_put((bq, sq), packed)
 
 
+class _CacheState:
+    """One layer's keys and values in the padded cache layout (batch, capacity, Hk, D), the first
+    ``length`` of each row written, and the compressed keys of all but the last ``uncompressed``."""
+
+    def __init__(self, key_states):
+        B, Hk, _, D = key_states.shape
+        self.k_cache = self.v_cache = key_states.new_empty((B, 0, Hk, D))
+        self.length = 0
+        self.uncompressed = 0
+        self.params = None  # the compressed caches' (kernel, stride) pairs and approx_lse
+        self.ck = self.nk = None
+
+    def append(self, key_states, value_states):
+        B, Hk, S, D = key_states.shape
+        if (B, Hk, D) != (self.k_cache.shape[0], *self.k_cache.shape[2:]):
+            raise ValueError(f"InfLLMv2Cache: a layer holds (batch={self.k_cache.shape[0]}, heads_k="
+                             f"{self.k_cache.shape[2]}, head_dim={self.k_cache.shape[3]}), got key states of shape "
+                             f"{tuple(key_states.shape)}")
+        need = self.length + S
+        if need > self.k_cache.shape[1]:
+            # doubling: appending n keys one at a time copies O(n) in all
+            self._resize(max(need, 2 * self.k_cache.shape[1], 256))
+        self.k_cache[:, self.length:need] = key_states.transpose(1, 2)
+        self.v_cache[:, self.length:need] = value_states.transpose(1, 2)
+        self.length = need
+        self.uncompressed += S
+
+    def _resize(self, capacity):
+        capacity = -(-capacity // 256) * 256
+        old = self.length
+        for name in ("k_cache", "v_cache"):
+            t = getattr(self, name)
+            grown = t.new_zeros((t.shape[0], capacity, *t.shape[2:]))
+            grown[:, :old] = t[:, :old]
+            setattr(self, name, grown)
+        if self.params is not None:
+            (ks, kst), (nks, nkst), _ = self.params
+            self.ck = self._grown_rows(self.ck, compressed_capacity(capacity, ks, kst))
+            self.nk = self._grown_rows(self.nk, compressed_capacity(capacity, nks, nkst))
+
+    @staticmethod
+    def _grown_rows(t, rows):
+        if t is None:
+            return None
+        grown = t.new_zeros((t.shape[0], rows, *t.shape[2:]))
+        grown[:, :t.shape[1]] = t
+        return grown
+
+    def views(self):
+        """keys, values as transformers reads them: (batch, Hk, length, D), views of the cache."""
+        return self.k_cache[:, :self.length].transpose(1, 2), self.v_cache[:, :self.length].transpose(1, 2)
+
+    def attend(self, q, cfg, scaling):
+        """Attention of q (B, S, Hq, D), the last S of the cached tokens, or None where the general
+        path must run (gradients asked for)."""
+        if torch.is_grad_enabled() and (q.requires_grad or self.k_cache.requires_grad or self.v_cache.requires_grad):
+            return None  # attention_kvcache is forward only; the compression stays pending
+        B, S, Hq, D = q.shape
+        L, capacity = self.length, self.k_cache.shape[1]
+        params = ((cfg.kernel_size, cfg.kernel_stride), (cfg.norm_kernel_size, cfg.norm_kernel_stride), cfg.approx_lse)
+        if params != self.params:
+            (ks, kst), (nks, nkst), approx = self.params = params
+            self.ck = self.k_cache.new_zeros((B, compressed_capacity(capacity, ks, kst), *self.k_cache.shape[2:]))
+            self.nk = (self.k_cache.new_zeros((B, compressed_capacity(capacity, nks, nkst), *self.k_cache.shape[2:]))
+                       if approx else None)
+            self.uncompressed = L
+        lens = torch.full((B,), L, dtype=torch.int32, device=q.device)
+        if S == L:
+            # the prompt: the prefill path, then its keys compressed once for the steps to come
+            k, v = (t[:, :L] for t in (self.k_cache, self.v_cache))
+            out = attention_padded(q, k, v, cfg, scaling)
+            compress_keys_kvcache(self.k_cache, lens, self.ck, L, None, cfg.kernel_size, cfg.kernel_stride)
+            if self.nk is not None:
+                compress_keys_kvcache(self.k_cache, lens, self.nk, L, None, cfg.norm_kernel_size,
+                                      cfg.norm_kernel_stride)
+        else:
+            cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device) * S
+            out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, lens, cu_q, self.ck, self.nk,
+                                    self.uncompressed, None, cfg, scaling, max_seqlen_q=S,
+                                    max_seqlen_k=L).view(B, S, Hq, D)
+        self.uncompressed = 0
+        return out
+
+    def select_batch(self, index):
+        for name in ("k_cache", "v_cache", "ck", "nk"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, index.to(t.device)))
+
+
+@functools.cache
+def _cache_classes():
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class InfLLMv2CacheLayer(DynamicLayer):
+        """A layer of ``InfLLMv2Cache``: the keys and values in the library's padded cache layout,
+        with the compressed keys that ``infllmv2.attention_kvcache`` keeps up to date."""
+
+        def lazy_initialization(self, key_states, value_states):
+            self.device = key_states.device
+            self.state = _CacheState(key_states)
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.state.append(key_states, value_states)
+            return self._views()
+
+        def _views(self):
+            self.keys, self.values = self.state.views()
+            # the attention function finds the layer's cache through the keys transformers hands it
+            self.keys._infllmv2_cache = self.state
+            return self.keys, self.values
+
+        def get_seq_length(self):
+            return self.state.length if self.is_initialized else 0
+
+        def reset(self):
+            self.state = self.keys = self.values = None
+            self.is_initialized = False
+
+        def crop(self, tokens_to_remove):
+            # transformers' convention: a negative count of tokens to drop from the end
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+            if tokens_to_remove == 0 or not self.is_initialized:
+                return
+            n = min(-tokens_to_remove, self.state.length)
+            # compressed keys of the kept keys stay valid; the ones past them are rewritten once
+            # later keys complete them again
+            self.state.length -= n
+            self.state.uncompressed = max(self.state.uncompressed - n, 0)
+            self._views()
+
+        def reorder_cache(self, beam_idx):
+            if self.is_initialized:
+                self.state.select_batch(beam_idx)
+                self._views()
+
+        def batch_select_indices(self, indices):
+            self.reorder_cache(torch.as_tensor(indices, device=self.device).reshape(-1))
+
+        def batch_repeat_interleave(self, repeats):
+            if self.is_initialized:
+                B = self.state.k_cache.shape[0]
+                self.reorder_cache(torch.arange(B, device=self.device).repeat_interleave(repeats))
+
+        def offload(self):
+            raise NotImplementedError("InfLLMv2Cache does not offload layers to the CPU")
+
+        def prefetch(self):
+            raise NotImplementedError("InfLLMv2Cache does not offload layers to the CPU")
+
+    class InfLLMv2Cache(Cache):
+        """A transformers cache for ``attn_implementation="infllmv2"`` that keeps each layer's
+        compressed keys, so that a decoding step compresses only the keys it added (see the
+        module's docstring). ``model.generate(..., past_key_values=InfLLMv2Cache())``."""
+
+        def __init__(self):
+            super().__init__(layer_class_to_replicate=InfLLMv2CacheLayer)
+
+    return InfLLMv2Cache, InfLLMv2CacheLayer
+
+
+def __getattr__(name):
+    # the classes subclass transformers' and are built on first use: importing this module
+    # does not import transformers
+    if name in ("InfLLMv2Cache", "InfLLMv2CacheLayer"):
+        try:
+            classes = _cache_classes()
+        except ImportError as e:
+            raise ImportError(f"infllmv2.hf.{name} needs transformers >= 5 (pip install 'transformers>=5')") from e
+        return classes[0] if name == "InfLLMv2Cache" else classes[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _attention_forward(default: SparseConfig):
     def infllmv2_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         _check_supported(module, key, dropout, kwargs)
@@ -123,6 +309,13 @@ def _attention_forward(default: SparseConfig):
         # transformers passes (B, H, S, D); the library's padded layout is (B, S, H, D)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         B, Sq, Hq, D = q.shape
+        cached = getattr(key, "_infllmv2_cache", None)  # an InfLLMv2Cache layer's keys
+        if cached is not None and attention_mask is None and kwargs.get("cu_seq_lens_q") is None \
+                and cached.length == k.shape[1] and (B > 1 or Sq < k.shape[1]
+                                                     or _restarts(kwargs.get("position_ids"), Sq) is None):
+            out = cached.attend(q, cfg, scaling)
+            if out is not None:
+                return out, None
         if attention_mask is not None:
             return _unpadded(q, k, v, attention_mask, cfg, scaling), None
         cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

@@ -1,0 +1,106 @@
+"""Hugging Face decoding: one generated token's step of a small Llama model (random weights) with
+attn_implementation="infllmv2", its keys in a DynamicCache (every step compresses all the cached
+keys again) or in infllmv2.hf.InfLLMv2Cache (a step compresses only its new key), against
+attn_implementation="sdpa" (dense attention over the whole cache) in the same run.
+
+    python benchmarks/bench_hf_generate.py --json out.json
+
+Configuration: bf16, 2 decoder layers of MiniCPM4's attention shape (Hq = 32, Hk = 2, D = 128,
+hidden 4096, MLP 1024, vocabulary 1024), MiniCPM4.1's sparse_config defaults (K = 96, dense
+below 8192 keys), batch 1, prompts of 32K and 128K tokens. A prompt is one forward into an empty
+cache (after a short warm-up prompt); then `--steps` steps of one token each, synchronised after
+each. "step ms" is the median wall time of a step (Python and transformers included, as a user
+sees it: in this two-layer model the host's work); "GPU ms" is the kernels' time of a step (the
+torch profiler over the steps, divided by their count), the part the attention implementation
+decides, which grows with the layers and the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+import infllmv2
+import infllmv2.hf
+from infllmv2.testing import library_identity
+
+CASES = [(32768, 1), (131072, 1)]
+
+
+def model_of(impl):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=4096, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                                   max_position_embeddings=262144)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def run_case(model, cache, tokens, batch, steps):
+    ids = torch.randint(1, 1024, (batch, tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        # a short prompt and a step into a cache of the same kind first: one-time costs (library
+        # load, kernel modules, the allocator) stay out of the timed prompt
+        warm = type(cache)()
+        model(model(ids[:, :1024], past_key_values=warm).logits[:, -1:].argmax(-1), past_key_values=warm)
+        del warm
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(ids, past_key_values=cache)
+        torch.cuda.synchronize()
+        prompt_ms = (time.perf_counter() - t0) * 1e3
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):  # warm-up steps
+            nxt = model(nxt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        walls = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                nxt = model(nxt, past_key_values=cache).logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - t0) * 1e3)
+    gpu_us = sum(e.device_time_total for e in prof.key_averages())  # CUDA activity only: the kernels and copies
+    return prompt_ms, statistics.median(walls), gpu_us / 1e3 / steps
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import transformers
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values
+    infllmv2.hf.register()  # SparseConfig(): MiniCPM4.1's defaults
+    rows = []
+    print(f"{'tokens':>10} {'implementation':>28} {'prompt ms':>10} {'step ms':>8} {'GPU ms':>7}")
+    for tokens, batch in CASES:
+        for impl, cache_name in (("infllmv2", "DynamicCache"), ("infllmv2", "InfLLMv2Cache"), ("sdpa", "DynamicCache")):
+            model = model_of(impl)
+            cache = infllmv2.hf.InfLLMv2Cache() if cache_name == "InfLLMv2Cache" else transformers.DynamicCache()
+            prompt_ms, step_ms, gpu_ms = run_case(model, cache, tokens, batch, args.steps)
+            name = f"{impl} + {cache_name}"
+            print(f"{tokens // 1024:>8}K x{batch} {name:>28} {prompt_ms:10.1f} {step_ms:8.2f} {gpu_ms:7.3f}", flush=True)
+            rows.append({"tokens": tokens, "batch": batch, "attn_implementation": impl, "cache": cache_name,
+                         "prompt_ms": prompt_ms, "step_ms": step_ms, "step_gpu_ms": gpu_ms})
+            del model, cache
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "transformers": transformers.__version__, "library": library_identity(), "steps": args.steps,
+                       "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
