@@ -182,6 +182,14 @@ def test_infllmv2_cache_decodes_with_kept_compressed_keys(monkeypatch):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert cache.get_seq_length() == 307
     _assert_compressed_caches_hold_the_keys(cache)
+    # a left-padded batch takes the general path over the cached keys
+    mask = torch.ones_like(ids)
+    mask[0, :15] = 0
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    calls.update(prefill=0, kvcache=0)
+    got = model.generate(ids, attention_mask=mask, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    assert calls == {"prefill": 0, "kvcache": 0}
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, **kw))
 
 
 @pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
