@@ -193,6 +193,22 @@ def test_infllmv2_cache_decodes_with_kept_compressed_keys(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_infllmv2_cache_grows_with_its_compressed_keys():
+    """A prompt of 505 keys takes a 512-key cache; the steps past it grow the cache and the
+    compressed caches kept so far."""
+    model, ids = _model("infllmv2"), _ids(1, 505, seed=16)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **kw)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    got = model.generate(ids, past_key_values=cache, **kw)
+    assert cache.layers[0].state.k_cache.shape[1] == 1024
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    _assert_compressed_caches_hold_the_keys(cache)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_beam_search_and_crop(monkeypatch):
     model, ids = _model("infllmv2"), _ids(2, 300, seed=12)
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, num_beams=3)

@@ -154,24 +154,19 @@ class _CacheState:
 
     def _resize(self, capacity):
         capacity = -(-capacity // 256) * 256
-        old = self.length
-        for name in ("k_cache", "v_cache"):
-            t = getattr(self, name)
-            grown = t.new_zeros((t.shape[0], capacity, *t.shape[2:]))
-            grown[:, :old] = t[:, :old]
-            setattr(self, name, grown)
+        self.k_cache, self.v_cache = (self._resized(t, capacity, self.length) for t in (self.k_cache, self.v_cache))
         if self.params is not None:
             (ks, kst), (nks, nkst), _ = self.params
-            self.ck = self._grown_rows(self.ck, compressed_capacity(capacity, ks, kst))
-            self.nk = self._grown_rows(self.nk, compressed_capacity(capacity, nks, nkst))
+            self.ck = self._resized(self.ck, compressed_capacity(capacity, ks, kst), self.ck.shape[1])
+            if self.nk is not None:
+                self.nk = self._resized(self.nk, compressed_capacity(capacity, nks, nkst), self.nk.shape[1])
 
     @staticmethod
-    def _grown_rows(t, rows):
-        if t is None:
-            return None
-        grown = t.new_zeros((t.shape[0], rows, *t.shape[2:]))
-        grown[:, :t.shape[1]] = t
-        return grown
+    def _resized(t, rows, keep):
+        """Zeros shaped like t with ``rows`` rows a sequence, t's first ``keep`` rows copied in."""
+        out = t.new_zeros((t.shape[0], rows, *t.shape[2:]))
+        out[:, :keep] = t[:, :keep]
+        return out
 
     def views(self):
         """keys, values as transformers reads them: (batch, Hk, length, D), views of the cache."""
@@ -187,9 +182,8 @@ class _CacheState:
         params = ((cfg.kernel_size, cfg.kernel_stride), (cfg.norm_kernel_size, cfg.norm_kernel_stride), cfg.approx_lse)
         if params != self.params:
             (ks, kst), (nks, nkst), approx = self.params = params
-            self.ck = self.k_cache.new_zeros((B, compressed_capacity(capacity, ks, kst), *self.k_cache.shape[2:]))
-            self.nk = (self.k_cache.new_zeros((B, compressed_capacity(capacity, nks, nkst), *self.k_cache.shape[2:]))
-                       if approx else None)
+            self.ck = self._resized(self.k_cache, compressed_capacity(capacity, ks, kst), 0)
+            self.nk = self._resized(self.k_cache, compressed_capacity(capacity, nks, nkst), 0) if approx else None
             self.uncompressed = L
         lens = torch.full((B,), L, dtype=torch.int32, device=q.device)
         if S == L:
@@ -309,21 +303,21 @@ def _attention_forward(default: SparseConfig):
         # transformers passes (B, H, S, D); the library's padded layout is (B, S, H, D)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         B, Sq, Hq, D = q.shape
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        bounds = None  # packed sequences in one row
+        if attention_mask is None and cu_q is None and B == 1 and Sq == k.shape[1]:
+            bounds = _restarts(kwargs.get("position_ids"), Sq)
         cached = getattr(key, "_infllmv2_cache", None)  # an InfLLMv2Cache layer's keys
-        if cached is not None and attention_mask is None and kwargs.get("cu_seq_lens_q") is None \
-                and cached.length == k.shape[1] and (B > 1 or Sq < k.shape[1]
-                                                     or _restarts(kwargs.get("position_ids"), Sq) is None):
+        if cached is not None and attention_mask is None and cu_q is None and bounds is None \
+                and cached.length == k.shape[1]:
             out = cached.attend(q, cfg, scaling)
             if out is not None:
                 return out, None
         if attention_mask is not None:
             return _unpadded(q, k, v, attention_mask, cfg, scaling), None
-        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        if cu_q is None and B == 1 and Sq == k.shape[1]:
-            bounds = _restarts(kwargs.get("position_ids"), Sq)
-            if bounds is not None:
-                cu_q = cu_k = torch.tensor(bounds, dtype=torch.int32, device=q.device)
-                kwargs["max_length_q"] = kwargs["max_length_k"] = max(b - a for a, b in zip(bounds, bounds[1:]))
+        if bounds is not None:
+            cu_q = cu_k = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+            kwargs["max_length_q"] = kwargs["max_length_k"] = max(b - a for a, b in zip(bounds, bounds[1:]))
         if cu_q is None:
             return attention_padded(q, k, v, cfg, scaling), None
         # with B = 1 the reshape is a strided view; the kernels read memory in order
