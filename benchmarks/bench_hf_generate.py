@@ -7,8 +7,10 @@ attn_implementation="sdpa" (dense attention over the whole cache) in the same ru
 
 Configuration: bf16, 2 decoder layers of MiniCPM4's attention shape (Hq = 32, Hk = 2, D = 128,
 hidden 4096, MLP 1024, vocabulary 1024), MiniCPM4.1's sparse_config defaults (K = 96, dense
-below 8192 keys), batch 1, prompts of 32K and 128K tokens. A prompt is one forward into an empty
-cache (after a short warm-up prompt); then `--steps` steps of one token each, synchronised after
+below 8192 keys), prompts of 32K and 128K tokens at batch 1, and a left-padded batch of four
+prompts of 32K, 28K, 24K and 20K tokens (generate()'s padded batches; SDPA not run there: its
+prompt would build a 4 GiB mask). A prompt is one forward into an empty cache (after a short
+warm-up prompt); then `--steps` steps of one token each, synchronised after
 each. "step ms" is the median wall time of a step (Python and transformers included, as a user
 sees it: in this two-layer model the host's work); "GPU ms" is the kernels' time of a step (the
 torch profiler over the steps, divided by their count), the part the attention implementation
@@ -30,7 +32,8 @@ import infllmv2
 import infllmv2.hf
 from infllmv2.testing import library_identity
 
-CASES = [(32768, 1), (131072, 1)]
+# (padded length, left padding of each row)
+CASES = [(32768, (0,)), (131072, (0,)), (32768, (0, 4096, 8192, 12288))]
 
 
 def model_of(impl):
@@ -45,28 +48,42 @@ def model_of(impl):
     return model
 
 
-def run_case(model, cache, tokens, batch, steps):
+def run_case(model, cache, tokens, pads, steps):
+    batch = len(pads)
     ids = torch.randint(1, 1024, (batch, tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    mask = None
+    if any(pads):
+        mask = (torch.arange(tokens, device="cuda") >= torch.tensor(pads, device="cuda")[:, None]).long()
+        ids = ids * mask
+
+    def forward(x, c, m):
+        return model(x, attention_mask=m, past_key_values=c).logits[:, -1:].argmax(-1)
+
+    def grown(m):  # generate()'s mask for one more token
+        return None if m is None else torch.cat([m, m.new_ones(batch, 1)], 1)
+
     with torch.no_grad():
         # a short prompt and a step into a cache of the same kind first: one-time costs (library
         # load, kernel modules, the allocator) stay out of the timed prompt
         warm = type(cache)()
-        model(model(ids[:, :1024], past_key_values=warm).logits[:, -1:].argmax(-1), past_key_values=warm)
+        m = None if mask is None else mask[:, -1024:]
+        forward(forward(ids[:, -1024:], warm, m), warm, grown(m))
         del warm
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model(ids, past_key_values=cache)
+        nxt = forward(ids, cache, mask)
         torch.cuda.synchronize()
         prompt_ms = (time.perf_counter() - t0) * 1e3
-        nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(3):  # warm-up steps
-            nxt = model(nxt, past_key_values=cache).logits[:, -1:].argmax(-1)
+            mask = grown(mask)
+            nxt = forward(nxt, cache, mask)
         walls = []
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
+                mask = grown(mask)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                nxt = model(nxt, past_key_values=cache).logits[:, -1:].argmax(-1)
+                nxt = forward(nxt, cache, mask)
                 torch.cuda.synchronize()
                 walls.append((time.perf_counter() - t0) * 1e3)
     gpu_us = sum(e.device_time_total for e in prof.key_averages())  # CUDA activity only: the kernels and copies
@@ -84,15 +101,17 @@ def main():
     infllmv2.hf.register()  # SparseConfig(): MiniCPM4.1's defaults
     rows = []
     print(f"{'tokens':>10} {'implementation':>28} {'prompt ms':>10} {'step ms':>8} {'GPU ms':>7}")
-    for tokens, batch in CASES:
-        for impl, cache_name in (("infllmv2", "DynamicCache"), ("infllmv2", "InfLLMv2Cache"), ("sdpa", "DynamicCache")):
+    for tokens, pads in CASES:
+        batch = len(pads)
+        impls = (("infllmv2", "DynamicCache"), ("infllmv2", "InfLLMv2Cache"))
+        for impl, cache_name in impls + ((("sdpa", "DynamicCache"),) if not any(pads) else ()):
             model = model_of(impl)
             cache = infllmv2.hf.InfLLMv2Cache() if cache_name == "InfLLMv2Cache" else transformers.DynamicCache()
-            prompt_ms, step_ms, gpu_ms = run_case(model, cache, tokens, batch, args.steps)
+            prompt_ms, step_ms, gpu_ms = run_case(model, cache, tokens, pads, args.steps)
             name = f"{impl} + {cache_name}"
             print(f"{tokens // 1024:>8}K x{batch} {name:>28} {prompt_ms:10.1f} {step_ms:8.2f} {gpu_ms:7.3f}", flush=True)
-            rows.append({"tokens": tokens, "batch": batch, "attn_implementation": impl, "cache": cache_name,
-                         "prompt_ms": prompt_ms, "step_ms": step_ms, "step_gpu_ms": gpu_ms})
+            rows.append({"tokens": tokens, "batch": batch, "left_padding": list(pads), "attn_implementation": impl,
+                         "cache": cache_name, "prompt_ms": prompt_ms, "step_ms": step_ms, "step_gpu_ms": gpu_ms})
             del model, cache
             torch.cuda.empty_cache()
     if args.json:

@@ -155,13 +155,14 @@ def _assert_compressed_caches_hold_the_keys(cache, cfg=SPARSE):
     for layer in cache.layers:
         st = layer.state
         B, L = st.k_cache.shape[0], st.length
-        cu = torch.arange(B + 1, dtype=torch.int32, device=st.k_cache.device) * L
-        keys = st.k_cache[:, :L].reshape(B * L, *st.k_cache.shape[2:])
-        for got, (w, s) in ((st.ck, (cfg.kernel_size, cfg.kernel_stride)),
-                            (st.nk, (cfg.norm_kernel_size, cfg.norm_kernel_stride))):
-            packed, cu_c = infllmv2.compress_keys(keys, cu, w, s)
-            n = int(cu_c[1] - cu_c[0])
-            assert torch.equal(got[:, :n], packed.view(B, n, *packed.shape[1:])), f"{w}/{s} compressed keys"
+        rows = [L] * B if st.rows is None else st.rows.tolist()  # a padded batch: each row's valid keys
+        for b, n_keys in enumerate(rows):
+            cu = torch.tensor([0, n_keys], dtype=torch.int32, device=st.k_cache.device)
+            for got, (w, s) in ((st.ck, (cfg.kernel_size, cfg.kernel_stride)),
+                                (st.nk, (cfg.norm_kernel_size, cfg.norm_kernel_stride))):
+                packed, cu_c = infllmv2.compress_keys(st.k_cache[b, :n_keys], cu, w, s)
+                n = int(cu_c[1])
+                assert torch.equal(got[b, :n], packed), f"{w}/{s} compressed keys of row {b}"
 
 
 @pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -182,14 +183,117 @@ def test_infllmv2_cache_decodes_with_kept_compressed_keys(monkeypatch):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert cache.get_seq_length() == 307
     _assert_compressed_caches_hold_the_keys(cache)
-    # a left-padded batch takes the general path over the cached keys
+
+
+def _left_padded(B, S, pads, seed):
+    ids = _ids(B, S, seed)
     mask = torch.ones_like(ids)
-    mask[0, :15] = 0
+    for b, p in enumerate(pads):
+        mask[b, :p] = 0
+        ids[b, :p] = 0
+    return ids, mask
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_infllmv2_cache_left_padded_batch(monkeypatch):
+    """generate() of a left-padded batch: each row's valid keys moved to its start, every step
+    through attention_kvcache with per-row lengths, the same tokens and logits as a DynamicCache
+    (whose steps pack the valid keys of every row again), and compressed caches of each row's
+    valid keys. One row is shorter than dense_len, the batch is not: the sparse path, as without
+    the cache."""
+    model = _model("infllmv2")
+    ids, mask = _left_padded(3, 300, (15, 70, 0), seed=17)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    calls = _count_cache_paths(monkeypatch)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+    assert calls == {"prefill": 0, "kvcache": model.config.num_hidden_layers * 7}
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == 307
+    assert cache.layers[0].state.rows.tolist() == [292, 237, 307]
+    _assert_compressed_caches_hold_the_keys(cache)
+    # beam search reorders the rows and their lengths
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, num_beams=2)
+    calls.update(prefill=0, kvcache=0)
+    got = model.generate(ids, attention_mask=mask, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    assert calls["kvcache"] > 0
+    assert torch.equal(got, model.generate(ids, attention_mask=mask, **kw))
+    # right padding or holes: the general path over the cache as transformers laid it out
+    mask = torch.ones_like(ids)
+    mask[0, -15:] = 0
+    mask[1, 100:130] = 0
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     calls.update(prefill=0, kvcache=0)
     got = model.generate(ids, attention_mask=mask, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
     assert calls == {"prefill": 0, "kvcache": 0}
     assert torch.equal(got, model.generate(ids, attention_mask=mask, **kw))
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_infllmv2_cache_left_padded_batch_crosses_dense_len(monkeypatch):
+    """The longest row decides dense or sparse, as for the packed batch of a DynamicCache step: the
+    prompt's 318 valid keys run dense, the steps past 320 sparse (2 of 6 blocks selected)."""
+    sparse = {"kernel_size": 32, "kernel_stride": 16, "block_size": 64, "init_blocks": 1, "window_size": 64,
+              "topk": 1, "dense_len": 320}
+    model = _model("infllmv2", sparse_config=sparse)
+    ids, mask = _left_padded(2, 318, (0, 50), seed=20)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    longest = []  # the CPU reference takes the lengths themselves; the kernels take this bound
+
+    def kvcache(*a, _f=infllmv2.hf.attention_kvcache, **k):
+        longest.append(k["max_seqlen_k"])
+        return _f(*a, **k)
+
+    monkeypatch.setattr(infllmv2.hf, "attention_kvcache", kvcache)
+    got = model.generate(ids, attention_mask=mask, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    assert longest == [n for n in range(319, 324) for _ in range(model.config.num_hidden_layers)]
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_infllmv2_cache_left_padded_steps_by_hand():
+    """The compacted cache of a padded batch against a DynamicCache fed the same calls: steps of
+    several tokens, a step whose token is padding in one row (dropped from that row), a step with
+    gradients (the general path over the compacted keys), and crop."""
+    model = _model("infllmv2")
+    ids, mask = _left_padded(2, 280, (9, 40), seed=18)
+    steps = _ids(2, 9, seed=19)
+    cache, ref = infllmv2.hf.InfLLMv2Cache(), transformers.DynamicCache()
+
+    def both(tokens, m, grad=False):
+        with torch.set_grad_enabled(grad):
+            out = [model(tokens, attention_mask=m, past_key_values=c).logits for c in (cache, ref)]
+        valid = m[:, -tokens.shape[1]:].bool()  # the logits of padding tokens are not compared
+        torch.testing.assert_close(out[0][valid], out[1][valid], atol=1e-4, rtol=1e-4)
+        return out
+
+    both(ids, mask)
+    mask = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
+    both(steps[:, :3], mask)
+    mask = torch.cat([mask, torch.tensor([[1], [0]], dtype=mask.dtype)], 1)
+    both(steps[:, 3:4], mask)
+    assert cache.layers[0].state.rows.tolist() == [275, 243]
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    out = both(steps[:, 4:5], mask, grad=True)
+    out[0].sum().backward()  # through the general path's kernels (the reference on CPU)
+    _assert_compressed_caches_hold_the_keys(cache)  # the pending keys compressed by the next step
+    with torch.no_grad():
+        with pytest.raises(NotImplementedError, match="crops only tokens valid in every row"):
+            cache.crop(-3)  # the step before the last dropped a row's token
+        cache.crop(-1)
+        ref.crop(-1)
+        mask = mask[:, :-1]
+        for t in range(5, 9):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            both(steps[:, t:t + 1], mask)
+    assert cache.layers[0].state.rows.tolist() == [279, 247]
+    _assert_compressed_caches_hold_the_keys(cache)
 
 
 @pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
@@ -329,6 +433,24 @@ def test_cuda_infllmv2_cache_bf16_head_dim_128(monkeypatch):
     got = model.generate(ids, past_key_values=cache, **kw)
     assert calls == {"prefill": 2, "kvcache": 10}
     # the same kernels on bitwise-equal compressed keys: the same selections and outputs
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    _assert_compressed_caches_hold_the_keys(cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_cuda_infllmv2_cache_left_padded_batch(monkeypatch):
+    model = _model("infllmv2", 128, torch.bfloat16, "cuda")
+    ids, mask = (t.cuda() for t in _left_padded(3, 300, (15, 0, 37), seed=21))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, attention_mask=mask, **kw)
+    calls = _count_cache_paths(monkeypatch)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+    assert calls == {"prefill": 0, "kvcache": 10}
+    # the same kernels on the same valid keys and bitwise-equal compressed keys
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
         torch.testing.assert_close(g, w, atol=0, rtol=0)

@@ -28,8 +28,12 @@ cache) keeps each layer's keys and values in the library's padded cache layout w
 compressed keys beside them: the prompt runs ``infllmv2.attention`` and compresses its keys once,
 and every later step runs ``infllmv2.attention_kvcache``, which compresses only the keys the step
 added. With a ``DynamicCache`` every step compresses all of the keys again (the outputs are the
-same). Beam search, ``crop`` and batch selection work on it; padded batches (a 2-D mask) take
-the general path over the cached keys.
+same). Beam search, ``crop`` and batch selection work on it. A left-padded batch (``generate``
+with an ``attention_mask``) does too: the prompt runs the general path, then each row's valid
+keys move to the start of its cache row (the kernels read a row from its start), and every step
+moves its keys behind them, so ``layer.keys`` holds each row's valid keys first, not
+transformers' padded layout; ``crop`` then removes only tokens valid in every row. Other masks
+(right padding, holes in the prompt) take the general path over the cached keys at every step.
 
 Non-causal attention, sliding windows shorter than the keys, soft-capping, attention sinks,
 position biases and the paged (continuous batching) cache raise ``NotImplementedError``;
@@ -40,6 +44,7 @@ position biases and the paged (continuous batching) cache raise ``NotImplemented
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Mapping
 
 import torch
@@ -107,17 +112,23 @@ def _unpadded(q, k, v, mask, cfg, scaling):
             f"attn_implementation='infllmv2' takes a 2-D padding mask (batch={B}, kv_len) with "
             f"{Sq} <= kv_len <= {Sk}, got shape {tuple(mask.shape)}: custom (4-D) masks are not supported")
     L = mask.shape[1]
-    k, v = k[:, :L], v[:, :L]  # a StaticCache's slots past the mask were never written
     mask = mask.bool()
-    keep_q = mask[:, L - Sq:]  # the queries are the last Sq positions
-    len_k, len_q = mask.sum(1, dtype=torch.int32), keep_q.sum(1, dtype=torch.int32)
+    # a StaticCache's slots past the mask were never written; the queries are the last Sq positions
+    return _packed(q, k[:, :L], v[:, :L], mask[:, L - Sq:], mask, cfg, scaling)
+
+
+def _packed(q, k, v, keep_q, keep_k, cfg, scaling):
+    """Attention of the queries and keys that keep_q (B, Sq) and keep_k (B, L) mark, each row's kept
+    queries the last of its kept keys; zeros at the other queries."""
+    B, Sq, L = q.shape[0], q.shape[1], k.shape[1]
+    len_k, len_q = keep_k.sum(1, dtype=torch.int32), keep_q.sum(1, dtype=torch.int32)
     n_k, n_q, max_k, max_q = torch.stack([len_k.sum(), len_q.sum(), len_k.max(), len_q.max()]).tolist()
-    if n_k == B * L:  # a static cache without padding
+    if n_k == B * L and n_q == B * Sq:  # a static cache without padding
         return attention_padded(q, k, v, cfg, scaling)
     out = q.new_zeros(q.shape)
     if n_q == 0:
         return out
-    ik = torch.nonzero_static(mask.reshape(-1), size=n_k).flatten()
+    ik = torch.nonzero_static(keep_k.reshape(-1), size=n_k).flatten()
     iq = torch.nonzero_static(keep_q.reshape(-1), size=n_q).flatten()
     bk, sk, bq, sq = ik // L, ik % L, iq // Sq, iq % Sq
     cu_k, cu_q = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (len_k, len_q))
@@ -125,9 +136,45 @@ def _unpadded(q, k, v, mask, cfg, scaling):
     return out.index_put((bq, sq), packed)
 
 
+@functools.lru_cache(maxsize=64)
+def _steps(n: int, device):
+    """0, ..., n - 1 (int64, an index), made once rather than every layer of every decoding step."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _equal_cu_seqlens(batch: int, n: int, device):
+    """cu_seqlens (int32) of batch sequences of n tokens each."""
+    return torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device)
+
+
+_checked_mask = (None, None)  # (weak reference to a mask, its host-side facts): one read a forward, not a layer
+
+
+def _mask_facts(mask, S: int):
+    """Host-side facts of a 2-D padding mask (B, L) whose last S columns are a call's tokens:
+    (rows all of the form 0...0 1...1, their counts of ones, last S columns all ones)."""
+    global _checked_mask
+    ref, facts = _checked_mask
+    if ref is not None and ref() is mask and facts[0] == S:
+        return facts[1]
+    m = mask.bool()
+    left = (m[:, 1:] >= m[:, :-1]).all() if m.shape[1] > 1 else m.new_ones(())
+    values = torch.cat([torch.stack([left, m[:, m.shape[1] - S:].all()]).int(), m.sum(1, dtype=torch.int32)]).tolist()
+    out = (bool(values[0]), values[2:], bool(values[1]))
+    _checked_mask = (weakref.ref(mask), (S, out))
+    return out
+
+
 class _CacheState:
     """One layer's keys and values in the padded cache layout (batch, capacity, Hk, D), the first
-    ``length`` of each row written, and the compressed keys of all but the last ``uncompressed``."""
+    ``length`` of each row written, and the compressed keys of all but the last ``uncompressed``.
+
+    A left-padded prompt (generate() with a padded batch) puts the cache in compacted mode: row
+    ``b``'s tokens are its ``rows[b]`` valid ones, first, and each step's keys, written by
+    ``append`` at the padded positions, move to the row's next slots, so that the kernels, which
+    read a row's keys from its start, see only valid keys. ``length`` stays the padded count that
+    transformers' positions and masks use; the last ``tail`` positions are valid in every row."""
 
     def __init__(self, key_states):
         B, Hk, _, D = key_states.shape
@@ -136,6 +183,8 @@ class _CacheState:
         self.uncompressed = 0
         self.params = None  # the compressed caches' (kernel, stride) pairs and approx_lse
         self.ck = self.nk = None
+        self.rows = None  # compacted mode: each row's valid keys (int32, on the device)
+        self.rows_max = self.tail = 0
 
     def append(self, key_states, value_states):
         B, Hk, S, D = key_states.shape
@@ -151,6 +200,22 @@ class _CacheState:
         self.v_cache[:, self.length:need] = value_states.transpose(1, 2)
         self.length = need
         self.uncompressed += S
+
+    def crop(self, n):
+        """Drops the last n cached tokens (transformers' positions)."""
+        n = min(n, self.length)
+        if self.rows is not None:
+            if n > self.tail:
+                raise NotImplementedError(
+                    f"InfLLMv2Cache: a padded batch's cache crops only tokens valid in every row (the last {self.tail} "
+                    f"of {self.length}), not {n}")
+            self.rows = self.rows - n
+            self.rows_max -= n
+            self.tail -= n
+        # compressed keys of the kept keys stay valid; the ones past them are rewritten once
+        # later keys complete them again
+        self.length -= n
+        self.uncompressed = max(self.uncompressed - n, 0)
 
     def _resize(self, capacity):
         capacity = -(-capacity // 256) * 256
@@ -172,41 +237,110 @@ class _CacheState:
         """keys, values as transformers reads them: (batch, Hk, length, D), views of the cache."""
         return self.k_cache[:, :self.length].transpose(1, 2), self.v_cache[:, :self.length].transpose(1, 2)
 
-    def attend(self, q, cfg, scaling):
-        """Attention of q (B, S, Hq, D), the last S of the cached tokens, or None where the general
-        path must run (gradients asked for)."""
-        if torch.is_grad_enabled() and (q.requires_grad or self.k_cache.requires_grad or self.v_cache.requires_grad):
-            return None  # attention_kvcache is forward only; the compression stays pending
-        B, S, Hq, D = q.shape
-        L, capacity = self.length, self.k_cache.shape[1]
+    def _compressed_caches(self, cfg):
         params = ((cfg.kernel_size, cfg.kernel_stride), (cfg.norm_kernel_size, cfg.norm_kernel_stride), cfg.approx_lse)
         if params != self.params:
             (ks, kst), (nks, nkst), approx = self.params = params
+            capacity = self.k_cache.shape[1]
             self.ck = self._resized(self.k_cache, compressed_capacity(capacity, ks, kst), 0)
             self.nk = self._resized(self.k_cache, compressed_capacity(capacity, nks, nkst), 0) if approx else None
-            self.uncompressed = L
+            self.uncompressed = self.length
+
+    def _compress(self, cfg, lens, new_keys):
+        self._compressed_caches(cfg)
+        compress_keys_kvcache(self.k_cache, lens, self.ck, new_keys, None, cfg.kernel_size, cfg.kernel_stride)
+        if self.nk is not None:
+            compress_keys_kvcache(self.k_cache, lens, self.nk, new_keys, None, cfg.norm_kernel_size,
+                                  cfg.norm_kernel_stride)
+        self.uncompressed = 0
+
+    def attend(self, q, cfg, scaling, mask=None):
+        """Attention of q (B, S, Hq, D), the last S of the cached tokens, given the 2-D padding mask
+        (B, length) or None; None where the general path must run over the cached keys as they are."""
+        grad = torch.is_grad_enabled() and (q.requires_grad or self.k_cache.requires_grad or
+                                            self.v_cache.requires_grad)
+        if self.rows is not None:
+            return self._attend_compacted(q, cfg, scaling, mask, grad)
+        B, S, Hq, D = q.shape
+        L = self.length
+        if mask is not None:
+            if S != L or grad or mask.dim() != 2 or tuple(mask.shape) != (B, L):
+                return None
+            left, lens, _ = _mask_facts(mask, S)
+            return self._prefill_compacted(q, cfg, scaling, mask, lens) if left else None
+        if grad:
+            return None  # attention_kvcache is forward only; the compression stays pending
+        self._compressed_caches(cfg)
         lens = torch.full((B,), L, dtype=torch.int32, device=q.device)
         if S == L:
             # the prompt: the prefill path, then its keys compressed once for the steps to come
             k, v = (t[:, :L] for t in (self.k_cache, self.v_cache))
             out = attention_padded(q, k, v, cfg, scaling)
-            compress_keys_kvcache(self.k_cache, lens, self.ck, L, None, cfg.kernel_size, cfg.kernel_stride)
-            if self.nk is not None:
-                compress_keys_kvcache(self.k_cache, lens, self.nk, L, None, cfg.norm_kernel_size,
-                                      cfg.norm_kernel_stride)
-        else:
-            cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device) * S
-            out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, lens, cu_q, self.ck, self.nk,
-                                    self.uncompressed, None, cfg, scaling, max_seqlen_q=S,
-                                    max_seqlen_k=L).view(B, S, Hq, D)
+            self._compress(cfg, lens, L)
+            return out
+        cu_q = _equal_cu_seqlens(B, S, q.device)
+        out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, lens, cu_q, self.ck, self.nk,
+                                self.uncompressed, None, cfg, scaling, max_seqlen_q=S, max_seqlen_k=L)
         self.uncompressed = 0
+        return out.view(B, S, Hq, D)
+
+    def _prefill_compacted(self, q, cfg, scaling, mask, lens):
+        """A left-padded prompt: the general path (the same call as without the cache), then each row's
+        valid keys moved to its start and compressed once."""
+        L = self.length
+        k, v = (t[:, :L] for t in (self.k_cache, self.v_cache))
+        out = _unpadded(q, k, v, mask, cfg, scaling)
+        self.rows = torch.tensor(lens, dtype=torch.int32, device=q.device)
+        self.rows_max, self.tail = max(lens), 0
+        src = (torch.arange(L, device=q.device) + (L - self.rows)[:, None]).clamp_(max=L - 1)
+        for t in (self.k_cache, self.v_cache):
+            t[:, :L] = t[:, :L].gather(1, src[:, :, None, None].expand(-1, -1, *t.shape[2:]))
+        self._compress(cfg, self.rows, L)
         return out
 
+    def _attend_compacted(self, q, cfg, scaling, mask, grad):
+        B, S, Hq, D = q.shape
+        L, prev = self.length, self.length - S
+        if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (B, L)):
+            raise NotImplementedError(f"InfLLMv2Cache with a padded batch takes generate()'s 2-D padding mask "
+                                      f"(batch={B}, {L} cached tokens), got shape {tuple(mask.shape)}")
+        valid = mask is None or _mask_facts(mask, S)[2]
+        if valid:  # the step's keys (at padded slots prev..L-1) to each row's next S slots
+            dst = (self.rows[:, None].long() + _steps(S, q.device))[:, :, None, None]
+            for t in (self.k_cache, self.v_cache):
+                # cloned: a row without padding moves onto itself, and S > 1 may overlap
+                t.scatter_(1, dst.expand(B, S, *t.shape[2:]), t[:, prev:L].clone())
+            self.rows.add_(S)
+            self.rows_max += S
+            self.tail += S
+        else:  # only the valid ones, in order
+            keep = mask[:, prev:].bool()
+            dst = (self.rows[:, None] + keep.cumsum(1, dtype=torch.int32) - 1).long()
+            b, j = keep.nonzero(as_tuple=True)
+            for t in (self.k_cache, self.v_cache):
+                t[b, dst[b, j]] = t[b, prev + j]
+            self.rows = self.rows + keep.sum(1, dtype=torch.int32)
+            self.rows_max, self.tail = int(self.rows.max()), 0
+        if grad or not valid:
+            # the general path over the compacted keys; the compression stays pending
+            keep_q = q.new_ones((B, S), dtype=torch.bool) if mask is None else mask[:, prev:].bool()
+            keep_k = torch.arange(L, device=q.device) < self.rows[:, None]
+            return _packed(q, self.k_cache[:, :L], self.v_cache[:, :L], keep_q, keep_k, cfg, scaling)
+        self._compressed_caches(cfg)
+        cu_q = _equal_cu_seqlens(B, S, q.device)
+        out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, self.rows, cu_q, self.ck, self.nk,
+                                self.uncompressed, None, cfg, scaling, max_seqlen_q=S, max_seqlen_k=self.rows_max)
+        self.uncompressed = 0
+        return out.view(B, S, Hq, D)
+
     def select_batch(self, index):
-        for name in ("k_cache", "v_cache", "ck", "nk"):
+        index = index.to(self.k_cache.device)
+        for name in ("k_cache", "v_cache", "ck", "nk", "rows"):
             t = getattr(self, name)
             if t is not None:
-                setattr(self, name, t.index_select(0, index.to(t.device)))
+                setattr(self, name, t.index_select(0, index))
+        if self.rows is not None:
+            self.rows_max = int(self.rows.max()) if self.rows.numel() else 0
 
 
 @functools.cache
@@ -247,11 +381,7 @@ def _cache_classes():
                 raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
             if tokens_to_remove == 0 or not self.is_initialized:
                 return
-            n = min(-tokens_to_remove, self.state.length)
-            # compressed keys of the kept keys stay valid; the ones past them are rewritten once
-            # later keys complete them again
-            self.state.length -= n
-            self.state.uncompressed = max(self.state.uncompressed - n, 0)
+            self.state.crop(-tokens_to_remove)
             self._views()
 
         def reorder_cache(self, beam_idx):
@@ -260,7 +390,10 @@ def _cache_classes():
                 self._views()
 
         def batch_select_indices(self, indices):
-            self.reorder_cache(torch.as_tensor(indices, device=self.device).reshape(-1))
+            indices = torch.as_tensor(indices, device=self.device)
+            if indices.dtype == torch.bool:  # DynamicLayer indexes with either
+                indices = indices.nonzero().flatten()
+            self.reorder_cache(indices.reshape(-1))
 
         def batch_repeat_interleave(self, repeats):
             if self.is_initialized:
@@ -308,11 +441,14 @@ def _attention_forward(default: SparseConfig):
         if attention_mask is None and cu_q is None and B == 1 and Sq == k.shape[1]:
             bounds = _restarts(kwargs.get("position_ids"), Sq)
         cached = getattr(key, "_infllmv2_cache", None)  # an InfLLMv2Cache layer's keys
-        if cached is not None and attention_mask is None and cu_q is None and bounds is None \
-                and cached.length == k.shape[1]:
-            out = cached.attend(q, cfg, scaling)
-            if out is not None:
-                return out, None
+        if cached is not None:
+            if cu_q is None and bounds is None and cached.length == k.shape[1]:
+                out = cached.attend(q, cfg, scaling, attention_mask)
+                if out is not None:
+                    return out, None
+            elif cached.rows is not None:  # its keys are not where the general path would look
+                raise NotImplementedError("InfLLMv2Cache holding a padded batch takes no packed sequences "
+                                          "(cu_seq_lens_q, restarting position_ids)")
         if attention_mask is not None:
             return _unpadded(q, k, v, attention_mask, cfg, scaling), None
         if bounds is not None:
