@@ -455,3 +455,20 @@ def test_cuda_infllmv2_cache_left_padded_batch(monkeypatch):
     for g, w in zip(got.logits, want.logits):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
     _assert_compressed_caches_hold_the_keys(cache)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_infllmv2_cache_batch_select_takes_indices_or_a_mask():
+    model = _model("infllmv2")
+    ids, mask = _left_padded(3, 70, (5, 0, 20), seed=22)
+    caches = [infllmv2.hf.InfLLMv2Cache() for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            model(ids, attention_mask=mask, past_key_values=c)
+    caches[0].batch_select_indices(torch.tensor([0, 2]))
+    caches[1].batch_select_indices(torch.tensor([True, False, True]))
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.state.rows.tolist() == b.state.rows.tolist() == [65, 50]
+        assert a.state.rows_max == b.state.rows_max == 65
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.state.ck, b.state.ck)
