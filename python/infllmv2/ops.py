@@ -3,12 +3,14 @@
 CUDA tensors run the library's kernels on the current stream; CPU tensors run the PyTorch
 reference (python/infllmv2/reference.py), so the same call works everywhere. Ops are
 registered as torch custom ops (namespace ``infllmv2``) with fake implementations, so that
-torch.compile traces them.
+torch.compile traces them; plain eager calls of the ops without a gradient (decoding's) skip
+the dispatcher, whose host time exceeds a decoding step's kernels (``_ForwardOnlyOp``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import math
 from typing import Optional
 
@@ -27,6 +29,44 @@ def _ptr(t: Optional[torch.Tensor]):
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
+
+
+# Tracing (torch.compile's, make_fx) and fake tensors need the op itself; a plain eager call does
+# not. None: this torch does not say, so every call goes through the op.
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+class _ForwardOnlyOp:
+    """``torch.library.custom_op`` for an op with no gradient (the decoding path's ops), whose plain
+    eager calls run the function itself. Going through the dispatcher costs a call about 100 us of
+    host time (H200, session 34: ``attention_kvcache`` 222-249 us a call of which 132-187 in the
+    op, against 44-86 us of kernels at batch 1 and 8), more than a decoding step's kernels. So the
+    op is called only where something must see it: torch.compile's tracing, a dispatch mode
+    (make_fx, FakeTensorMode, a user's mode), or tensor subclasses (fake tensors); otherwise the
+    function runs and the version counters of the arguments it writes are bumped, as the op's
+    would be. Positional arguments only, as the op's callers here pass them."""
+
+    def __init__(self, fn, name, mutates_args):
+        self.fn = fn
+        self.op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        self.register_fake = self.op.register_fake
+        params = list(inspect.signature(fn).parameters)
+        self.mutated = tuple(params.index(n) for n in mutates_args)
+
+    def __call__(self, *args):
+        # is_compiling() first: torch.compile folds it to True and must not trace the rest
+        if torch.compiler.is_compiling() or _dispatch_modes is None or _dispatch_modes() \
+                or any(isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args):
+            return self.op(*args)
+        out = self.fn(*args)
+        for i in self.mutated:
+            if args[i] is not None:
+                torch.autograd.graph.increment_version(args[i])
+        return out
+
+
+def _forward_only_op(name, mutates_args=()):
+    return lambda fn: _ForwardOnlyOp(fn, name, mutates_args)
 
 
 def _check_kernel_tensor(t: torch.Tensor, name: str) -> None:
@@ -60,7 +100,7 @@ def compress_keys_launch(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda,
     _lib.check(status)
 
 
-@torch.library.custom_op("infllmv2::compress_keys", mutates_args=())
+@_forward_only_op("infllmv2::compress_keys", mutates_args=())
 def _compress_keys_op(
     k: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_c: torch.Tensor, punct_mask: Optional[torch.Tensor],
     phsa_lambda: float, total_c: int, max_nc: int, kernel_size: int, kernel_stride: int,
@@ -135,7 +175,7 @@ def compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, 
     _lib.check(status)
 
 
-@torch.library.custom_op("infllmv2::compress_keys_kvcache", mutates_args=("ck_cache",))
+@_forward_only_op("infllmv2::compress_keys_kvcache", mutates_args=("ck_cache",))
 def _compress_keys_kvcache_op(
     k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], ck_cache: torch.Tensor,
     new_keys: int, kernel_size: int, kernel_stride: int,
@@ -506,7 +546,7 @@ def sparse_decode_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seql
     _lib.check(status)
 
 
-@torch.library.custom_op("infllmv2::sparse_decode", mutates_args=())
+@_forward_only_op("infllmv2::sparse_decode", mutates_args=())
 def _sparse_decode_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float, num_splits: int,
@@ -601,7 +641,7 @@ def sparse_decode_kvcache_workspace_floats(q, splits) -> int:
     return _floats(_lib.lib().infllmv2_sparse_decode_kvcache_workspace_size(q.shape[0], q.shape[1], q.shape[2], splits))
 
 
-@torch.library.custom_op("infllmv2::sparse_decode_kvcache", mutates_args=())
+@_forward_only_op("infllmv2::sparse_decode_kvcache", mutates_args=())
 def _sparse_decode_kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], max_seqlen_q: int, softmax_scale: float,
@@ -977,7 +1017,7 @@ def _select_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk
     return out
 
 
-@torch.library.custom_op("infllmv2::select_blocks", mutates_args=())
+@_forward_only_op("infllmv2::select_blocks", mutates_args=())
 def _select_blocks_op(
     q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     punct_mask: Optional[torch.Tensor], phsa_lambda: float, topk: int, init_blocks: int, local_blocks: int,
@@ -1006,7 +1046,7 @@ def select_decode_splits(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_spl
     return _splits_or_raise("infllmv2_select_decode_splits", splits)
 
 
-@torch.library.custom_op("infllmv2::select_decode", mutates_args=())
+@_forward_only_op("infllmv2::select_decode", mutates_args=())
 def _select_decode_op(
     q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     punct_mask: Optional[torch.Tensor], phsa_lambda: float, topk: int, init_blocks: int, local_blocks: int,
@@ -1128,7 +1168,7 @@ def select_decode_kvcache_launch(q, ck_cache, nk_cache, cache_seqlens, cu_seqlen
     _lib.check(status)
 
 
-@torch.library.custom_op("infllmv2::select_decode_kvcache", mutates_args=())
+@_forward_only_op("infllmv2::select_decode_kvcache", mutates_args=())
 def _select_decode_kvcache_op(
     q: torch.Tensor, ck_cache: torch.Tensor, nk_cache: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, topk: int, capacity: int, max_seqlen_q: int, init_blocks: int, local_blocks: int,
@@ -1304,7 +1344,7 @@ def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, c
     _lib.check(status)
 
 
-@torch.library.custom_op("infllmv2::attention_kvcache", mutates_args=("ck_cache", "nk_cache"))
+@_forward_only_op("infllmv2::attention_kvcache", mutates_args=("ck_cache", "nk_cache"))
 def _attention_kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, ck_cache: torch.Tensor, nk_cache: Optional[torch.Tensor],
