@@ -12,7 +12,9 @@ cache (`infllmv2.sparse_decode_kvcache`, pages of 64 keys in shuffled order, the
 count). Also one whole decoding step two ways: through `infllmv2.attention`
 under no_grad on the packed keys (compression of the whole cache, selection and the split stage
 2), and through `infllmv2.attention_kvcache` on the paged cache with compressed caches kept
-across steps (the step compresses only what its one new key completed).
+across steps (the step compresses only what its one new key completed). `--eager` times only
+that step, called eagerly (host and wall time a call, as a decoding loop without CUDA graphs
+pays it) against its CUDA graph, on one cache.
 
 Times are per call: each case captures calls on enough copies of its cache to exceed the L2
 (256 MB together; one copy where a cache alone is larger) as one CUDA graph, as a decoding loop
@@ -32,6 +34,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -130,8 +133,8 @@ def paged_ms(caches, table, lens, idx, cu_q, reps):
                        for q, kc, vc in caches], reps)
 
 
-def cache_step_ms(caches, table, lens, cu_q, cache, reps):
-    """A whole decoding step through `infllmv2.attention_kvcache` on the paged caches: the
+def cache_step_calls(caches, table, lens, cu_q, cache):
+    """A whole decoding step through `infllmv2.attention_kvcache` on each of the paged caches: the
     compressed caches (built once, before) updated for the step's one new key, the selection
     over them, the split stage 2."""
     cfg = infllmv2.SparseConfig()
@@ -143,7 +146,44 @@ def cache_step_ms(caches, table, lens, cu_q, cache, reps):
         infllmv2.compress_keys_kvcache(kc, lens, nk, cache, table, 128, 64)
         calls.append(lambda q=q, kc=kc, vc=vc, ck=ck, nk=nk: infllmv2.attention_kvcache(
             q, kc, vc, lens, cu_q, ck, nk, 1, table, cfg, max_seqlen_q=1, max_seqlen_k=cache))
-    return graphed_ms(calls, reps)
+    return calls
+
+
+def eager_us(fn, batches=30, calls=50):
+    """Host and wall microseconds per call of `fn` called eagerly, `calls` at a time, the least of
+    `batches` batches: a decoding loop without CUDA graphs pays the host's time (Python, the
+    launches) wherever it exceeds the kernels'. The least batch, because this host's
+    interruptions move single batches by tens of microseconds."""
+    for _ in range(20):
+        fn()
+    host, wall = [], []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) / calls * 1e6)
+        wall.append((time.perf_counter() - t0) / calls * 1e6)
+    return min(host), min(wall)
+
+
+def eager_case(cache, batch, reps):
+    """`infllmv2.attention_kvcache`'s decoding step on one paged cache, eager and as a CUDA graph."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [(torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(batch * cache, HK, D, device="cuda", dtype=torch.bfloat16, generator=g),
+            torch.randn(batch * cache, HK, D, device="cuda", dtype=torch.bfloat16, generator=g))]
+    with torch.no_grad():
+        caches, table, lens = paged_caches(qkv, batch, cache)
+        step = cache_step_calls(caches, table, lens, cu_seqlens([1] * batch, "cuda"), cache)
+        host, wall = eager_us(step[0])
+        graph = graphed_ms(step, reps)
+    del qkv, caches
+    torch.cuda.empty_cache()
+    return {"cache": cache, "batch": batch, "eager_host_us": host, "eager_wall_us": wall,
+            "graph_us": None if graph is None else graph * 1e3}
 
 
 def sparse_decode_case(cache, batch, reps):
@@ -170,7 +210,7 @@ def sparse_decode_case(cache, batch, reps):
         row["split_ms"] = graphed_ms(split_calls(0), reps)
         caches, table, lens = paged_caches(qkv, batch, cache)
         row["paged_ms"] = paged_ms(caches, table, lens, idx, cu_q, reps)
-        row["cache_step_ms"] = cache_step_ms(caches, table, lens, cu_q, cache, reps)
+        row["cache_step_ms"] = graphed_ms(cache_step_calls(caches, table, lens, cu_q, cache), reps)
         del caches
         row["plain_ms"] = graphed_ms([lambda q=q, k=k, v=v: sparse_attn_fwd_launch(q, k, v, idx, cu_q, cu_k, 1, 0.0, out,
                                                                                    lse) for q, k, v in qkv], reps)
@@ -188,8 +228,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--eager", action="store_true",
+                    help="only the attention_kvcache step's host and wall time called eagerly, against its CUDA graph")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
+    if args.eager:
+        return eager_main(args)
     rows = []
     for cache, batch in CASES:
         row = sparse_decode_case(cache, batch, args.reps)
@@ -231,6 +275,25 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "torch": torch.__version__, "library": library_identity(), "rows": rows}, f, indent=1)
+
+
+
+def eager_main(args):
+    gpu = torch.cuda.get_device_name()
+    print(f"\n{gpu}: infllmv2.attention_kvcache, one decoding step (bf16, D = {D}, Hq = {HQ}, Hk = {HK}, K = {TOPK}, "
+          f"paged cache), us a call\n")
+    print("| cache | batch | eager host us | eager wall us | CUDA graph us |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for cache, batch in CASES:
+        r = eager_case(cache, batch, args.reps)
+        rows.append(r)
+        graph = "-" if r["graph_us"] is None else f"{r['graph_us']:.1f}"
+        print(f"| {cache // 1024}K | {batch} | {r['eager_host_us']:.1f} | {r['eager_wall_us']:.1f} | {graph} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "torch": torch.__version__, "library": library_identity(), "mode": "eager",
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
