@@ -72,3 +72,15 @@ def test_fake_tensors_take_the_op():
     with FakeTensorMode() as mode:
         x, out = mode.from_tensor(torch.arange(4.0)), mode.from_tensor(torch.zeros(4))
         OP(x, out)  # the fake implementation: the real function cannot run on fake tensors
+
+
+def test_jit_trace_records_the_op():
+    def f(x, out):
+        OP(x, out)
+        return out + 1
+
+    x, out = torch.arange(4.0), torch.zeros(4)
+    traced = torch.jit.trace(f, (x, out), check_trace=False)
+    assert "infllmv2_test::scale_into" in str(traced.graph)
+    out.zero_()
+    assert torch.equal(traced(x, out), 2 * x + 1)

@@ -38,13 +38,14 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 
 class _ForwardOnlyOp:
     """``torch.library.custom_op`` for an op with no gradient (the decoding path's ops), whose plain
-    eager calls run the function itself. Going through the dispatcher costs a call about 100 us of
-    host time (H200, session 34: ``attention_kvcache`` 222-249 us a call of which 132-187 in the
-    op, against 44-86 us of kernels at batch 1 and 8), more than a decoding step's kernels. So the
-    op is called only where something must see it: torch.compile's tracing, a dispatch mode
-    (make_fx, FakeTensorMode, a user's mode), or tensor subclasses (fake tensors); otherwise the
-    function runs and the version counters of the arguments it writes are bumped, as the op's
-    would be. Positional arguments only, as the op's callers here pass them."""
+    eager calls run the function itself. Through the dispatcher a call cost about 100 us of host
+    time, more than a decoding step's kernels (session 34, ``bench_sparse_decode.py --eager``:
+    ``attention_kvcache``'s step 203 -> 99 us of host time a call on an H100, against 54-104 us of
+    kernels). So the op is called only where something must see it: torch.compile's or
+    torch.jit's tracing, a dispatch mode (make_fx, FakeTensorMode, a user's mode), or tensor
+    subclasses (fake tensors). Otherwise the function runs, and the version counters of the
+    arguments it writes are bumped as the op's would be. Positional arguments only, as the op's
+    callers here pass them."""
 
     def __init__(self, fn, name, mutates_args):
         self.fn = fn
@@ -55,7 +56,7 @@ class _ForwardOnlyOp:
 
     def __call__(self, *args):
         # is_compiling() first: torch.compile folds it to True and must not trace the rest
-        if torch.compiler.is_compiling() or _dispatch_modes is None or _dispatch_modes() \
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or _dispatch_modes is None or _dispatch_modes() \
                 or any(isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args):
             return self.op(*args)
         out = self.fn(*args)
