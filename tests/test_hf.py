@@ -472,3 +472,15 @@ def test_infllmv2_cache_batch_select_takes_indices_or_a_mask():
         assert a.state.rows_max == b.state.rows_max == 65
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.state.ck, b.state.ck)
+
+
+def test_mask_facts_are_read_again_after_an_in_place_write():
+    mask = torch.ones(2, 5, dtype=torch.long)
+    assert infllmv2.hf._mask_facts(mask, 1) == (True, [5, 5], True)
+    assert infllmv2.hf._mask_facts(mask, 1) == (True, [5, 5], True)  # the same layer's memo
+    mask[1, -1] = 0
+    assert infllmv2.hf._mask_facts(mask, 1) == (False, [5, 4], False)
+    mask[1, :2] = 0
+    mask[1, -1] = 1
+    assert infllmv2.hf._mask_facts(mask, 1) == (True, [5, 3], True)
+    assert infllmv2.hf._mask_facts(mask, 3) == (True, [5, 3], True)

@@ -156,13 +156,14 @@ def _mask_facts(mask, S: int):
     (rows all of the form 0...0 1...1, their counts of ones, last S columns all ones)."""
     global _checked_mask
     ref, facts = _checked_mask
-    if ref is not None and ref() is mask and facts[0] == S:
-        return facts[1]
+    # the same mask, unchanged since (a loop may write one mask in place: its version moves)
+    if ref is not None and ref() is mask and facts[:2] == (S, mask._version):
+        return facts[2]
     m = mask.bool()
     left = (m[:, 1:] >= m[:, :-1]).all() if m.shape[1] > 1 else m.new_ones(())
     values = torch.cat([torch.stack([left, m[:, m.shape[1] - S:].all()]).int(), m.sum(1, dtype=torch.int32)]).tolist()
     out = (bool(values[0]), values[2:], bool(values[1]))
-    _checked_mask = (weakref.ref(mask), (S, out))
+    _checked_mask = (weakref.ref(mask), (S, mask._version, out))
     return out
 
 
