@@ -259,11 +259,11 @@ def test_infllmv2_cache_left_padded_batch_crosses_dense_len(monkeypatch):
 @pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_left_padded_steps_by_hand():
     """The compacted cache of a padded batch against a DynamicCache fed the same calls: steps of
-    several tokens, a step whose token is padding in one row (dropped from that row), a step with
-    gradients (the general path over the compacted keys), and crop."""
+    several tokens, steps with padding in one row (dropped from that row, the row's later tokens
+    moved up), a step with gradients (the general path over the compacted keys), and crop."""
     model = _model("infllmv2")
     ids, mask = _left_padded(2, 280, (9, 40), seed=18)
-    steps = _ids(2, 9, seed=19)
+    steps = _ids(2, 12, seed=19)
     cache, ref = infllmv2.hf.InfLLMv2Cache(), transformers.DynamicCache()
 
     def both(tokens, m, grad=False):
@@ -279,6 +279,9 @@ def test_infllmv2_cache_left_padded_steps_by_hand():
     mask = torch.cat([mask, torch.tensor([[1], [0]], dtype=mask.dtype)], 1)
     both(steps[:, 3:4], mask)
     assert cache.layers[0].state.rows.tolist() == [275, 243]
+    mask = torch.cat([mask, torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=mask.dtype)], 1)
+    both(steps[:, 9:12], mask)  # a hole inside a step: its later token moves up
+    assert cache.layers[0].state.rows.tolist() == [278, 245]
     mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
     out = both(steps[:, 4:5], mask, grad=True)
     out[0].sum().backward()  # through the general path's kernels (the reference on CPU)
@@ -292,7 +295,7 @@ def test_infllmv2_cache_left_padded_steps_by_hand():
         for t in range(5, 9):
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
             both(steps[:, t:t + 1], mask)
-    assert cache.layers[0].state.rows.tolist() == [279, 247]
+    assert cache.layers[0].state.rows.tolist() == [282, 249]
     _assert_compressed_caches_hold_the_keys(cache)
 
 

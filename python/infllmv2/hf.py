@@ -172,9 +172,9 @@ class _CacheState:
     ``length`` of each row written, and the compressed keys of all but the last ``uncompressed``.
 
     A left-padded prompt (generate() with a padded batch) puts the cache in compacted mode: row
-    ``b``'s tokens are its ``rows[b]`` valid ones, first, and each step's keys, written by
-    ``append`` at the padded positions, move to the row's next slots, so that the kernels, which
-    read a row's keys from its start, see only valid keys. ``length`` stays the padded count that
+    ``b``'s tokens are its ``rows[b]`` valid ones, first, and ``append`` writes each step's keys
+    into the row's next slots, so that the kernels, which read a row's keys from its start, see
+    only valid keys. ``length`` stays the padded count that
     transformers' positions and masks use; the last ``tail`` positions are valid in every row."""
 
     def __init__(self, key_states):
@@ -197,8 +197,13 @@ class _CacheState:
         if need > self.k_cache.shape[1]:
             # doubling: appending n keys one at a time copies O(n) in all
             self._resize(max(need, 2 * self.k_cache.shape[1], 256))
-        self.k_cache[:, self.length:need] = key_states.transpose(1, 2)
-        self.v_cache[:, self.length:need] = value_states.transpose(1, 2)
+        if self.rows is None:
+            self.k_cache[:, self.length:need] = key_states.transpose(1, 2)
+            self.v_cache[:, self.length:need] = value_states.transpose(1, 2)
+        else:  # compacted: behind each row's valid keys (attend drops the ones the mask calls padding)
+            dst = (self.rows[:, None].long() + _steps(S, key_states.device))[:, :, None, None].expand(B, S, Hk, D)
+            self.k_cache.scatter_(1, dst, key_states.transpose(1, 2))
+            self.v_cache.scatter_(1, dst, value_states.transpose(1, 2))
         self.length = need
         self.uncompressed += S
 
@@ -306,20 +311,17 @@ class _CacheState:
             raise NotImplementedError(f"InfLLMv2Cache with a padded batch takes generate()'s 2-D padding mask "
                                       f"(batch={B}, {L} cached tokens), got shape {tuple(mask.shape)}")
         valid = mask is None or _mask_facts(mask, S)[2]
-        if valid:  # the step's keys (at padded slots prev..L-1) to each row's next S slots
-            dst = (self.rows[:, None].long() + _steps(S, q.device))[:, :, None, None]
-            for t in (self.k_cache, self.v_cache):
-                # cloned: a row without padding moves onto itself, and S > 1 may overlap
-                t.scatter_(1, dst.expand(B, S, *t.shape[2:]), t[:, prev:L].clone())
+        if valid:
             self.rows.add_(S)
             self.rows_max += S
             self.tail += S
-        else:  # only the valid ones, in order
+        else:  # append wrote the step's tokens behind each row's valid keys: keep the valid ones, in order
             keep = mask[:, prev:].bool()
-            dst = (self.rows[:, None] + keep.cumsum(1, dtype=torch.int32) - 1).long()
+            rank = keep.cumsum(1) - 1
             b, j = keep.nonzero(as_tuple=True)
+            base = self.rows.long()
             for t in (self.k_cache, self.v_cache):
-                t[b, dst[b, j]] = t[b, prev + j]
+                t[b, base[b] + rank[b, j]] = t[b, base[b] + j]
             self.rows = self.rows + keep.sum(1, dtype=torch.int32)
             self.rows_max, self.tail = int(self.rows.max()), 0
         if grad or not valid:
