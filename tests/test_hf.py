@@ -475,6 +475,9 @@ def test_infllmv2_cache_batch_select_takes_indices_or_a_mask():
         assert a.state.rows_max == b.state.rows_max == 65
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.state.ck, b.state.ck)
+    caches[0].batch_repeat_interleave(2)
+    assert caches[0].layers[0].state.rows.tolist() == [65, 65, 50, 50]
+    assert torch.equal(caches[0].layers[0].keys[2], caches[1].layers[0].keys[1])
 
 
 def test_mask_facts_are_read_again_after_an_in_place_write():
