@@ -15,9 +15,9 @@ LENGTHS = {"one": [1], "edges": [31, 32, 33, 63, 64, 65, 127, 128, 129], "mix": 
 BITWISE = [(32, 16), (128, 64), (48, 16), (5, 3)]
 
 
-def _cache(lengths, dtype, D, layout, heads_k=2, seed=0, device="cuda"):
+def _cache(lengths, dtype, D, layout, heads_k=2, seed=0, device="cuda", spare=37):
     k = random_tokens(lengths, heads_k, D, dtype, device, seed=seed)
-    kc, _, table = kv_cache_of(k, k, lengths, layout, seed)
+    kc, _, table = kv_cache_of(k, k, lengths, layout, seed, spare)
     return k, kc, table, torch.tensor(lengths, dtype=torch.int32, device=device)
 
 
@@ -29,6 +29,20 @@ def _empty_compressed(kc, table, batch, w, s):
 
 def _packed(k, lengths, w, s):
     ck, cu_c = infllmv2.compress_keys(k, cu_seqlens(lengths, k.device), w, s)
+    return [ck[a:b] for a, b in zip(cu_c[:-1].tolist(), cu_c[1:].tolist())]
+
+
+def _punct(lengths, layout, seed=0, device="cuda", spare=37):
+    """Random punctuation flags of the packed keys, and the same flags laid out as kv_cache_of lays
+    out the keys with this seed (its table)."""
+    flags = torch.rand(sum(lengths), generator=torch.Generator().manual_seed(seed + 100)) < 0.2
+    f = flags.double().view(-1, 1, 1)
+    fc, _, table = kv_cache_of(f, f, lengths, layout, seed, spare)
+    return flags.to(device), (fc.view(fc.shape[:2]) == 1).to(device), table
+
+
+def _packed_phsa(k, lengths, flags, w, s, lam):
+    ck, cu_c = infllmv2.compress_keys(k, cu_seqlens(lengths, k.device), w, s, punct_mask=flags, phsa_lambda=lam)
     return [ck[a:b] for a, b in zip(cu_c[:-1].tolist(), cu_c[1:].tolist())]
 
 
@@ -50,6 +64,50 @@ def test_cpu_reference_writes_only_the_new_entries(layout):
         assert torch.isnan(ck[b, :lo]).all() and torch.isnan(ck[b, hi:]).all()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cpu_phsa_writes_compress_keys_phsa_entries(layout):
+    lengths = [100, 1, 64, 300]
+    k, kc, table, lens = _cache(lengths, torch.float32, 64, layout, device="cpu")
+    flags, pc, ptable = _punct(lengths, layout, device="cpu")
+    assert (table is None and ptable is None) or torch.equal(table, ptable)
+    ck = _empty_compressed(kc, table, len(lengths), 32, 16)
+    new = 40
+    infllmv2.compress_keys_kvcache(kc, lens, ck, new, table, punct_cache=pc, phsa_lambda=0.3)
+    full = _packed_phsa(k, lengths, flags, 32, 16, 0.3)
+    assert not all(torch.equal(a, b) for a, b in zip(full, _packed(k, lengths, 32, 16)))  # PHSA changed something
+    for b, n_k in enumerate(lengths):
+        lo, hi = (reference._num_windows(n, 32, 16) for n in (max(n_k - new, 0), n_k))
+        assert torch.equal(ck[b, lo:hi], full[b][lo:hi])
+        assert torch.isnan(ck[b, :lo]).all() and torch.isnan(ck[b, hi:]).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("ws", [(32, 16), (128, 64), (7, 2)], ids=["32_16", "128_64", "7_2"])
+def test_cpu_composed_phsa_update_is_the_reference(layout, ws):
+    """The CUDA PHSA path (gather, compress_keys, write back; torch ops, so it runs on CPU too)
+    against the reference, step by step from NaN caches: prefill, steps of 1, 3 and 17 keys (the
+    longest sequence fills its cache, so the window of entries must start early), and a step
+    larger than the cache."""
+    w, s = ws
+    final = [300, 1, 130, 64, 333]
+    spare = 0 if layout == "padded" else 37  # padded: the longest sequence ends at the capacity
+    k, kc, table, _ = _cache(final, torch.float32, 64, layout, device="cpu", spare=spare)
+    flags, pc, _ = _punct(final, layout, device="cpu", spare=spare)
+    got = _empty_compressed(kc, table, len(final), w, s)
+    want = got.clone()
+    now = [max(n - 21, 0) for n in final]
+    for step in (max(now), 1, 3, 17, 10 ** 6):
+        now = [min(n + (0 if step == max(now) else step), f) for n, f in zip(now, final)]
+        lens = torch.tensor(now, dtype=torch.int32)
+        got.fill_(float("nan"))
+        want.fill_(float("nan"))
+        infllmv2.ops._phsa_compress_kvcache(kc, lens, table, got, step, w, s, pc, 0.6)
+        want.copy_(reference.compress_keys_kvcache(kc, lens, want, step, table, w, s, pc, 0.6))
+        assert torch.equal(got.isnan(), want.isnan()), f"step {step}: written entries differ"
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=0, atol=0, msg=f"step {step}")
+    assert now == final
+
+
 def test_bad_inputs_name_the_argument():
     k, kc, table, lens = _cache([100, 50], torch.float32, 64, "paged64", device="cpu")
     ck = _empty_compressed(kc, table, 2, 32, 16)
@@ -63,6 +121,13 @@ def test_bad_inputs_name_the_argument():
         infllmv2.compress_keys_kvcache(kc, lens[:1], ck, 1, table)
     with pytest.raises(ValueError, match="block_table must be an int32 tensor"):
         infllmv2.compress_keys_kvcache(kc, lens, ck, 1, table[:1])
+    pc = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    with pytest.raises(ValueError, match="punct_cache must be a bool tensor of shape"):
+        infllmv2.compress_keys_kvcache(kc, lens, ck, 1, table, punct_cache=pc.to(torch.uint8))
+    with pytest.raises(ValueError, match="punct_cache must be a bool tensor of shape"):
+        infllmv2.compress_keys_kvcache(kc, lens, ck, 1, table, punct_cache=pc[:, :10])
+    with pytest.raises(ValueError, match="phsa_lambda must be in"):
+        infllmv2.compress_keys_kvcache(kc, lens, ck, 1, table, punct_cache=pc, phsa_lambda=1.5)
 
 
 # ---------------------------------------------------------------------------------- GPU tier
@@ -123,6 +188,34 @@ def test_cuda_other_windows_match_the_reference(dtype, ws):
     ref32 = reference.compress_keys_kvcache(cpu[0].float(), *cpu[1:2], cpu[2].float(), *cpu[3:])
     lowp = reference.compress_keys_kvcache(*cpu)
     assert_close_to_reference(ck.cpu(), lowp, ref32, what=f"compressed cache {w}/{s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("ws", [(32, 16), (128, 64)], ids=["32_16", "128_64"])
+def test_cuda_phsa_steps_are_compress_keys_phsa_bitwise(dtype, head_dim, layout, ws):
+    """PHSA over the cache (punct_cache): a prefill and decoding steps into NaN-poisoned caches
+    write exactly the entries the new keys completed, each bit for bit compress_keys' PHSA entry
+    on the packed keys, with no host synchronisation."""
+    w, s = ws
+    final = [700, 130, 64, 1000, 1]
+    k, kc, table, _ = _cache(final, dtype, head_dim, layout)
+    flags, pc, _ = _punct(final, layout)
+    ck = _empty_compressed(kc, table, len(final), w, s)
+    full = _packed_phsa(k, final, flags, w, s, 0.25)
+    now = [max(n - 40, 0) for n in final]
+    for i, step in enumerate((max(now), 1, 16, 3, 20)):
+        now = now if i == 0 else [min(n + step, f) for n, f in zip(now, final)]
+        ck.fill_(float("nan"))
+        with no_host_sync():
+            infllmv2.compress_keys_kvcache(kc, torch.tensor(now, dtype=torch.int32, device="cuda"), ck, step, table, w,
+                                           s, punct_cache=pc, phsa_lambda=0.25)
+        for b, n_k in enumerate(now):
+            lo, hi = (reference._num_windows(n, w, s) for n in (max(n_k - step, 0), n_k))
+            assert torch.isnan(ck[b, :lo]).all() and torch.isnan(ck[b, hi:]).all(), f"step {i} sequence {b}"
+            assert torch.equal(ck[b, lo:hi], full[b][lo:hi]), f"step {i} sequence {b}"
 
 
 @pytest.mark.gpu

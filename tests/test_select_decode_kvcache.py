@@ -92,6 +92,40 @@ def test_cpu_attention_kvcache_is_attention_on_the_packed_keys(approx_lse):
                 assert torch.equal(ck[b, :cu_c[b + 1] - cu_c[b]], packed[cu_c[b]:cu_c[b + 1]])
 
 
+def test_cpu_attention_kvcache_phsa_is_attention_with_the_punctuation_mask():
+    """punct_cache: a prefill and a decoding step whose outputs are reference.attention's with the
+    packed keys' punct_mask (PHSA at both levels), and caches of compress_keys' PHSA entries."""
+    final, hk, D = [700, 200, 65], 2, 32
+    k_all = random_tokens(final, hk, D, torch.float64, seed=3)
+    v_all = random_tokens(final, hk, D, torch.float64, seed=4)
+    kc, vc, table = kv_cache_of(k_all, v_all, final, "paged64")
+    flags = torch.rand(sum(final), generator=torch.Generator().manual_seed(5)) < 0.2
+    f = flags.double().view(-1, 1, 1)
+    pc = kv_cache_of(f, f, final, "paged64")[0].view(kc.shape[:2]) == 1
+    cap = kc.shape[1] * table.shape[1]
+    starts = torch.tensor([0] + final[:-1]).cumsum(0).tolist()
+    cfg = SparseConfig(dense_len=256, window_size=128, topk=4, phsa_lambda=0.3)
+    ck = torch.full((3, infllmv2.compressed_capacity(cap), hk, D), float("nan"), dtype=torch.float64)
+    nk = torch.full((3, infllmv2.compressed_capacity(cap, 128, 64), hk, D), float("nan"), dtype=torch.float64)
+    for now, n_q, new_keys in (([n - 1 for n in final], 2, max(final)), (final, 1, 1)):
+        lens = torch.tensor(now, dtype=torch.int32)
+        q = random_tokens([n_q] * 3, hk * 4, D, torch.float64, seed=sum(now))
+        k, v, punct = (torch.cat([t[s:s + n] for s, n in zip(starts, now)]) for t in (k_all, v_all, flags))
+        got = infllmv2.attention_kvcache(q, kc, vc, lens, cu_seqlens([n_q] * 3), ck, nk, new_keys, table, cfg,
+                                         punct_cache=pc)
+        want = reference.attention(q, k, v, cu_seqlens([n_q] * 3), cu_seqlens(now), cfg.dense_len,
+                                   topk=cfg.num_selected, local_blocks=cfg.local_blocks, punct_mask=punct,
+                                   phsa_lambda=0.3)[0]
+        plain = reference.attention(q, k, v, cu_seqlens([n_q] * 3), cu_seqlens(now), cfg.dense_len,
+                                    topk=cfg.num_selected, local_blocks=cfg.local_blocks)[0]
+        assert not torch.allclose(want, plain)  # PHSA moved the selection somewhere
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"lengths {now}")
+        for cache, (w, s) in ((ck, (32, 16)), (nk, (128, 64))):
+            packed, cu_c = reference.compress_keys(k, cu_seqlens(now), w, s, punct, 0.3)
+            for b in range(3):
+                assert torch.equal(cache[b, :cu_c[b + 1] - cu_c[b]], packed[cu_c[b]:cu_c[b + 1]])
+
+
 def test_bad_inputs_name_the_argument():
     q = random_tokens([1, 1], 8, 64, torch.float32)
     ck = torch.zeros((2, 10, 2, 64))
@@ -107,6 +141,11 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="nk_cache .* is needed with config.approx_lse"):
         infllmv2.attention_kvcache(q, torch.zeros((2, 128, 2, 64)), torch.zeros((2, 128, 2, 64)), lens,
                                    cu_seqlens([1, 1]), ck)
+    kc = torch.zeros((2, 128, 2, 64))
+    cfg = SparseConfig(approx_lse=False)
+    with pytest.raises(ValueError, match=r"punct_cache must be a bool tensor of shape \(num_pages, page_size\)"):
+        infllmv2.attention_kvcache(q, kc, kc, lens, cu_seqlens([1, 1]), ck, None, 1, None, cfg,
+                                   punct_cache=torch.zeros((2, 64), dtype=torch.bool))
 
 
 # ---------------------------------------------------------------------------------- GPU tier
@@ -234,6 +273,54 @@ def test_cuda_attention_kvcache_decoding_loop(layout, G):
                 why = selection_mismatch(idx.cpu(), blocks, cfg.num_selected)
                 assert why is None, why
             _step_reference_check(out, q, k, v, cu_q, cu_k, idx, f"step to {now} (dense_len {cfg.dense_len})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("approx_lse", [True, False])
+def test_cuda_attention_kvcache_phsa(layout, approx_lse):
+    """With punct_cache, a prefill and decoding steps (one token, then a speculative three): after
+    every step the compressed caches are compress_keys' PHSA entries of the keys so far (bitwise),
+    and the output is bitwise the plain step's over caches built that way (PHSA changes stage 0
+    only); no host synchronisation."""
+    final = [900, 300, 1200]
+    dtype, D, hk, G = torch.bfloat16, 128, 2, 16
+    k_all = random_tokens(final, hk, D, dtype, "cuda", seed=3)
+    v_all = random_tokens(final, hk, D, dtype, "cuda", seed=4)
+    kc, vc, table = kv_cache_of(k_all, v_all, final, layout)
+    flags = torch.rand(sum(final), generator=torch.Generator().manual_seed(5)) < 0.2
+    f = flags.double().view(-1, 1, 1)
+    pc = (kv_cache_of(f, f, final, layout)[0].view(kc.shape[:2]) == 1).cuda()
+    flags = flags.cuda()
+    cap = kc.shape[1] * (1 if table is None else table.shape[1])
+    cfg = SparseConfig(dense_len=256, window_size=128, topk=4, phsa_lambda=0.3, approx_lse=approx_lse)
+    levels = ((32, 16), (128, 64)) if approx_lse else ((32, 16),)
+    caches = [[torch.full((3, infllmv2.compressed_capacity(cap, w, s), hk, D), float("nan"), dtype=dtype,
+                          device="cuda") for w, s in levels] for _ in range(2)]
+    starts = torch.tensor([0] + final[:-1]).cumsum(0).tolist()
+    now = [n - 6 for n in final]
+    for new in (now, 1, 3, 1):
+        now = now if isinstance(new, list) else [n + new for n in now]
+        n_q = 1 if isinstance(new, list) else new
+        lens = torch.tensor(now, dtype=torch.int32, device="cuda")
+        k, punct = (torch.cat([t[s:s + n] for s, n in zip(starts, now)]) for t in (k_all, flags))
+        cu_q = cu_seqlens([n_q] * 3, "cuda")
+        q = random_tokens([n_q] * 3, hk * G, D, dtype, "cuda", seed=sum(now))
+        new_keys = max(now) if isinstance(new, list) else new
+        nk = caches[0][1] if approx_lse else None
+        with no_host_sync():
+            out = infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, caches[0][0], nk, new_keys, table, cfg,
+                                             max_seqlen_q=n_q, max_seqlen_k=max(now), punct_cache=pc)
+        for got, built, (w, s) in zip(caches[0], caches[1], levels):
+            packed, cu_c = infllmv2.compress_keys(k, cu_seqlens(now, "cuda"), w, s, punct_mask=punct, phsa_lambda=0.3)
+            for b in range(3):
+                want = packed[cu_c[b]:cu_c[b + 1]]
+                assert torch.equal(got[b, :want.shape[0]], want), f"{w}/{s} cache of sequence {b}, step to {now}"
+                built[b, :want.shape[0]] = want
+        nk = caches[1][1] if approx_lse else None
+        want = infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, caches[1][0], nk, 0, table, cfg, max_seqlen_q=n_q,
+                                          max_seqlen_k=max(now))
+        assert torch.equal(out, want), f"step to {now}"
 
 
 @pytest.mark.gpu

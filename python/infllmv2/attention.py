@@ -16,8 +16,8 @@ import torch
 from . import _lib, reference
 from .ops import (_attention_kvcache_op, _cache_capacity, _check_block_table, _check_compressed_caches,
                   _check_int, _check_kernel_attention, _check_kernel_pages, _check_kv_cache, _check_offsets,
-                  _check_tensor3, _index_vector, _max_seqlen, _needs_grad, _scale_or_zero, _stage2,
-                  dense_attn_varlen, select_decode)
+                  _check_punct_cache, _check_tensor3, _index_vector, _max_seqlen, _needs_grad, _phsa_compress_kvcache,
+                  _scale_or_zero, _stage2, dense_attn_varlen, select_decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ def attention_padded(q, k, v, config=None, softmax_scale=None, punct_mask=None, 
 
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache=None, new_keys=None,
                       block_table=None, config=None, softmax_scale=None, max_seqlen_q=None, max_seqlen_k=None,
-                      return_lse=False):
+                      return_lse=False, punct_cache=None):
     """``attention`` for new tokens against a KV cache (decoding, speculative decoding, chunked
     prefill), forward only, with the compressed keys kept across calls.
 
@@ -209,6 +209,11 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     On CUDA the step is one call of the C library's ``infllmv2_attention_kvcache`` (both compressed
     caches in one launch; the library's split counts), with no host synchronisation when
     ``max_seqlen_q`` and ``max_seqlen_k`` are given; CPU runs ``reference.attention_kvcache``.
+
+    ``punct_cache`` (bool ``(num_pages, page_size)``, each cached key's punctuation flag laid out
+    as ``k_cache``): both compressed caches are updated with PHSA (``config.phsa_lambda``), as
+    ``attention`` with a ``punct_mask`` compresses; on CUDA by ``compress_keys_kvcache``'s PHSA
+    path before the C call, still with no host synchronisation.
     """
     cfg = _config(config)
     _check_tensor3(q, "q")
@@ -236,18 +241,27 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     if _needs_grad(q, k_cache, v_cache):
         raise ValueError("attention_kvcache is forward only, but q or the cache requires grad: call it under "
                          "torch.no_grad()")
+    if punct_cache is not None:
+        _check_punct_cache(punct_cache, k_cache, cfg.phsa_lambda)
     if not q.is_cuda:
         out, lse, ck, nk = reference.attention_kvcache(
             q, k_cache, v_cache, cache_seqlens.clamp(0, capacity), cu_seqlens_q, ck_cache, nk_cache, new_keys,
             block_table, cfg.dense_len, softmax_scale, cfg.num_selected, cfg.kernel_size, cfg.kernel_stride,
             cfg.block_size, cfg.init_blocks, cfg.local_blocks, cfg.approx_lse, cfg.norm_kernel_size,
-            cfg.norm_kernel_stride)
+            cfg.norm_kernel_stride, punct_cache, cfg.phsa_lambda)
         ck_cache.copy_(ck)
         if nk_cache is not None:
             nk_cache.copy_(nk)
     else:
         _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
         _check_kernel_pages(block_table, k_cache)
+        if punct_cache is not None:  # the PHSA updates first; the C step then compresses nothing
+            for cache, w, s in ((ck_cache, cfg.kernel_size, cfg.kernel_stride),
+                                (nk_cache, cfg.norm_kernel_size, cfg.norm_kernel_stride)):
+                if cache is not None:
+                    _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, cache, new_keys, w, s, punct_cache,
+                                           float(cfg.phsa_lambda))
+            new_keys = 0
         fields = [int(getattr(cfg, name)) for name, _ in _lib.SparseConfigC._fields_]
         out, lse = _attention_kvcache_op(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache,
                                          block_table, new_keys, max_seqlen_q, max_seqlen_k, fields,

@@ -203,8 +203,64 @@ def _check_compressed_rows(cache, name, capacity, kernel_size, kernel_stride):
                          f"gives the rows")
 
 
+def _check_punct_cache(punct_cache, k_cache, phsa_lambda):
+    """A bool punctuation cache laid out as k_cache's keys; returns ``phsa_lambda`` as a float."""
+    if not isinstance(punct_cache, torch.Tensor) or punct_cache.dtype != torch.bool \
+            or tuple(punct_cache.shape) != tuple(k_cache.shape[:2]):
+        raise ValueError(f"punct_cache must be a bool tensor of shape (num_pages, page_size) = "
+                         f"{tuple(k_cache.shape[:2])}, each key's punctuation flag laid out as k_cache, got "
+                         + (f"{punct_cache.dtype} {tuple(punct_cache.shape)}" if isinstance(punct_cache, torch.Tensor)
+                            else type(punct_cache).__name__))
+    if punct_cache.device != k_cache.device:
+        raise ValueError(f"punct_cache is on {punct_cache.device} but k_cache is on {k_cache.device}")
+    if not punct_cache.is_contiguous():
+        raise ValueError("punct_cache must be contiguous")
+    return _check_phsa_args(None, phsa_lambda, k_cache)
+
+
+def _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                           punct_cache, phsa_lambda):
+    """``compress_keys_kvcache`` with PHSA on CUDA: the cache kernel has no PHSA variant, so each
+    sequence's keys from the first compressed key its new keys completed are gathered with their
+    flags, compress_keys' PHSA kernel runs over them, and the new entries are written back (the
+    others keep their values, as the kernel leaves them). All on the device, with fixed shapes
+    (no host read: CUDA graphs): ``count`` entries a sequence, starting earlier where they would
+    pass the compressed cache's end."""
+    w, s = kernel_size, kernel_stride
+    batch, page = cache_seqlens.numel(), k_cache.shape[1]
+    capacity = _cache_capacity(k_cache, block_table)
+    if new_keys == 0 or capacity < w:
+        return
+    count = min(new_keys // s + 1, ck_cache.shape[1], compressed_capacity(capacity, w, s))
+    n_keys = (count - 1) * s + w
+    dev = k_cache.device
+
+    def windows(x):
+        return torch.where(x >= w, torch.div(x - w, s, rounding_mode="floor") + 1, 0)
+
+    lens = cache_seqlens.long().clamp(0, capacity)
+    first, last = windows((lens - new_keys).clamp(min=0)), windows(lens)  # the new entries: [first, last)
+    start = first.clamp(max=ck_cache.shape[1] - count)
+    pos = (start[:, None] * s + torch.arange(n_keys, device=dev)).clamp(max=capacity - 1)
+    if block_table is None:
+        rows = torch.arange(batch, device=dev)[:, None] * page + pos
+    else:  # page numbers clamped into the cache, as the kernels do
+        pages = block_table.long().gather(1, torch.div(pos, page, rounding_mode="floor"))
+        rows = pages.clamp(0, k_cache.shape[0] - 1) * page + pos % page
+    rows = rows.view(-1)
+    keys = k_cache.reshape(-1, *k_cache.shape[2:])[rows]
+    flags = punct_cache.reshape(-1)[rows]
+    cu_k = torch.arange(0, (batch + 1) * n_keys, n_keys, dtype=torch.int32, device=dev)
+    cu_c = torch.arange(0, (batch + 1) * count, count, dtype=torch.int32, device=dev)
+    out = _compress_keys_op(keys, cu_k, cu_c, flags, phsa_lambda, batch * count, count, w, s)
+    entry = start[:, None] + torch.arange(count, device=dev)
+    at = (torch.arange(batch, device=dev)[:, None], entry)
+    new = (entry >= first[:, None]) & (entry < last[:, None])
+    ck_cache[at] = torch.where(new[..., None, None], out.view(batch, count, *out.shape[1:]), ck_cache[at])
+
+
 def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table=None, kernel_size=32,
-                          kernel_stride=16):
+                          kernel_stride=16, punct_cache=None, phsa_lambda=0.5):
     """Stage 0 kept up to date over a KV cache: writes into ``ck_cache`` the compressed keys that
     each sequence's last ``new_keys`` keys completed, and returns it.
 
@@ -216,7 +272,10 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
     leaves the others (``n`` the count of ``compress_keys``; ``new_keys`` an upper bound: a decoding
     step passes the tokens it appended, a prefill into an empty cache its length). For 32/16 and
     128/64 the entries are bitwise ``compress_keys``' on the same keys packed. In place, no host
-    synchronisation (CUDA); CPU runs the reference. No PHSA.
+    synchronisation (CUDA); CPU runs the reference. ``punct_cache`` (bool ``(num_pages,
+    page_size)``, each key's punctuation flag laid out as ``k_cache``): PHSA with ``phsa_lambda``,
+    bitwise ``compress_keys``' PHSA entries; on CUDA composed of torch ops and compress_keys' PHSA
+    kernel (``_phsa_compress_kvcache``), slower than the plain update.
     """
     _check_cache_tensor(k_cache, "k_cache", k_cache, "k_cache")
     batch = ck_cache.shape[0] if isinstance(ck_cache, torch.Tensor) and ck_cache.dim() == 4 else None
@@ -234,12 +293,18 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
     _check_compressed_rows(ck_cache, "ck_cache", _cache_capacity(k_cache, block_table), kernel_size, kernel_stride)
     if not ck_cache.is_contiguous():
         raise ValueError("ck_cache must be contiguous (it is written in place)")
+    if punct_cache is not None:
+        phsa_lambda = _check_punct_cache(punct_cache, k_cache, phsa_lambda)
     if not k_cache.is_cuda:
         ck_cache.copy_(reference.compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table,
-                                                       kernel_size, kernel_stride))
+                                                       kernel_size, kernel_stride, punct_cache, phsa_lambda))
         return ck_cache
     _check_kernel_tensor(k_cache, "k_cache")
     _check_kernel_pages(block_table, k_cache)
+    if punct_cache is not None:
+        _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                               punct_cache, phsa_lambda)
+        return ck_cache
     _compress_keys_kvcache_op(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride)
     return ck_cache
 

@@ -683,14 +683,24 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
 
 
 def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table=None, kernel_size=32,
-                          kernel_stride=16):
+                          kernel_stride=16, punct_cache=None, phsa_lambda=0.5):
     """The compressed cache ``ck_cache (batch, capacity_c, Hk, D)`` brought up to date after each
     sequence gained (at most) ``new_keys`` keys: a copy in which entries ``[n(L - new_keys),
     n(L))`` of sequence ``b`` (``L = cache_seqlens[b]``, ``n`` the count of ``compress_keys``) are
-    ``compress_keys`` of its keys (``kvcache_to_varlen``) and every other entry is unchanged."""
+    ``compress_keys`` of its keys (``kvcache_to_varlen``) and every other entry is unchanged.
+    ``punct_cache`` (bool ``(num_pages, page_size)``, laid out as the keys): PHSA with the keys'
+    punctuation flags and ``phsa_lambda``."""
     _check_int(new_keys, "new_keys", 0)
     k, _, cu_k = kvcache_to_varlen(k_cache, k_cache, cache_seqlens, block_table)
-    ck, cu_c = compress_keys(k, cu_k, kernel_size, kernel_stride)
+    punct_mask = None
+    if punct_cache is not None:
+        if not isinstance(punct_cache, torch.Tensor) or punct_cache.dtype != torch.bool \
+                or tuple(punct_cache.shape) != tuple(k_cache.shape[:2]):
+            raise ValueError(f"punct_cache must be a bool tensor of shape (num_pages, page_size) = "
+                             f"{tuple(k_cache.shape[:2])}, laid out as k_cache")
+        flags = punct_cache.view(*punct_cache.shape, 1, 1)
+        punct_mask = kvcache_to_varlen(flags, flags, cache_seqlens, block_table)[0].view(-1)
+    ck, cu_c = compress_keys(k, cu_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
     if ck_cache.dim() != 4 or ck_cache.shape[0] != cu_k.numel() - 1 or ck_cache.shape[2:] != k_cache.shape[2:]:
         raise ValueError(f"ck_cache must have shape (batch={cu_k.numel() - 1}, capacity_c, Hk, D) matching k_cache "
                          f"{tuple(k_cache.shape)}, got {tuple(ck_cache.shape)}")
@@ -738,18 +748,20 @@ def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, to
 
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, new_keys, block_table=None,
                       dense_len=8192, softmax_scale=None, topk=96, kernel_size=32, kernel_stride=16, block_size=64,
-                      init_blocks=1, local_blocks=32, approx_lse=True, norm_kernel_size=128, norm_kernel_stride=64):
+                      init_blocks=1, local_blocks=32, approx_lse=True, norm_kernel_size=128, norm_kernel_stride=64,
+                      punct_cache=None, phsa_lambda=0.5):
     """A step of ``attention`` for new tokens against a KV cache (their keys in it already, counted
     by ``cache_seqlens``): returns ``(out, lse, ck_cache', nk_cache')``, the compressed caches
     brought up to date for the last ``new_keys`` keys (``compress_keys_kvcache``; ``nk_cache`` only
     with ``approx_lse``, else returned as given), then every block (dense attention) when the
     longest sequence is shorter than ``dense_len``, else ``select_decode_kvcache`` over the updated
-    caches, then ``sparse_decode_kvcache``."""
+    caches, then ``sparse_decode_kvcache``. With ``punct_cache`` both levels compress with PHSA, as
+    ``attention`` with a ``punct_mask`` does."""
     ck_cache = compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table, kernel_size,
-                                     kernel_stride)
+                                     kernel_stride, punct_cache, phsa_lambda)
     if approx_lse:
         nk_cache = compress_keys_kvcache(k_cache, cache_seqlens, nk_cache, new_keys, block_table, norm_kernel_size,
-                                         norm_kernel_stride)
+                                         norm_kernel_stride, punct_cache, phsa_lambda)
     longest = max([int(n) for n in cache_seqlens.tolist()] + [1])
     if longest < dense_len:
         n = -(-longest // block_size)
