@@ -14,7 +14,7 @@ under no_grad on the packed keys (compression of the whole cache, selection and 
 2), and through `infllmv2.attention_kvcache` on the paged cache with compressed caches kept
 across steps (the step compresses only what its one new key completed). `--eager` times only
 that step, called eagerly (host and wall time a call, as a decoding loop without CUDA graphs
-pays it) against its CUDA graph, on one cache.
+pays it) against its CUDA graph, on one cache; and the same with PHSA (a punctuation cache).
 
 Times are per call: each case captures calls on enough copies of its cache to exceed the L2
 (256 MB together; one copy where a cache alone is larger) as one CUDA graph, as a decoding loop
@@ -133,19 +133,21 @@ def paged_ms(caches, table, lens, idx, cu_q, reps):
                        for q, kc, vc in caches], reps)
 
 
-def cache_step_calls(caches, table, lens, cu_q, cache):
+def cache_step_calls(caches, table, lens, cu_q, cache, phsa=False):
     """A whole decoding step through `infllmv2.attention_kvcache` on each of the paged caches: the
     compressed caches (built once, before) updated for the step's one new key, the selection
-    over them, the split stage 2."""
+    over them, the split stage 2. `phsa`: with a punctuation cache (a fifth of the keys)."""
     cfg = infllmv2.SparseConfig()
     calls = []
     for q, kc, vc in caches:
         ck, nk = (torch.empty((len(lens), infllmv2.compressed_capacity(cache, w, s), HK, D), device="cuda",
                               dtype=kc.dtype) for w, s in ((32, 16), (128, 64)))
-        infllmv2.compress_keys_kvcache(kc, lens, ck, cache, table)
-        infllmv2.compress_keys_kvcache(kc, lens, nk, cache, table, 128, 64)
-        calls.append(lambda q=q, kc=kc, vc=vc, ck=ck, nk=nk: infllmv2.attention_kvcache(
-            q, kc, vc, lens, cu_q, ck, nk, 1, table, cfg, max_seqlen_q=1, max_seqlen_k=cache))
+        pc = (torch.rand(kc.shape[:2], device="cuda", generator=torch.Generator("cuda").manual_seed(2)) < 0.2) \
+            if phsa else None
+        infllmv2.compress_keys_kvcache(kc, lens, ck, cache, table, punct_cache=pc)
+        infllmv2.compress_keys_kvcache(kc, lens, nk, cache, table, 128, 64, punct_cache=pc)
+        calls.append(lambda q=q, kc=kc, vc=vc, ck=ck, nk=nk, pc=pc: infllmv2.attention_kvcache(
+            q, kc, vc, lens, cu_q, ck, nk, 1, table, cfg, max_seqlen_q=1, max_seqlen_k=cache, punct_cache=pc))
     return calls
 
 
@@ -175,15 +177,17 @@ def eager_case(cache, batch, reps):
     qkv = [(torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g),
             torch.randn(batch * cache, HK, D, device="cuda", dtype=torch.bfloat16, generator=g),
             torch.randn(batch * cache, HK, D, device="cuda", dtype=torch.bfloat16, generator=g))]
+    row = {"cache": cache, "batch": batch}
     with torch.no_grad():
         caches, table, lens = paged_caches(qkv, batch, cache)
-        step = cache_step_calls(caches, table, lens, cu_seqlens([1] * batch, "cuda"), cache)
-        host, wall = eager_us(step[0])
-        graph = graphed_ms(step, reps)
+        for name, phsa in (("", False), ("phsa_", True)):
+            step = cache_step_calls(caches, table, lens, cu_seqlens([1] * batch, "cuda"), cache, phsa)
+            row[f"{name}eager_host_us"], row[f"{name}eager_wall_us"] = eager_us(step[0])
+            graph = graphed_ms(step, reps)
+            row[f"{name}graph_us"] = None if graph is None else graph * 1e3
     del qkv, caches
     torch.cuda.empty_cache()
-    return {"cache": cache, "batch": batch, "eager_host_us": host, "eager_wall_us": wall,
-            "graph_us": None if graph is None else graph * 1e3}
+    return row
 
 
 def sparse_decode_case(cache, batch, reps):
@@ -282,14 +286,18 @@ def eager_main(args):
     gpu = torch.cuda.get_device_name()
     print(f"\n{gpu}: infllmv2.attention_kvcache, one decoding step (bf16, D = {D}, Hq = {HQ}, Hk = {HK}, K = {TOPK}, "
           f"paged cache), us a call\n")
-    print("| cache | batch | eager host us | eager wall us | CUDA graph us |")
-    print("|---|---|---|---|---|")
+    print("| cache | batch | eager host us | eager wall us | CUDA graph us | PHSA: eager host / wall us | PHSA: CUDA graph us |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
+
+    def us(x):
+        return "-" if x is None else f"{x:.1f}"
+
     for cache, batch in CASES:
         r = eager_case(cache, batch, args.reps)
         rows.append(r)
-        graph = "-" if r["graph_us"] is None else f"{r['graph_us']:.1f}"
-        print(f"| {cache // 1024}K | {batch} | {r['eager_host_us']:.1f} | {r['eager_wall_us']:.1f} | {graph} |", flush=True)
+        print(f"| {cache // 1024}K | {batch} | {us(r['eager_host_us'])} | {us(r['eager_wall_us'])} | {us(r['graph_us'])} "
+              f"| {us(r['phsa_eager_host_us'])} / {us(r['phsa_eager_wall_us'])} | {us(r['phsa_graph_us'])} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "torch": torch.__version__, "library": library_identity(), "mode": "eager",
