@@ -209,9 +209,9 @@ def test_cuda_phsa_steps_are_compress_keys_phsa_bitwise(dtype, head_dim, layout,
     for i, step in enumerate((max(now), 1, 16, 3, 20)):
         now = now if i == 0 else [min(n + step, f) for n, f in zip(now, final)]
         ck.fill_(float("nan"))
+        lens = torch.tensor(now, dtype=torch.int32, device="cuda")
         with no_host_sync():
-            infllmv2.compress_keys_kvcache(kc, torch.tensor(now, dtype=torch.int32, device="cuda"), ck, step, table, w,
-                                           s, punct_cache=pc, phsa_lambda=0.25)
+            infllmv2.compress_keys_kvcache(kc, lens, ck, step, table, w, s, punct_cache=pc, phsa_lambda=0.25)
         for b, n_k in enumerate(now):
             lo, hi = (reference._num_windows(n, w, s) for n in (max(n_k - step, 0), n_k))
             assert torch.isnan(ck[b, :lo]).all() and torch.isnan(ck[b, hi:]).all(), f"step {i} sequence {b}"
