@@ -31,7 +31,7 @@ added. With a ``DynamicCache`` every step compresses all of the keys again (the 
 same). Beam search, ``crop`` and batch selection work on it. A left-padded batch (``generate``
 with an ``attention_mask``) does too: the prompt runs the general path, then each row's valid
 keys move to the start of its cache row (the kernels read a row from its start), and every step
-moves its keys behind them, so ``layer.keys`` holds each row's valid keys first, not
+writes its keys behind them, so ``layer.keys`` holds each row's valid keys first, not
 transformers' padded layout; ``crop`` then removes only tokens valid in every row. Other masks
 (right padding, holes in the prompt) take the general path over the cached keys at every step.
 
@@ -174,8 +174,8 @@ class _CacheState:
     A left-padded prompt (generate() with a padded batch) puts the cache in compacted mode: row
     ``b``'s tokens are its ``rows[b]`` valid ones, first, and ``append`` writes each step's keys
     into the row's next slots, so that the kernels, which read a row's keys from its start, see
-    only valid keys. ``length`` stays the padded count that
-    transformers' positions and masks use; the last ``tail`` positions are valid in every row."""
+    only valid keys. ``length`` stays the padded count that transformers' positions and masks
+    use; the last ``tail`` positions are valid in every row."""
 
     def __init__(self, key_states):
         B, Hk, _, D = key_states.shape
