@@ -229,7 +229,7 @@ def _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_ke
     w, s = kernel_size, kernel_stride
     batch, page = cache_seqlens.numel(), k_cache.shape[1]
     capacity = _cache_capacity(k_cache, block_table)
-    if new_keys == 0 or capacity < w:
+    if new_keys == 0 or capacity < w or batch == 0:
         return
     count = min(new_keys // s + 1, ck_cache.shape[1], compressed_capacity(capacity, w, s))
     n_keys = (count - 1) * s + w
