@@ -16,8 +16,8 @@ import torch
 from . import _lib, reference
 from .ops import (_attention_kvcache_op, _cache_capacity, _check_block_table, _check_compressed_caches,
                   _check_int, _check_kernel_attention, _check_kernel_pages, _check_kv_cache, _check_offsets,
-                  _check_punct_cache, _check_tensor3, _index_vector, _max_seqlen, _needs_grad, _phsa_compress_kvcache,
-                  _scale_or_zero, _stage2, dense_attn_varlen, select_decode)
+                  _check_punct_cache, _check_tensor3, _equal_cu_seqlens, _index_vector, _max_seqlen, _needs_grad,
+                  _phsa_compress_kvcache, _scale_or_zero, _stage2, dense_attn_varlen, select_decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +174,7 @@ def attention_padded(q, k, v, config=None, softmax_scale=None, punct_mask=None, 
         if not isinstance(punct_mask, torch.Tensor) or punct_mask.shape != (B, Sk):
             raise ValueError(f"punct_mask must be a bool tensor of shape (batch={B}, seqlen_k={Sk})")
         punct_mask = punct_mask.reshape(B * Sk)
-    cu_q = (torch.arange(B + 1, dtype=torch.int32, device=q.device) * Sq).to(torch.int32)
-    cu_k = (torch.arange(B + 1, dtype=torch.int32, device=q.device) * Sk).to(torch.int32)
+    cu_q, cu_k = _equal_cu_seqlens(B, Sq, q.device), _equal_cu_seqlens(B, Sk, q.device)
     res = attention(
         q.reshape(B * Sq, Hq, D).contiguous(), k.reshape(B * Sk, *k.shape[2:]).contiguous(),
         v.reshape(B * Sk, *v.shape[2:]).contiguous(), cu_q, cu_k, Sq, Sk, config, softmax_scale, punct_mask,
@@ -241,14 +240,13 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     if _needs_grad(q, k_cache, v_cache):
         raise ValueError("attention_kvcache is forward only, but q or the cache requires grad: call it under "
                          "torch.no_grad()")
-    if punct_cache is not None:
-        _check_punct_cache(punct_cache, k_cache, cfg.phsa_lambda)
+    lam = cfg.phsa_lambda if punct_cache is None else _check_punct_cache(punct_cache, k_cache, cfg.phsa_lambda)
     if not q.is_cuda:
         out, lse, ck, nk = reference.attention_kvcache(
             q, k_cache, v_cache, cache_seqlens.clamp(0, capacity), cu_seqlens_q, ck_cache, nk_cache, new_keys,
             block_table, cfg.dense_len, softmax_scale, cfg.num_selected, cfg.kernel_size, cfg.kernel_stride,
             cfg.block_size, cfg.init_blocks, cfg.local_blocks, cfg.approx_lse, cfg.norm_kernel_size,
-            cfg.norm_kernel_stride, punct_cache, cfg.phsa_lambda)
+            cfg.norm_kernel_stride, punct_cache, lam)
         ck_cache.copy_(ck)
         if nk_cache is not None:
             nk_cache.copy_(nk)
@@ -260,7 +258,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
                                 (nk_cache, cfg.norm_kernel_size, cfg.norm_kernel_stride)):
                 if cache is not None:
                     _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, cache, new_keys, w, s, punct_cache,
-                                           float(cfg.phsa_lambda))
+                                           lam)
             new_keys = 0
         fields = [int(getattr(cfg, name)) for name, _ in _lib.SparseConfigC._fields_]
         out, lse = _attention_kvcache_op(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache,

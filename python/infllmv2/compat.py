@@ -51,7 +51,7 @@ import operator
 import torch
 
 from . import ops
-from .ops import _check_offsets, _lengths, _offsets_of
+from .ops import _check_offsets, _equal_cu_seqlens, _lengths, _offsets_of
 
 _FINE = (32, 16)  # the original's compression: window 32, stride 16 (MiniCPM4.1 sparse_config)
 _COARSE = (128, 64)  # its normaliser keys
@@ -332,7 +332,7 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         lens = lens + k.shape[1]
     if topk_idx is None:
         topk_idx = ops.every_block_selection(heads_k, batch * seqlen_q, capacity, q.device)
-    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+    cu_q = _equal_cu_seqlens(batch, seqlen_q, q.device)
     out, lse = ops.sparse_decode_kvcache(q.reshape(batch * seqlen_q, heads, head_dim), k_cache, v_cache, lens, cu_q,
                                          topk_idx, table, max_seqlen_q=seqlen_q, softmax_scale=softmax_scale,
                                          num_splits=_as_int(num_splits, "num_splits"), return_lse=True)

@@ -50,7 +50,7 @@ from typing import Mapping
 import torch
 
 from .attention import SparseConfig, _config, attention, attention_kvcache, attention_padded
-from .ops import compress_keys_kvcache, compressed_capacity
+from .ops import _equal_cu_seqlens, compress_keys_kvcache, compressed_capacity
 
 NAME = "infllmv2"
 
@@ -142,10 +142,8 @@ def _steps(n: int, device):
     return torch.arange(n, device=device)
 
 
-@functools.lru_cache(maxsize=64)
-def _equal_cu_seqlens(batch: int, n: int, device):
-    """cu_seqlens (int32) of batch sequences of n tokens each."""
-    return torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device)
+# made once rather than every layer of every decoding step
+_step_cu_seqlens = functools.lru_cache(maxsize=64)(_equal_cu_seqlens)
 
 
 _checked_mask = (None, None)  # (weak reference to a mask, its host-side facts): one read a forward, not a layer
@@ -267,7 +265,7 @@ class _CacheState:
                                             self.v_cache.requires_grad)
         if self.rows is not None:
             return self._attend_compacted(q, cfg, scaling, mask, grad)
-        B, S, Hq, D = q.shape
+        B, S = q.shape[:2]
         L = self.length
         if mask is not None:
             if S != L or grad or mask.dim() != 2 or tuple(mask.shape) != (B, L):
@@ -276,7 +274,6 @@ class _CacheState:
             return self._prefill_compacted(q, cfg, scaling, mask, lens) if left else None
         if grad:
             return None  # attention_kvcache is forward only; the compression stays pending
-        self._compressed_caches(cfg)
         lens = torch.full((B,), L, dtype=torch.int32, device=q.device)
         if S == L:
             # the prompt: the prefill path, then its keys compressed once for the steps to come
@@ -284,9 +281,16 @@ class _CacheState:
             out = attention_padded(q, k, v, cfg, scaling)
             self._compress(cfg, lens, L)
             return out
-        cu_q = _equal_cu_seqlens(B, S, q.device)
-        out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, lens, cu_q, self.ck, self.nk,
-                                self.uncompressed, None, cfg, scaling, max_seqlen_q=S, max_seqlen_k=L)
+        return self._step(q, cfg, scaling, lens, L)
+
+    def _step(self, q, cfg, scaling, lens, longest):
+        """attention_kvcache of q, the last S tokens of rows of ``lens`` keys (at most ``longest``),
+        compressing the keys added since the last step."""
+        B, S, Hq, D = q.shape
+        self._compressed_caches(cfg)
+        out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, lens,
+                                _step_cu_seqlens(B, S, q.device), self.ck, self.nk, self.uncompressed, None, cfg,
+                                scaling, max_seqlen_q=S, max_seqlen_k=longest)
         self.uncompressed = 0
         return out.view(B, S, Hq, D)
 
@@ -305,7 +309,7 @@ class _CacheState:
         return out
 
     def _attend_compacted(self, q, cfg, scaling, mask, grad):
-        B, S, Hq, D = q.shape
+        B, S = q.shape[:2]
         L, prev = self.length, self.length - S
         if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (B, L)):
             raise NotImplementedError(f"InfLLMv2Cache with a padded batch takes generate()'s 2-D padding mask "
@@ -329,12 +333,7 @@ class _CacheState:
             keep_q = q.new_ones((B, S), dtype=torch.bool) if mask is None else mask[:, prev:].bool()
             keep_k = torch.arange(L, device=q.device) < self.rows[:, None]
             return _packed(q, self.k_cache[:, :L], self.v_cache[:, :L], keep_q, keep_k, cfg, scaling)
-        self._compressed_caches(cfg)
-        cu_q = _equal_cu_seqlens(B, S, q.device)
-        out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, self.rows, cu_q, self.ck, self.nk,
-                                self.uncompressed, None, cfg, scaling, max_seqlen_q=S, max_seqlen_k=self.rows_max)
-        self.uncompressed = 0
-        return out.view(B, S, Hq, D)
+        return self._step(q, cfg, scaling, self.rows, self.rows_max)
 
     def select_batch(self, index):
         index = index.to(self.k_cache.device)

@@ -204,15 +204,9 @@ def _check_compressed_rows(cache, name, capacity, kernel_size, kernel_stride):
 
 
 def _check_punct_cache(punct_cache, k_cache, phsa_lambda):
-    """A bool punctuation cache laid out as k_cache's keys; returns ``phsa_lambda`` as a float."""
-    if not isinstance(punct_cache, torch.Tensor) or punct_cache.dtype != torch.bool \
-            or tuple(punct_cache.shape) != tuple(k_cache.shape[:2]):
-        raise ValueError(f"punct_cache must be a bool tensor of shape (num_pages, page_size) = "
-                         f"{tuple(k_cache.shape[:2])}, each key's punctuation flag laid out as k_cache, got "
-                         + (f"{punct_cache.dtype} {tuple(punct_cache.shape)}" if isinstance(punct_cache, torch.Tensor)
-                            else type(punct_cache).__name__))
-    if punct_cache.device != k_cache.device:
-        raise ValueError(f"punct_cache is on {punct_cache.device} but k_cache is on {k_cache.device}")
+    """A bool punctuation cache laid out as k_cache's keys, as the kernels read it; returns
+    ``phsa_lambda`` as a float."""
+    reference._check_punct_cache(punct_cache, k_cache)
     if not punct_cache.is_contiguous():
         raise ValueError("punct_cache must be contiguous")
     return _check_phsa_args(None, phsa_lambda, k_cache)
@@ -250,9 +244,8 @@ def _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_ke
     rows = rows.view(-1)
     keys = k_cache.reshape(-1, *k_cache.shape[2:])[rows]
     flags = punct_cache.reshape(-1)[rows]
-    cu_k = torch.arange(0, (batch + 1) * n_keys, n_keys, dtype=torch.int32, device=dev)
-    cu_c = torch.arange(0, (batch + 1) * count, count, dtype=torch.int32, device=dev)
-    out = _compress_keys_op(keys, cu_k, cu_c, flags, phsa_lambda, batch * count, count, w, s)
+    out = _compress_keys_op(keys, _equal_cu_seqlens(batch, n_keys, dev), _equal_cu_seqlens(batch, count, dev), flags,
+                            phsa_lambda, batch * count, count, w, s)
     entry = start[:, None] + torch.arange(count, device=dev)
     at = (torch.arange(batch, device=dev)[:, None], entry)
     new = (entry >= first[:, None]) & (entry < last[:, None])
@@ -311,6 +304,11 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
 
 def _lengths(cu):
     return cu[1:] - cu[:-1]
+
+
+def _equal_cu_seqlens(batch, n, device):
+    """int32 offsets (batch + 1) of batch sequences of n tokens each (any n >= 0)."""
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * n
 
 
 def _offsets_of(lengths):

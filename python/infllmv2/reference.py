@@ -133,6 +133,18 @@ def _check_compressed_offsets(offs_c, name_c, offs_k, kernel_size, kernel_stride
             )
 
 
+def _check_punct_cache(punct_cache, k_cache):
+    """A bool punctuation flag a key, laid out as k_cache's keys: (num_pages, page_size)."""
+    if not isinstance(punct_cache, torch.Tensor) or punct_cache.dtype != torch.bool \
+            or tuple(punct_cache.shape) != tuple(k_cache.shape[:2]):
+        raise ValueError(f"punct_cache must be a bool tensor of shape (num_pages, page_size) = "
+                         f"{tuple(k_cache.shape[:2])}, each key's punctuation flag laid out as k_cache, got "
+                         + (f"{punct_cache.dtype} {tuple(punct_cache.shape)}" if isinstance(punct_cache, torch.Tensor)
+                            else type(punct_cache).__name__))
+    if punct_cache.device != k_cache.device:
+        raise ValueError(f"punct_cache is on {punct_cache.device} but k_cache is on {k_cache.device}")
+
+
 def _check_punct_mask(punct_mask, k):
     if not isinstance(punct_mask, torch.Tensor) or punct_mask.dtype != torch.bool:
         raise ValueError("punct_mask must be a bool tensor of shape (total_k,)")
@@ -694,10 +706,7 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
     k, _, cu_k = kvcache_to_varlen(k_cache, k_cache, cache_seqlens, block_table)
     punct_mask = None
     if punct_cache is not None:
-        if not isinstance(punct_cache, torch.Tensor) or punct_cache.dtype != torch.bool \
-                or tuple(punct_cache.shape) != tuple(k_cache.shape[:2]):
-            raise ValueError(f"punct_cache must be a bool tensor of shape (num_pages, page_size) = "
-                             f"{tuple(k_cache.shape[:2])}, laid out as k_cache")
+        _check_punct_cache(punct_cache, k_cache)
         flags = punct_cache.view(*punct_cache.shape, 1, 1)
         punct_mask = kvcache_to_varlen(flags, flags, cache_seqlens, block_table)[0].view(-1)
     ck, cu_c = compress_keys(k, cu_k, kernel_size, kernel_stride, punct_mask, phsa_lambda)
