@@ -7,7 +7,8 @@ import torch
 import infllmv2
 from infllmv2 import _lib, reference
 from infllmv2.ops import compress_keys_kvcache_launch
-from infllmv2.testing import assert_close_to_reference, cu_seqlens, kv_cache_of, no_host_sync, random_tokens
+from infllmv2.testing import (assert_close_to_reference, cu_seqlens, kv_cache_of, no_host_sync, punct_cache_of,
+                              random_tokens)
 
 LAYOUTS = ("padded", "batch_idx", "paged64", "paged256")  # kv_cache_of's
 LENGTHS = {"one": [1], "edges": [31, 32, 33, 63, 64, 65, 127, 128, 129], "mix": [3000, 1, 777, 200, 64]}
@@ -35,10 +36,8 @@ def _packed(k, lengths, w, s):
 def _punct(lengths, layout, seed=0, device="cuda", spare=37):
     """Random punctuation flags of the packed keys, and the same flags laid out as kv_cache_of lays
     out the keys with this seed (its table)."""
-    flags = torch.rand(sum(lengths), generator=torch.Generator().manual_seed(seed + 100)) < 0.2
-    f = flags.double().view(-1, 1, 1)
-    fc, _, table = kv_cache_of(f, f, lengths, layout, seed, spare)
-    return flags.to(device), (fc.view(fc.shape[:2]) == 1).to(device), table
+    flags = (torch.rand(sum(lengths), generator=torch.Generator().manual_seed(seed + 100)) < 0.2).to(device)
+    return flags, *punct_cache_of(flags, lengths, layout, seed, spare)
 
 
 def _packed_phsa(k, lengths, flags, w, s, lam):

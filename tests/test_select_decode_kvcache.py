@@ -7,7 +7,7 @@ import torch
 import infllmv2
 from infllmv2 import SparseConfig, _lib, reference
 from infllmv2.testing import (assert_close_to_reference, cu_seqlens, kv_cache_of, no_host_sync, oracle_block_scores,
-                              random_tokens, selection_mismatch)
+                              punct_cache_of, random_tokens, selection_mismatch)
 
 LAYOUTS = ("padded", "batch_idx", "paged64", "paged256")  # kv_cache_of's
 # (query lengths, cache lengths)
@@ -100,8 +100,7 @@ def test_cpu_attention_kvcache_phsa_is_attention_with_the_punctuation_mask():
     v_all = random_tokens(final, hk, D, torch.float64, seed=4)
     kc, vc, table = kv_cache_of(k_all, v_all, final, "paged64")
     flags = torch.rand(sum(final), generator=torch.Generator().manual_seed(5)) < 0.2
-    f = flags.double().view(-1, 1, 1)
-    pc = kv_cache_of(f, f, final, "paged64")[0].view(kc.shape[:2]) == 1
+    pc = punct_cache_of(flags, final, "paged64")[0]
     cap = kc.shape[1] * table.shape[1]
     starts = torch.tensor([0] + final[:-1]).cumsum(0).tolist()
     cfg = SparseConfig(dense_len=256, window_size=128, topk=4, phsa_lambda=0.3)
@@ -288,10 +287,8 @@ def test_cuda_attention_kvcache_phsa(layout, approx_lse):
     k_all = random_tokens(final, hk, D, dtype, "cuda", seed=3)
     v_all = random_tokens(final, hk, D, dtype, "cuda", seed=4)
     kc, vc, table = kv_cache_of(k_all, v_all, final, layout)
-    flags = torch.rand(sum(final), generator=torch.Generator().manual_seed(5)) < 0.2
-    f = flags.double().view(-1, 1, 1)
-    pc = (kv_cache_of(f, f, final, layout)[0].view(kc.shape[:2]) == 1).cuda()
-    flags = flags.cuda()
+    flags = (torch.rand(sum(final), generator=torch.Generator().manual_seed(5)) < 0.2).cuda()
+    pc = punct_cache_of(flags, final, layout)[0]
     cap = kc.shape[1] * (1 if table is None else table.shape[1])
     cfg = SparseConfig(dense_len=256, window_size=128, topk=4, phsa_lambda=0.3, approx_lse=approx_lse)
     levels = ((32, 16), (128, 64)) if approx_lse else ((32, 16),)

@@ -333,6 +333,15 @@ def kv_cache_of(k, v, lengths_k, layout, seed=0, spare=37):
     return kc.to(dev), vc.to(dev), None if table is None else table.to(device=dev, dtype=torch.int32)
 
 
+def punct_cache_of(punct_mask, lengths_k, layout, seed=0, spare=37):
+    """A packed bool punctuation mask (total_k,) laid out as ``kv_cache_of`` lays out keys of the
+    same lengths, layout and seed: ``(punct_cache (num_pages, page_size) bool, block_table)``, on
+    the mask's device, False on rows that hold no key."""
+    f = punct_mask.double().view(-1, 1, 1)
+    fc, _, table = kv_cache_of(f, f, lengths_k, layout, seed, spare)
+    return fc.view(fc.shape[:2]) == 1, table
+
+
 @contextlib.contextmanager
 def no_host_sync():
     """Raises if the body synchronises the host with the GPU (torch's sync debug mode), as a
