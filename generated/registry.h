@@ -220,6 +220,7 @@ struct infllmv2_compress_keys_kvcache_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
   int head_dim;
+  int phsa;
   int block_c;
   int (*init)(); infllmv2_compress_keys_kvcache_call_fn call; const char* (*last_error)();
 };
@@ -285,42 +286,152 @@ extern "C" const char* infllmv2_compress_keys_kvcache_fp16_d64_sm90a_last_error(
 #endif
 static const infllmv2_compress_keys_kvcache_unit infllmv2_compress_keys_kvcache_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_kvcache_bf16_d128", "sm_80", 80, 33024, 128, 0, 128, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm80_init, infllmv2_compress_keys_kvcache_bf16_d128_sm80_call, infllmv2_compress_keys_kvcache_bf16_d128_sm80_last_error},
+  {"compress_keys_kvcache_bf16_d128", "sm_80", 80, 33024, 128, 0, 128, 0, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm80_init, infllmv2_compress_keys_kvcache_bf16_d128_sm80_call, infllmv2_compress_keys_kvcache_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_kvcache_bf16_d128", "sm_89", 89, 33024, 128, 0, 128, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm89_init, infllmv2_compress_keys_kvcache_bf16_d128_sm89_call, infllmv2_compress_keys_kvcache_bf16_d128_sm89_last_error},
+  {"compress_keys_kvcache_bf16_d128", "sm_89", 89, 33024, 128, 0, 128, 0, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm89_init, infllmv2_compress_keys_kvcache_bf16_d128_sm89_call, infllmv2_compress_keys_kvcache_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_kvcache_bf16_d128", "sm_90a", 90, 33024, 128, 0, 128, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_init, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_call, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_last_error},
+  {"compress_keys_kvcache_bf16_d128", "sm_90a", 90, 33024, 128, 0, 128, 0, 16, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_init, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_call, infllmv2_compress_keys_kvcache_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_kvcache_bf16_d64", "sm_80", 80, 16640, 128, 0, 64, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm80_init, infllmv2_compress_keys_kvcache_bf16_d64_sm80_call, infllmv2_compress_keys_kvcache_bf16_d64_sm80_last_error},
+  {"compress_keys_kvcache_bf16_d64", "sm_80", 80, 16640, 128, 0, 64, 0, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm80_init, infllmv2_compress_keys_kvcache_bf16_d64_sm80_call, infllmv2_compress_keys_kvcache_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_kvcache_bf16_d64", "sm_89", 89, 16640, 128, 0, 64, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm89_init, infllmv2_compress_keys_kvcache_bf16_d64_sm89_call, infllmv2_compress_keys_kvcache_bf16_d64_sm89_last_error},
+  {"compress_keys_kvcache_bf16_d64", "sm_89", 89, 16640, 128, 0, 64, 0, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm89_init, infllmv2_compress_keys_kvcache_bf16_d64_sm89_call, infllmv2_compress_keys_kvcache_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_kvcache_bf16_d64", "sm_90a", 90, 16640, 128, 0, 64, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_init, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_last_error},
+  {"compress_keys_kvcache_bf16_d64", "sm_90a", 90, 16640, 128, 0, 64, 0, 16, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_init, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_call, infllmv2_compress_keys_kvcache_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_kvcache_fp16_d128", "sm_80", 80, 33024, 128, 1, 128, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm80_init, infllmv2_compress_keys_kvcache_fp16_d128_sm80_call, infllmv2_compress_keys_kvcache_fp16_d128_sm80_last_error},
+  {"compress_keys_kvcache_fp16_d128", "sm_80", 80, 33024, 128, 1, 128, 0, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm80_init, infllmv2_compress_keys_kvcache_fp16_d128_sm80_call, infllmv2_compress_keys_kvcache_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_kvcache_fp16_d128", "sm_89", 89, 33024, 128, 1, 128, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm89_init, infllmv2_compress_keys_kvcache_fp16_d128_sm89_call, infllmv2_compress_keys_kvcache_fp16_d128_sm89_last_error},
+  {"compress_keys_kvcache_fp16_d128", "sm_89", 89, 33024, 128, 1, 128, 0, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm89_init, infllmv2_compress_keys_kvcache_fp16_d128_sm89_call, infllmv2_compress_keys_kvcache_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_kvcache_fp16_d128", "sm_90a", 90, 33024, 128, 1, 128, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_init, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_call, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_last_error},
+  {"compress_keys_kvcache_fp16_d128", "sm_90a", 90, 33024, 128, 1, 128, 0, 16, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_init, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_call, infllmv2_compress_keys_kvcache_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"compress_keys_kvcache_fp16_d64", "sm_80", 80, 16640, 128, 1, 64, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm80_init, infllmv2_compress_keys_kvcache_fp16_d64_sm80_call, infllmv2_compress_keys_kvcache_fp16_d64_sm80_last_error},
+  {"compress_keys_kvcache_fp16_d64", "sm_80", 80, 16640, 128, 1, 64, 0, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm80_init, infllmv2_compress_keys_kvcache_fp16_d64_sm80_call, infllmv2_compress_keys_kvcache_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"compress_keys_kvcache_fp16_d64", "sm_89", 89, 16640, 128, 1, 64, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm89_init, infllmv2_compress_keys_kvcache_fp16_d64_sm89_call, infllmv2_compress_keys_kvcache_fp16_d64_sm89_last_error},
+  {"compress_keys_kvcache_fp16_d64", "sm_89", 89, 16640, 128, 1, 64, 0, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm89_init, infllmv2_compress_keys_kvcache_fp16_d64_sm89_call, infllmv2_compress_keys_kvcache_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"compress_keys_kvcache_fp16_d64", "sm_90a", 90, 16640, 128, 1, 64, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_init, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_call, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_last_error},
+  {"compress_keys_kvcache_fp16_d64", "sm_90a", 90, 16640, 128, 1, 64, 0, 16, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_init, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_call, infllmv2_compress_keys_kvcache_fp16_d64_sm90a_last_error},
 #endif
-  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- compress_keys_kvcache_phsa: call(K, block_table, cache_seqlens, punct, C, C2, new_keys, levels, min_stride, cap_c, window, stride, cap_c2, window2, stride2, page_size, pages_per_seq, num_pages, phsa_lambda, cache_rows, heads_k, table_len, batch, c_rows, c2_rows, stream)
+typedef int (*infllmv2_compress_keys_kvcache_phsa_call_fn)(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+struct infllmv2_compress_keys_kvcache_phsa_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int phsa;
+  int block_c;
+  int (*init)(); infllmv2_compress_keys_kvcache_phsa_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm80_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm89_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm80_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm80_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm89_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm89_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_init();
+extern "C" int infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_call(void* K, void* block_table, void* cache_seqlens, void* punct, void* C, void* C2, int new_keys, int levels, int min_stride, int cap_c, int window, int stride, int cap_c2, int window2, int stride2, int page_size, int pages_per_seq, int num_pages, float phsa_lambda, int cache_rows, int heads_k, int table_len, int batch, int c_rows, int c2_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_compress_keys_kvcache_phsa_unit infllmv2_compress_keys_kvcache_phsa_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa_bf16_d128", "sm_80", 80, 16704, 128, 0, 128, 1, 16, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm80_init, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm80_call, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa_bf16_d128", "sm_89", 89, 16704, 128, 0, 128, 1, 16, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm89_init, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm89_call, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa_bf16_d128", "sm_90a", 90, 16704, 128, 0, 128, 1, 16, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm90a_init, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm90a_call, infllmv2_compress_keys_kvcache_phsa_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa_bf16_d64", "sm_80", 80, 8512, 128, 0, 64, 1, 16, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm80_init, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm80_call, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa_bf16_d64", "sm_89", 89, 8512, 128, 0, 64, 1, 16, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm89_init, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm89_call, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa_bf16_d64", "sm_90a", 90, 8512, 128, 0, 64, 1, 16, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm90a_init, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm90a_call, infllmv2_compress_keys_kvcache_phsa_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa_fp16_d128", "sm_80", 80, 16704, 128, 1, 128, 1, 16, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm80_init, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm80_call, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa_fp16_d128", "sm_89", 89, 16704, 128, 1, 128, 1, 16, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm89_init, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm89_call, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa_fp16_d128", "sm_90a", 90, 16704, 128, 1, 128, 1, 16, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm90a_init, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm90a_call, infllmv2_compress_keys_kvcache_phsa_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa_fp16_d64", "sm_80", 80, 8512, 128, 1, 64, 1, 16, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm80_init, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm80_call, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa_fp16_d64", "sm_89", 89, 8512, 128, 1, 64, 1, 16, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm89_init, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm89_call, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa_fp16_d64", "sm_90a", 90, 8512, 128, 1, 64, 1, 16, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_init, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_call, infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 // ---- compress_keys_phsa: call(K, cu_seqlens_k, cu_seqlens_c, punct_mask, C, batch, max_nc, window, stride, phsa_lambda, total_k, heads_k, batch_plus_one, total_c, stream)
@@ -2565,6 +2676,42 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"compress_keys_kvcache", "compress_keys_kvcache_fp16_d64", "sm_90a", 16640, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_bf16_d128", "sm_80", 16704, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_bf16_d128", "sm_89", 16704, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_bf16_d128", "sm_90a", 16704, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_bf16_d64", "sm_80", 8512, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_bf16_d64", "sm_89", 8512, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_bf16_d64", "sm_90a", 8512, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_fp16_d128", "sm_80", 16704, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_fp16_d128", "sm_89", 16704, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_fp16_d128", "sm_90a", 16704, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_fp16_d64", "sm_80", 8512, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_fp16_d64", "sm_89", 8512, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"compress_keys_kvcache_phsa", "compress_keys_kvcache_phsa_fp16_d64", "sm_90a", 8512, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"compress_keys_phsa", "compress_keys_phsa_bf16_d128", "sm_80", 0, 128},
