@@ -80,33 +80,6 @@ def test_cpu_phsa_writes_compress_keys_phsa_entries(layout):
         assert torch.isnan(ck[b, :lo]).all() and torch.isnan(ck[b, hi:]).all()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("ws", [(32, 16), (128, 64), (7, 2)], ids=["32_16", "128_64", "7_2"])
-def test_cpu_composed_phsa_update_is_the_reference(layout, ws):
-    """The CUDA PHSA path (gather, compress_keys, write back; torch ops, so it runs on CPU too)
-    against the reference, step by step from NaN caches: prefill, steps of 1, 3 and 17 keys (the
-    longest sequence fills its cache, so the window of entries must start early), and a step
-    larger than the cache."""
-    w, s = ws
-    final = [300, 1, 130, 64, 333]
-    spare = 0 if layout == "padded" else 37  # padded: the longest sequence ends at the capacity
-    k, kc, table, _ = _cache(final, torch.float32, 64, layout, device="cpu", spare=spare)
-    flags, pc, _ = _punct(final, layout, device="cpu", spare=spare)
-    got = _empty_compressed(kc, table, len(final), w, s)
-    want = got.clone()
-    now = [max(n - 21, 0) for n in final]
-    for step in (max(now), 1, 3, 17, 10 ** 6):
-        now = [min(n + (0 if step == max(now) else step), f) for n, f in zip(now, final)]
-        lens = torch.tensor(now, dtype=torch.int32)
-        got.fill_(float("nan"))
-        want.fill_(float("nan"))
-        infllmv2.ops._phsa_compress_kvcache(kc, lens, table, got, step, w, s, pc, 0.6)
-        want.copy_(reference.compress_keys_kvcache(kc, lens, want, step, table, w, s, pc, 0.6))
-        assert torch.equal(got.isnan(), want.isnan()), f"step {step}: written entries differ"
-        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=0, atol=0, msg=f"step {step}")
-    assert now == final
-
-
 def test_bad_inputs_name_the_argument():
     k, kc, table, lens = _cache([100, 50], torch.float32, 64, "paged64", device="cpu")
     ck = _empty_compressed(kc, table, 2, 32, 16)
@@ -193,19 +166,22 @@ def test_cuda_other_windows_match_the_reference(dtype, ws):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("ws", [(32, 16), (128, 64)], ids=["32_16", "128_64"])
+@pytest.mark.parametrize("ws", [(32, 16), (128, 64), (7, 2), (96, 64)], ids=["32_16", "128_64", "7_2", "96_64"])
 def test_cuda_phsa_steps_are_compress_keys_phsa_bitwise(dtype, head_dim, layout, ws):
     """PHSA over the cache (punct_cache): a prefill and decoding steps into NaN-poisoned caches
     write exactly the entries the new keys completed, each bit for bit compress_keys' PHSA entry
-    on the packed keys, with no host synchronisation."""
+    on the packed keys (which sums every window directly, so any window and stride), with no host
+    synchronisation. The last step is larger than the cache; in the padded layout the longest
+    sequence ends at the capacity."""
     w, s = ws
     final = [700, 130, 64, 1000, 1]
-    k, kc, table, _ = _cache(final, dtype, head_dim, layout)
-    flags, pc, _ = _punct(final, layout)
+    spare = 0 if layout == "padded" else 37
+    k, kc, table, _ = _cache(final, dtype, head_dim, layout, spare=spare)
+    flags, pc, _ = _punct(final, layout, spare=spare)
     ck = _empty_compressed(kc, table, len(final), w, s)
     full = _packed_phsa(k, final, flags, w, s, 0.25)
     now = [max(n - 40, 0) for n in final]
-    for i, step in enumerate((max(now), 1, 16, 3, 20)):
+    for i, step in enumerate((max(now), 1, 16, 3, 20, 10 ** 6)):
         now = now if i == 0 else [min(n + step, f) for n, f in zip(now, final)]
         ck.fill_(float("nan"))
         lens = torch.tensor(now, dtype=torch.int32, device="cuda")
@@ -225,11 +201,11 @@ def test_cuda_c_abi_errors_name_the_argument():
 
     def call(**over):
         a = dict(k=kc, table=table, lens=lens, ck=ck, batch=2, pages=kc.shape[0], page=kc.shape[1],
-                 per_seq=table.shape[1], cap_c=ck.shape[1], new=1, w=32, s=16)
+                 per_seq=table.shape[1], cap_c=ck.shape[1], new=1, w=32, s=16, punct=None, lam=0.5)
         a.update(over)
         st = lib.infllmv2_compress_keys_kvcache(
             a["k"].data_ptr(), 0 if a["table"] is None else a["table"].data_ptr(), a["lens"].data_ptr(),
-            a["ck"].data_ptr(), a["batch"], a["pages"], a["page"], a["per_seq"], a["cap_c"], a["new"], 2, 128,
+            None if a["punct"] is None else a["punct"].data_ptr(), a["lam"], a["ck"].data_ptr(), a["batch"], a["pages"], a["page"], a["per_seq"], a["cap_c"], a["new"], 2, 128,
             _lib.DTYPE_BF16, a["w"], a["s"], None)
         return st, lib.infllmv2_last_error().decode()
 
@@ -244,6 +220,15 @@ def test_cuda_c_abi_errors_name_the_argument():
     assert st == _lib.ERR_UNSUPPORTED and "page_size must be a multiple of 64" in msg
     st, msg = call(lens=lens.cpu())
     assert st == _lib.ERR_INVALID_ARGUMENT and "cache_seqlens" in msg
+    pc = torch.zeros(kc.shape[:2], dtype=torch.uint8, device="cuda")
+    assert call(punct=pc)[0] == _lib.OK
+    st, msg = call(punct=pc, lam=1.5)
+    assert st == _lib.ERR_INVALID_ARGUMENT and "phsa_lambda must be in [0, 1], got 1.5" in msg
+    st, msg = call(punct=pc, lam=float("nan"))
+    assert st == _lib.ERR_INVALID_ARGUMENT and "phsa_lambda must be in [0, 1]" in msg
+    st, msg = call(punct=pc.cpu())
+    assert st == _lib.ERR_INVALID_ARGUMENT and "punct_cache" in msg
+    assert call(lam=7.0)[0] == _lib.OK  # no punct_cache: phsa_lambda is not read
     # no new keys: nothing written
     ck.fill_(float("nan"))
     assert call(new=0)[0] == _lib.OK and torch.isnan(ck).all()
@@ -260,6 +245,12 @@ def test_cuda_lengths_past_the_capacity_are_clamped():
     infllmv2.compress_keys_kvcache(kc, full, want, 256)
     infllmv2.compress_keys_kvcache(kc, big, got, 10 ** 6)
     assert not torch.isnan(want).any() and torch.equal(got, want)
+    pc = torch.rand(kc.shape[:2], generator=torch.Generator().manual_seed(1)).lt(0.3).cuda()
+    want.fill_(float("nan"))
+    got.fill_(float("nan"))
+    infllmv2.compress_keys_kvcache(kc, full, want, 256, punct_cache=pc)
+    infllmv2.compress_keys_kvcache(kc, big, got, 10 ** 6, punct_cache=pc)
+    assert not torch.isnan(want).any() and torch.equal(got, want)
 
 
 @pytest.mark.gpu
@@ -275,4 +266,15 @@ def test_cuda_torch_compile_fullgraph():
 
     got = step(kc, lens, ck, table)
     for b, want in enumerate(_packed(k, lengths, 32, 16)):
+        assert torch.equal(got[b, :want.shape[0]], want)
+
+    flags, pc, _ = _punct(lengths, "paged64")
+
+    @torch.compile(fullgraph=True)
+    def phsa_step(kc, lens, ck, table, pc):
+        infllmv2.compress_keys_kvcache(kc, lens, ck, 300, table, punct_cache=pc, phsa_lambda=0.25)
+        return ck * 1
+
+    got = phsa_step(kc, lens, ck, table, pc)
+    for b, want in enumerate(_packed_phsa(k, lengths, flags, 32, 16, 0.25)):
         assert torch.equal(got[b, :want.shape[0]], want)

@@ -380,7 +380,7 @@ def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
             a.update(over)
             return lib.infllmv2_attention_kvcache(
                 q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if table is None else table.data_ptr(),
-                lens.data_ptr(), cu_q.data_ptr(), ck.data_ptr(), a["nk"], out.data_ptr(), lse.data_ptr(),
+                lens.data_ptr(), cu_q.data_ptr(), None, 0.5, ck.data_ptr(), a["nk"], out.data_ptr(), lse.data_ptr(),
                 ws.data_ptr(), a["ws_size"], 3, 3, 1, a["max_k"], kc.shape[0], kc.shape[1], pps, ck.shape[1],
                 nk.shape[1], a["new"], hk * G, hk, D, _lib.DTYPE_BF16, 0.0, ctypes.byref(c), _stream(q.device))
 

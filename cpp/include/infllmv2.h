@@ -57,7 +57,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change of a signature or of a struct/enum value. */
-#define INFLLMV2_ABI_VERSION 3
+#define INFLLMV2_ABI_VERSION 4
 
 typedef enum {
   INFLLMV2_OK = 0,
@@ -167,12 +167,21 @@ INFLLMV2_API infllmv2_status infllmv2_attention_compressed_offsets(
  *                       pages_per_seq x page_size; batch x capacity_c < 2^31
  *   [in]  new_keys      >= 0: keys each sequence gained since ck_cache was last brought up to
  *                       date (an upper bound; 0 does nothing)
+ *   [in]  punct_cache   uint8 (num_pages, page_size), device memory: each cached key's
+ *                       punctuation flag (nonzero = punctuation), laid out as k_cache's rows;
+ *                       NULL for the plain mean. With it (PHSA) an entry is
+ *                       lam * mean(window) + (1 - lam) * mean(punctuation keys of the window),
+ *                       the plain mean where the window holds none: bitwise the entry
+ *                       infllmv2_compress_keys writes with punct_mask from the same keys and flags
+ *                       packed (every w, s).
+ *   [in]  phsa_lambda   lam in [0, 1] (ignored without punct_cache)
  *   [in]  kernel_size, kernel_stride  w >= 1, s >= 1 (32/16 fine, 128/64 coarse)
- *   k_cache and ck_cache 16-byte aligned. No PHSA (the cache holds no punctuation mask). No
- *   workspace, no host synchronisation: usable inside CUDA graphs.
+ *   k_cache and ck_cache 16-byte aligned. No workspace, no host synchronisation: usable inside
+ *   CUDA graphs. (ABI 4 added punct_cache and phsa_lambda.)
  */
 INFLLMV2_API infllmv2_status infllmv2_compress_keys_kvcache(
-    const void* k_cache, const int32_t* block_table, const int32_t* cache_seqlens, void* ck_cache, int32_t batch,
+    const void* k_cache, const int32_t* block_table, const int32_t* cache_seqlens, const uint8_t* punct_cache,
+    float phsa_lambda, void* ck_cache, int32_t batch,
     int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t new_keys,
     int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, int32_t kernel_size, int32_t kernel_stride,
     cudaStream_t stream);
@@ -636,6 +645,8 @@ INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
  *   [in]  q, k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_q, out, lse, num_pages,
  *         page_size, pages_per_seq  as for infllmv2_sparse_decode_kvcache (the new tokens'
  *         keys and values in the cache already, cache_seqlens counting them)
+ *   [in]  punct_cache, phsa_lambda  PHSA for both compressed caches, as for
+ *         infllmv2_compress_keys_kvcache (NULL: the plain mean)
  *   [in,out] ck_cache, nk_cache  (batch, capacity_c / capacity_n, heads_k, head_dim), as for
  *         infllmv2_compress_keys_kvcache; nk_cache may be NULL with approx_lse = 0
  *   [in]  max_seqlen_q, max_seqlen_k  the longest query run and key sequence (the switch and
@@ -643,7 +654,7 @@ INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
  *   [in]  workspace    infllmv2_attention_kvcache_workspace_size() bytes, 16-byte aligned
  *   [in]  config       as for infllmv2_attention_fwd
  * No host synchronisation: usable inside CUDA graphs. Errors of the calls it makes carry their
- * names.
+ * names. (ABI 4 added punct_cache and phsa_lambda.)
  */
 INFLLMV2_API size_t infllmv2_attention_kvcache_workspace_size(int32_t batch, int64_t total_q, int32_t max_seqlen_q,
                                                              int32_t max_seqlen_k, int64_t num_pages,
@@ -653,7 +664,8 @@ INFLLMV2_API size_t infllmv2_attention_kvcache_workspace_size(int32_t batch, int
 
 INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
     const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table, const int32_t* cache_seqlens,
-    const int32_t* cu_seqlens_q, void* ck_cache, void* nk_cache, void* out, float* lse, void* workspace,
+    const int32_t* cu_seqlens_q, const uint8_t* punct_cache, float phsa_lambda, void* ck_cache, void* nk_cache,
+    void* out, float* lse, void* workspace,
     size_t workspace_size, int32_t batch, int64_t total_q, int32_t max_seqlen_q, int32_t max_seqlen_k,
     int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t capacity_n,
     int32_t new_keys, int32_t heads, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,

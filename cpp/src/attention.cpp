@@ -390,7 +390,8 @@ extern "C" INFLLMV2_API size_t infllmv2_attention_kvcache_workspace_size(
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
     const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table, const int32_t* cache_seqlens,
-    const int32_t* cu_seqlens_q, void* ck_cache, void* nk_cache, void* out, float* lse, void* workspace,
+    const int32_t* cu_seqlens_q, const uint8_t* punct_cache, float phsa_lambda, void* ck_cache, void* nk_cache,
+    void* out, float* lse, void* workspace,
     size_t workspace_size, int32_t batch, int64_t total_q, int32_t max_seqlen_q, int32_t max_seqlen_k,
     int64_t num_pages, int32_t page_size, int32_t pages_per_seq, int32_t capacity_c, int32_t capacity_n,
     int32_t new_keys, int32_t heads, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
@@ -426,7 +427,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
        "config kernel_stride"},
       {nk_cache, capacity_n, c.norm_kernel_size, c.norm_kernel_stride, "nk_cache", "capacity_n",
        "config norm_kernel_size", "config norm_kernel_stride"}};
-  if ((st = compress_kvcache_levels(kCacheOp, k_cache, block_table, cache_seqlens, levels, c.approx_lse ? 2 : 1, batch,
+  if ((st = compress_kvcache_levels(kCacheOp, k_cache, block_table, cache_seqlens, punct_cache, phsa_lambda, levels,
+                                    c.approx_lse ? 2 : 1, batch,
                                     num_pages, page_size, pages_per_seq, new_keys, heads_k, head_dim, dtype,
                                     stream)) != INFLLMV2_OK)
     return st;

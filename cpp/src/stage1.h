@@ -31,9 +31,11 @@ struct CompressedLevel {
 
 // infllmv2_compress_keys_kvcache for one or two compressed caches of the same KV cache in one
 // launch (a decoding step's fine and normaliser keys; each level's update is a chain of dependent
-// loads that a second launch would only repeat after the first). Checks every argument.
+// loads that a second launch would only repeat after the first), with PHSA for both where
+// punct_cache is not NULL. Checks every argument.
 infllmv2_status compress_kvcache_levels(const char* op, const void* k_cache, const int32_t* block_table,
-                                        const int32_t* cache_seqlens, const CompressedLevel* levels, int n_levels,
+                                        const int32_t* cache_seqlens, const uint8_t* punct_cache, float phsa_lambda,
+                                        const CompressedLevel* levels, int n_levels,
                                         int32_t batch, int64_t num_pages, int32_t page_size, int32_t pages_per_seq,
                                         int32_t new_keys, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype,
                                         cudaStream_t stream);

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 OK = 0
 ERR_INVALID_ARGUMENT = 1
@@ -68,7 +68,8 @@ _SIGNATURES = {
     ),
     "infllmv2_compress_keys_kvcache": (
         _c.c_int,
-        [_c.c_void_p] * 4 + [_c.c_int32, _c.c_int64] + [_c.c_int32] * 6 + [_c.c_int, _c.c_int32, _c.c_int32, _c.c_void_p],
+        [_c.c_void_p] * 4 + [_c.c_float, _c.c_void_p, _c.c_int32, _c.c_int64] + [_c.c_int32] * 6
+        + [_c.c_int, _c.c_int32, _c.c_int32, _c.c_void_p],
     ),
     "infllmv2_attention_compressed_offsets": (
         _c.c_int, [_c.c_void_p, _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_int32, _c.c_void_p],
@@ -138,7 +139,7 @@ _SIGNATURES = {
     ),
     "infllmv2_attention_kvcache": (
         _c.c_int,
-        [_c.c_void_p] * 11 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int64]
+        [_c.c_void_p] * 7 + [_c.c_float] + [_c.c_void_p] * 5 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int64]
         + [_c.c_int32] * 8 + [_c.c_int, _c.c_float, _c.c_void_p, _c.c_void_p],
     ),
     "infllmv2_attention_bwd_workspace_size": (

@@ -17,7 +17,7 @@ from . import _lib, reference
 from .ops import (_attention_kvcache_op, _cache_capacity, _check_block_table, _check_compressed_caches,
                   _check_int, _check_kernel_attention, _check_kernel_pages, _check_kv_cache, _check_offsets,
                   _check_punct_cache, _check_tensor3, _equal_cu_seqlens, _index_vector, _max_seqlen, _needs_grad,
-                  _phsa_compress_kvcache, _scale_or_zero, _stage2, dense_attn_varlen, select_decode)
+                  _scale_or_zero, _stage2, dense_attn_varlen, select_decode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +211,7 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
 
     ``punct_cache`` (bool ``(num_pages, page_size)``, each cached key's punctuation flag laid out
     as ``k_cache``): both compressed caches are updated with PHSA (``config.phsa_lambda``), as
-    ``attention`` with a ``punct_mask`` compresses; on CUDA by ``compress_keys_kvcache``'s PHSA
-    path before the C call, still with no host synchronisation.
+    ``attention`` with a ``punct_mask`` compresses (in the same C call on CUDA).
     """
     cfg = _config(config)
     _check_tensor3(q, "q")
@@ -253,15 +252,8 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     else:
         _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
         _check_kernel_pages(block_table, k_cache)
-        if punct_cache is not None:  # the PHSA updates first; the C step then compresses nothing
-            for cache, w, s in ((ck_cache, cfg.kernel_size, cfg.kernel_stride),
-                                (nk_cache, cfg.norm_kernel_size, cfg.norm_kernel_stride)):
-                if cache is not None:
-                    _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, cache, new_keys, w, s, punct_cache,
-                                           lam)
-            new_keys = 0
         fields = [int(getattr(cfg, name)) for name, _ in _lib.SparseConfigC._fields_]
         out, lse = _attention_kvcache_op(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache,
                                          block_table, new_keys, max_seqlen_q, max_seqlen_k, fields,
-                                         _scale_or_zero(softmax_scale))
+                                         _scale_or_zero(softmax_scale), punct_cache, float(lam))
     return (out, lse) if return_lse else out

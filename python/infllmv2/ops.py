@@ -165,27 +165,30 @@ def compress_keys(k, cu_seqlens_k, kernel_size=32, kernel_stride=16, punct_mask=
     return ck, cu_seqlens_c
 
 
-def compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride):
+def compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                                 punct_cache=None, phsa_lambda=0.5):
     """Runs the kernel: cache_seqlens and block_table int32 (or None), checked."""
     pages_per_seq = 0 if block_table is None else block_table.shape[1]
     with torch.cuda.device(k_cache.device):
         status = _lib.lib().infllmv2_compress_keys_kvcache(
-            _ptr(k_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(ck_cache), cache_seqlens.numel(),
-            k_cache.shape[0], k_cache.shape[1], pages_per_seq, ck_cache.shape[1], new_keys, k_cache.shape[2],
-            k_cache.shape[3], _KERNEL_DTYPES[k_cache.dtype], kernel_size, kernel_stride, _stream(k_cache.device))
+            _ptr(k_cache), _ptr(block_table), _ptr(cache_seqlens), _mask_ptr(punct_cache), float(phsa_lambda),
+            _ptr(ck_cache), cache_seqlens.numel(), k_cache.shape[0], k_cache.shape[1], pages_per_seq, ck_cache.shape[1],
+            new_keys, k_cache.shape[2], k_cache.shape[3], _KERNEL_DTYPES[k_cache.dtype], kernel_size, kernel_stride,
+            _stream(k_cache.device))
     _lib.check(status)
 
 
 @_forward_only_op("infllmv2::compress_keys_kvcache", mutates_args=("ck_cache",))
 def _compress_keys_kvcache_op(
     k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], ck_cache: torch.Tensor,
-    new_keys: int, kernel_size: int, kernel_stride: int,
+    new_keys: int, kernel_size: int, kernel_stride: int, punct_cache: Optional[torch.Tensor], phsa_lambda: float,
 ) -> None:
-    compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride)
+    compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                                 punct_cache, phsa_lambda)
 
 
 @_compress_keys_kvcache_op.register_fake
-def _(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride):
+def _(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride, punct_cache, phsa_lambda):
     return None
 
 
@@ -212,46 +215,6 @@ def _check_punct_cache(punct_cache, k_cache, phsa_lambda):
     return _check_phsa_args(None, phsa_lambda, k_cache)
 
 
-def _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
-                           punct_cache, phsa_lambda):
-    """``compress_keys_kvcache`` with PHSA on CUDA: the cache kernel has no PHSA variant, so each
-    sequence's keys from the first compressed key its new keys completed are gathered with their
-    flags, compress_keys' PHSA kernel runs over them, and the new entries are written back (the
-    others keep their values, as the kernel leaves them). All on the device, with fixed shapes
-    (no host read: CUDA graphs): ``count`` entries a sequence, starting earlier where they would
-    pass the compressed cache's end."""
-    w, s = kernel_size, kernel_stride
-    batch, page = cache_seqlens.numel(), k_cache.shape[1]
-    capacity = _cache_capacity(k_cache, block_table)
-    if new_keys == 0 or capacity < w or batch == 0:
-        return
-    count = min(new_keys // s + 1, ck_cache.shape[1], compressed_capacity(capacity, w, s))
-    n_keys = (count - 1) * s + w
-    dev = k_cache.device
-
-    def windows(x):
-        return torch.where(x >= w, torch.div(x - w, s, rounding_mode="floor") + 1, 0)
-
-    lens = cache_seqlens.long().clamp(0, capacity)
-    first, last = windows((lens - new_keys).clamp(min=0)), windows(lens)  # the new entries: [first, last)
-    start = first.clamp(max=ck_cache.shape[1] - count)
-    pos = (start[:, None] * s + torch.arange(n_keys, device=dev)).clamp(max=capacity - 1)
-    if block_table is None:
-        rows = torch.arange(batch, device=dev)[:, None] * page + pos
-    else:  # page numbers clamped into the cache, as the kernels do
-        pages = block_table.long().gather(1, torch.div(pos, page, rounding_mode="floor"))
-        rows = pages.clamp(0, k_cache.shape[0] - 1) * page + pos % page
-    rows = rows.view(-1)
-    keys = k_cache.reshape(-1, *k_cache.shape[2:])[rows]
-    flags = punct_cache.reshape(-1)[rows]
-    out = _compress_keys_op(keys, _equal_cu_seqlens(batch, n_keys, dev), _equal_cu_seqlens(batch, count, dev), flags,
-                            phsa_lambda, batch * count, count, w, s)
-    entry = start[:, None] + torch.arange(count, device=dev)
-    at = (torch.arange(batch, device=dev)[:, None], entry)
-    new = (entry >= first[:, None]) & (entry < last[:, None])
-    ck_cache[at] = torch.where(new[..., None, None], out.view(batch, count, *out.shape[1:]), ck_cache[at])
-
-
 def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table=None, kernel_size=32,
                           kernel_stride=16, punct_cache=None, phsa_lambda=0.5):
     """Stage 0 kept up to date over a KV cache: writes into ``ck_cache`` the compressed keys that
@@ -267,8 +230,7 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
     128/64 the entries are bitwise ``compress_keys``' on the same keys packed. In place, no host
     synchronisation (CUDA); CPU runs the reference. ``punct_cache`` (bool ``(num_pages,
     page_size)``, each key's punctuation flag laid out as ``k_cache``): PHSA with ``phsa_lambda``,
-    bitwise ``compress_keys``' PHSA entries; on CUDA composed of torch ops and compress_keys' PHSA
-    kernel (``_phsa_compress_kvcache``), slower than the plain update.
+    bitwise ``compress_keys``' PHSA entries (any window and stride).
     """
     _check_cache_tensor(k_cache, "k_cache", k_cache, "k_cache")
     batch = ck_cache.shape[0] if isinstance(ck_cache, torch.Tensor) and ck_cache.dim() == 4 else None
@@ -294,11 +256,8 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
         return ck_cache
     _check_kernel_tensor(k_cache, "k_cache")
     _check_kernel_pages(block_table, k_cache)
-    if punct_cache is not None:
-        _phsa_compress_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
-                               punct_cache, phsa_lambda)
-        return ck_cache
-    _compress_keys_kvcache_op(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride)
+    _compress_keys_kvcache_op(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                              punct_cache, float(phsa_lambda))
     return ck_cache
 
 
@@ -1388,7 +1347,8 @@ def max_pool_blocks(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32,
 
 
 def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table, out,
-                             lse, new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale):
+                             lse, new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale, punct_cache=None,
+                             phsa_lambda=0.5):
     """Runs infllmv2_attention_kvcache; ``config`` the infllmv2_sparse_config fields in order."""
     lib = _lib.lib()
     c = _lib.SparseConfigC(*config)
@@ -1402,7 +1362,7 @@ def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, c
     with torch.cuda.device(q.device):
         status = lib.infllmv2_attention_kvcache(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(cu_seqlens_q),
-            _ptr(ck_cache), _ptr(nk_cache), _ptr(out), _ptr(lse), _ptr(workspace), size, *args,
+            _mask_ptr(punct_cache), float(phsa_lambda), _ptr(ck_cache), _ptr(nk_cache), _ptr(out), _ptr(lse), _ptr(workspace), size, *args,
             ck_cache.shape[1], 0 if nk_cache is None else nk_cache.shape[1], new_keys, q.shape[1], k_cache.shape[2],
             q.shape[2], _KERNEL_DTYPES[q.dtype], softmax_scale, ctypes.byref(c), _stream(q.device))
     _lib.check(status)
@@ -1413,15 +1373,15 @@ def _attention_kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, ck_cache: torch.Tensor, nk_cache: Optional[torch.Tensor],
     block_table: Optional[torch.Tensor], new_keys: int, max_seqlen_q: int, max_seqlen_k: int, config: list[int],
-    softmax_scale: float,
+    softmax_scale: float, punct_cache: Optional[torch.Tensor], phsa_lambda: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _fwd_outputs(q)
     attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table, out,
-                             lse, new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale)
+                             lse, new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale, punct_cache, phsa_lambda)
     return out, lse
 
 
 @_attention_kvcache_op.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table, new_keys, max_seqlen_q,
-      max_seqlen_k, config, softmax_scale):
+      max_seqlen_k, config, softmax_scale, punct_cache, phsa_lambda):
     return _fwd_outputs(q)
