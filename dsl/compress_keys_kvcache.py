@@ -105,6 +105,17 @@ def program(dtype, head_dim, phsa):
         iv[ROWS] = windows(iv[LEN], iv[W], iv[S])
         iv[ROWS] = T.min(T.min(BLOCK_C, iv[ROWS] - iv[ROW0]), iv[CAPC] - iv[ROW0])
 
+    @T.macro
+    def stage_keys(K, block_table, b, iv, n_keys, c, rows_s, K_s, page_size, pages_per_seq, num_pages):
+        # chunk c of the n_keys keys from key ROW0 * S on, each row's page looked up once (the
+        # last chunk repeats the last key)
+        for r in T.Parallel(CHUNK):
+            rows_s[r] = cache_key_row(block_table, b, T.min(iv[ROW0] * iv[S] + c * CHUNK + r,
+                                                            iv[ROW0] * iv[S] + n_keys - 1),
+                                      page_size, pages_per_seq, num_pages)
+        for r, d in T.Parallel(CHUNK, D):
+            K_s[r, d] = K[rows_s[r], iv[H], d]
+
     @T.prim_func
     def compress_keys_kvcache(
         K: T.Tensor([cache_rows, heads_k, D], dtype),
@@ -154,12 +165,8 @@ def program(dtype, head_dim, phsa):
                 run[0] = 0  # the run and the key within it that the next staged key adds to
                 run[1] = 0
                 for c in T.serial(T.ceildiv(iv[PARTS] * iv[PART], CHUNK)):
-                    for r in T.Parallel(CHUNK):
-                        rows_s[r] = cache_key_row(block_table, b, T.min(iv[ROW0] * iv[S] + c * CHUNK + r,
-                                                                        iv[ROW0] * iv[S] + iv[PARTS] * iv[PART] - 1),
-                                                  page_size, pages_per_seq, num_pages)
-                    for r, d in T.Parallel(CHUNK, D):
-                        K_s[r, d] = K[rows_s[r], iv[H], d]
+                    stage_keys(K, block_table, b, iv, iv[PARTS] * iv[PART], c, rows_s, K_s, page_size, pages_per_seq,
+                               num_pages)
                     T.sync_threads()
                     if tx < D:
                         for t in T.serial(T.min(CHUNK, iv[PARTS] * iv[PART] - c * CHUNK)):
@@ -234,12 +241,7 @@ def program(dtype, head_dim, phsa):
                 n_p[i] = 0
             if iv[ROWS] > 0:
                 for c in T.serial(T.ceildiv(iv[PARTS], CHUNK)):
-                    for r in T.Parallel(CHUNK):
-                        rows_s[r] = cache_key_row(block_table, b, T.min(iv[ROW0] * iv[S] + c * CHUNK + r,
-                                                                        iv[ROW0] * iv[S] + iv[PARTS] - 1),
-                                                  page_size, pages_per_seq, num_pages)
-                    for r, d in T.Parallel(CHUNK, D):
-                        K_s[r, d] = K[rows_s[r], iv[H], d]
+                    stage_keys(K, block_table, b, iv, iv[PARTS], c, rows_s, K_s, page_size, pages_per_seq, num_pages)
                     for r in T.Parallel(CHUNK):
                         P_s[r] = punct[rows_s[r]]
                     T.sync_threads()

@@ -83,19 +83,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
   }
   if (0 < iv[3]) {
     for (int c = 0; c < ((iv[4] + 63) >> 6); ++c) {
+      int n_keys = iv[4];
       if (((int)threadIdx.x) < 64) {
         int condval_5;
         if ((0 < pages_per_seq)) {
-          int rmod_4 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + iv[4]) - 1)) % page_size);
-          int rdiv_3 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + iv[4]) - 1)) / page_size);
-          int rmod_5 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + iv[4]) - 1)) % page_size);
-          int rdiv_4 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + iv[4]) - 1)) / page_size);
+          int rmod_4 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) % page_size);
+          int rdiv_3 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) / page_size);
+          int rmod_5 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) % page_size);
+          int rdiv_4 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) / page_size);
           int condval_6;
           if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_4)) || ((page_size < 0) && (rmod_4 <= 0))) ? rdiv_3 : (rdiv_3 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_5)) || ((page_size < 0) && (rmod_5 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) < table_len))) {
-            int64_t rmod_6 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)iv[(int64_t)4])) - (int64_t)1)) % ((int64_t)page_size));
-            int64_t rdiv_5 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)iv[(int64_t)4])) - (int64_t)1)) / ((int64_t)page_size));
-            int64_t rmod_7 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)iv[(int64_t)4])) - (int64_t)1)) % ((int64_t)page_size));
-            int64_t rdiv_6 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)iv[(int64_t)4])) - (int64_t)1)) / ((int64_t)page_size));
+            int64_t rmod_6 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) % ((int64_t)page_size));
+            int64_t rdiv_5 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) / ((int64_t)page_size));
+            int64_t rmod_7 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) % ((int64_t)page_size));
+            int64_t rdiv_6 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) / ((int64_t)page_size));
             condval_6 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_6 : (rdiv_6 - (int64_t)1)))];
           } else {
             condval_6 = 0;
@@ -104,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
         } else {
           condval_5 = ((int)blockIdx.y);
         }
-        int rmod_8 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + iv[4]) - 1)) % page_size);
+        int rmod_8 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) % page_size);
         ((int*)rows_s)[((int)threadIdx.x)] = ((condval_5 * page_size) + ((((0 <= page_size) && (0 <= rmod_8)) || ((page_size < 0) && (rmod_8 <= 0))) ? rmod_8 : (rmod_8 + page_size)));
       }
       __syncthreads();

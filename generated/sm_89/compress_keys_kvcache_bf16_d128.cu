@@ -98,19 +98,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
     run[0] = 0;
     run[1] = 0;
     for (int c = 0; c < (((iv[4] * iv[10]) + 63) >> 6); ++c) {
+      int n_keys = (iv[4] * iv[10]);
       if (((int)threadIdx.x) < 64) {
         int condval_6;
         if ((0 < pages_per_seq)) {
-          int rmod_6 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) % page_size);
-          int rdiv_5 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) / page_size);
-          int rmod_7 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) % page_size);
-          int rdiv_6 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) / page_size);
+          int rmod_6 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) % page_size);
+          int rdiv_5 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) / page_size);
+          int rmod_7 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) % page_size);
+          int rdiv_6 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) / page_size);
           int condval_7;
           if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_6)) || ((page_size < 0) && (rmod_6 <= 0))) ? rdiv_5 : (rdiv_5 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_7)) || ((page_size < 0) && (rmod_7 <= 0))) ? rdiv_6 : (rdiv_6 - 1))) < table_len))) {
-            int64_t rmod_8 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) % ((int64_t)page_size));
-            int64_t rdiv_7 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) / ((int64_t)page_size));
-            int64_t rmod_9 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) % ((int64_t)page_size));
-            int64_t rdiv_8 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)(iv[(int64_t)4] * iv[(int64_t)10]))) - (int64_t)1)) / ((int64_t)page_size));
+            int64_t rmod_8 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) % ((int64_t)page_size));
+            int64_t rdiv_7 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) / ((int64_t)page_size));
+            int64_t rmod_9 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) % ((int64_t)page_size));
+            int64_t rdiv_8 = (min((((((int64_t)c) * (int64_t)64) + ((int64_t)(iv[(int64_t)2] * iv[(int64_t)9]))) + ((int64_t)((int)threadIdx.x))), ((((int64_t)(iv[(int64_t)2] * iv[(int64_t)9])) + ((int64_t)n_keys)) - (int64_t)1)) / ((int64_t)page_size));
             condval_7 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rdiv_8 : (rdiv_8 - (int64_t)1)))];
           } else {
             condval_7 = 0;
@@ -119,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvca
         } else {
           condval_6 = ((int)blockIdx.y);
         }
-        int rmod_10 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + (iv[4] * iv[10])) - 1)) % page_size);
+        int rmod_10 = (min((((c * 64) + (iv[2] * iv[9])) + ((int)threadIdx.x)), (((iv[2] * iv[9]) + n_keys) - 1)) % page_size);
         ((int*)rows_s)[((int)threadIdx.x)] = ((condval_6 * page_size) + ((((0 <= page_size) && (0 <= rmod_10)) || ((page_size < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + page_size)));
       }
       __syncthreads();
