@@ -1,6 +1,9 @@
 """The forward-only ops' eager shortcut (ops._ForwardOnlyOp): plain eager calls run the function
 without the dispatcher; tracing, dispatch modes and fake tensors still see the custom op."""
 
+import ctypes
+
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -84,3 +87,39 @@ def test_jit_trace_records_the_op():
     assert "infllmv2_test::scale_into" in str(traced.graph)
     out.zero_()
     assert torch.equal(traced(x, out), 2 * x + 1)
+
+
+def _raw_double_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    # writes as the C library does, through the pointer: torch sees no in-place op
+    src = (2 * x).contiguous()
+    ctypes.memmove(out.data_ptr(), src.data_ptr(), out.numel() * out.element_size())
+
+
+RAW = _ForwardOnlyOp(_raw_double_into, "infllmv2_test::raw_double_into", ("out",))
+
+
+@RAW.register_fake
+def _(x, out):
+    return None
+
+
+def test_inference_tensors_are_written_only_in_inference_mode():
+    """As torch refuses an in-place op on an inference tensor outside inference mode, eagerly and
+    under a dispatch mode alike (the raw write itself would not be seen)."""
+    x = torch.arange(4.0)
+    with torch.inference_mode():
+        out = torch.zeros(4)
+    for mode in (None, _Recorder()):
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+            if mode is None:
+                RAW(x, out)
+            else:
+                with mode:
+                    RAW(x, out)
+    assert torch.equal(out, torch.zeros(4))
+    with torch.inference_mode():
+        RAW(x, out)
+    assert torch.equal(out, 2 * x)
+    normal = torch.zeros(4)
+    RAW(x, normal)
+    assert torch.equal(normal, 2 * x)

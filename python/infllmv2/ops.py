@@ -56,7 +56,16 @@ class _ForwardOnlyOp:
 
     def __call__(self, *args):
         # is_compiling() first: torch.compile folds it to True and must not trace the rest
-        if torch.compiler.is_compiling() or torch.jit.is_tracing() or _dispatch_modes is None or _dispatch_modes() \
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        for i in self.mutated:
+            # The kernels write through the C library, where torch sees no in-place op (nor does the
+            # custom op check): refuse what torch refuses of an in-place op, as the CPU path (the
+            # reference, then copy_) does.
+            if args[i] is not None and args[i].is_inference() and not torch.is_inference_mode_enabled():
+                raise RuntimeError("Inplace update to inference tensor outside InferenceMode is not allowed. You can "
+                                   "make a clone to get a normal tensor before doing inplace update.")
+        if torch.jit.is_tracing() or _dispatch_modes is None or _dispatch_modes() \
                 or any(isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args):
             return self.op(*args)
         out = self.fn(*args)
