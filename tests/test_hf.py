@@ -33,16 +33,20 @@ def _ids(B, S, seed, device="cpu"):  # never token 0, generate()'s padding token
 
 
 def _reference_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The same attention through reference.attention: what the sparse path must compute."""
+    """The same attention through reference.attention: what the sparse path must compute (PHSA
+    with the forward's punct_mask, which must cover every key)."""
     assert attention_mask is None
     cfg = infllmv2.hf._layer_config(module, SPARSE)
     B, H, S, D = query.shape
     q, k, v = (t.transpose(1, 2).reshape(B * S, t.shape[1], D).float().cpu() for t in (query, key, value))
     cu = torch.arange(B + 1, dtype=torch.int32) * S
+    punct = kwargs.get("punct_mask")
     out = reference.attention(q, k, v, cu, cu, cfg.dense_len, scaling, topk=cfg.num_selected,
                               kernel_size=cfg.kernel_size, kernel_stride=cfg.kernel_stride, block_size=cfg.block_size,
                               init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks, approx_lse=cfg.approx_lse,
-                              norm_kernel_size=cfg.norm_kernel_size, norm_kernel_stride=cfg.norm_kernel_stride)[0]
+                              norm_kernel_size=cfg.norm_kernel_size, norm_kernel_stride=cfg.norm_kernel_stride,
+                              punct_mask=None if punct is None else punct.reshape(-1).cpu(),
+                              phsa_lambda=cfg.phsa_lambda)[0]
     return out.reshape(B, S, H, D).to(query), None
 
 
@@ -490,3 +494,176 @@ def test_mask_facts_are_read_again_after_an_in_place_write():
     mask[1, -1] = 1
     assert infllmv2.hf._mask_facts(mask, 1) == (True, [5, 3], True)
     assert infllmv2.hf._mask_facts(mask, 3) == (True, [5, 3], True)
+
+
+# ---------------------------------------------------------------------------------- PHSA
+
+PUNCT = [5, 17, 42, 99]  # the toy vocabulary's punctuation tokens
+
+
+def _punct_ids(B, S, seed, device="cpu"):
+    """Token ids with about a fifth of them punctuation."""
+    ids = _ids(B, S, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    at = torch.rand(B, S, generator=g) < 0.2
+    ids[at] = torch.tensor(PUNCT)[torch.randint(0, len(PUNCT), (int(at.sum()),), generator=g)]
+    return ids.to(device)
+
+
+def _assert_phsa_caches_hold_the_keys(cache, cfg=SPARSE):
+    """Each layer's compressed caches are compress_keys' PHSA entries of its valid keys and flags."""
+    for layer in cache.layers:
+        st = layer.state
+        B, L = st.k_cache.shape[0], st.length
+        rows = [L] * B if st.rows is None else st.rows.tolist()
+        for b, n_keys in enumerate(rows):
+            cu = torch.tensor([0, n_keys], dtype=torch.int32, device=st.k_cache.device)
+            for got, (w, s) in ((st.ck, (cfg.kernel_size, cfg.kernel_stride)),
+                                (st.nk, (cfg.norm_kernel_size, cfg.norm_kernel_stride))):
+                packed, cu_c = infllmv2.compress_keys(st.k_cache[b, :n_keys], cu, w, s,
+                                                      punct_mask=st.punct[b, :n_keys], phsa_lambda=cfg.phsa_lambda)
+                assert torch.equal(got[b, :int(cu_c[1])], packed), f"{w}/{s} PHSA compressed keys of row {b}"
+
+
+def test_phsa_punctuation_hook_forward_equals_reference():
+    """punctuation_hook passes each forward's punct_mask to the attention layers: the sparse path
+    with PHSA, as reference.attention computes it, and not what it computes without."""
+    ids = _punct_ids(1, 600, seed=31)
+    model, ref = _model("infllmv2"), _model("infllmv2_reference")
+    with torch.no_grad():
+        plain = model(ids).logits
+        hooks = [infllmv2.hf.punctuation_hook(m, PUNCT) for m in (model, ref)]
+        got, want = model(ids).logits, ref(ids).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(got, plain, atol=1e-3)  # PHSA changed the selection
+        # given by hand, the same
+        hooks[0].remove()
+        torch.testing.assert_close(model(ids, punct_mask=infllmv2.phsa.punctuation_mask(ids, PUNCT)).logits, got,
+                                   atol=0, rtol=0)
+        torch.testing.assert_close(model(ids).logits, plain, atol=0, rtol=0)
+        infllmv2.hf.punctuation_hook(model, PUNCT)
+        with pytest.raises(ValueError, match="PHSA needs the forward's input_ids"):
+            model(inputs_embeds=model.get_input_embeddings()(ids))
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+@pytest.mark.parametrize("mode", ["plain", "padded", "beams"])
+def test_phsa_infllmv2_cache_generate_equals_recomputing(mode):
+    """generate() with PHSA and InfLLMv2Cache (each cached key's flag kept beside it, PHSA compressed
+    caches) against generate() without a cache (every step recomputes all the keys with all their
+    flags): the same tokens and logits; plain batches, left-padded ones (compacted flags) and beam
+    search (flags reordered with the keys)."""
+    model = _model("infllmv2")
+    infllmv2.hf.punctuation_hook(model, PUNCT)
+    padded = mode == "padded"
+    ids = _punct_ids(3 if padded else 2, 300, seed=32)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    if mode == "beams":
+        kw.update(num_beams=3, output_logits=False)
+    if padded:
+        mask = torch.ones_like(ids)
+        for b, p in enumerate((15, 0, 37)):
+            mask[b, :p], ids[b, :p] = 0, 0
+        kw["attention_mask"] = mask
+    want = model.generate(ids, use_cache=False, **kw)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    got = model.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits or (), want.logits or ()):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    st = cache.layers[0].state
+    assert st.phsa and (st.rows is not None) == padded
+    if mode == "beams":  # the beams' rows were reordered: compressed caches and flags still agree
+        _assert_phsa_caches_hold_the_keys(cache)
+        return
+    # the cache holds the prompt and the 7 tokens fed back (not the last one generated)
+    flags = torch.isin(got.sequences[:, :st.length], torch.tensor(PUNCT))
+    for b in range(ids.shape[0]):
+        valid = flags[b][kw["attention_mask"][b].bool().tolist() + [True] * 7] if padded else flags[b]
+        assert torch.equal(st.punct[b, :valid.numel()], valid), f"row {b}'s cached flags"
+    _assert_phsa_caches_hold_the_keys(cache)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_phsa_without_the_flags_of_every_key_raises():
+    model = _model("infllmv2")
+    ids = _punct_ids(1, 300, seed=33)
+    flags = infllmv2.phsa.punctuation_mask(ids, PUNCT)
+    with torch.no_grad():
+        dyn = transformers.DynamicCache(config=model.config)
+        model(ids, past_key_values=dyn, punct_mask=flags)
+        with pytest.raises(NotImplementedError, match="needs the flags of all 301 keys"):
+            model(ids[:, :1], past_key_values=dyn, punct_mask=flags[:, :1])
+        for first, later in ((None, flags[:, :1]), (flags, None)):
+            cache = infllmv2.hf.InfLLMv2Cache()
+            model(ids, past_key_values=cache, punct_mask=first)
+            with pytest.raises(ValueError, match="InfLLMv2Cache: the prompt's forward passed"):
+                model(ids[:, :1], past_key_values=cache, punct_mask=later)
+        with pytest.raises(ValueError, match=r"punct_mask must be a bool or integer tensor of shape \(batch=1, 300"):
+            model(ids, punct_mask=flags[:, :7])
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_phsa_infllmv2_cache_left_padded_steps_by_hand():
+    """PHSA in a padded batch's compacted cache, against recomputing every key without a cache:
+    steps of several tokens, padding inside a step (its flag dropped with its key, the row's later
+    flags moved up), and a step with gradients (the general path over the compacted keys and
+    flags)."""
+    model = _model("infllmv2")
+    ids, mask = _left_padded(2, 280, (9, 40), seed=41)
+    ids[mask.bool()] = _punct_ids(1, int(mask.sum()), seed=42)[0]
+    steps = _punct_ids(2, 8, seed=43)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    seen = ids
+
+    def both(tokens, m, grad=False):
+        nonlocal seen
+        seen = torch.cat([seen, tokens], 1) if seen is not tokens else seen
+        flags = infllmv2.phsa.punctuation_mask(seen, PUNCT)
+        with torch.set_grad_enabled(grad):
+            got = model(tokens, attention_mask=m, past_key_values=cache, punct_mask=flags[:, -tokens.shape[1]:]).logits
+            want = model(seen, attention_mask=m, punct_mask=flags).logits[:, -tokens.shape[1]:]
+        valid = m[:, -tokens.shape[1]:].bool()
+        torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
+        return got
+
+    both(ids, mask)
+    mask = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
+    both(steps[:, :3], mask)
+    mask = torch.cat([mask, torch.tensor([[1, 1, 1], [1, 0, 1]], dtype=mask.dtype)], 1)
+    both(steps[:, 3:6], mask)  # a hole inside a step
+    assert cache.layers[0].state.rows.tolist() == [277, 245]
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    both(steps[:, 6:7], mask, grad=True).sum().backward()
+    mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        both(steps[:, 7:8], mask)  # compresses the keys the gradient step left pending
+    st, flags = cache.layers[0].state, infllmv2.phsa.punctuation_mask(seen, PUNCT)
+    for b in range(2):  # each row's valid tokens' flags first, in order, as its keys
+        assert torch.equal(st.punct[b, :int(st.rows[b])], flags[b][mask[b].bool()]), f"row {b}'s cached flags"
+    _assert_phsa_caches_hold_the_keys(cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
+def test_cuda_phsa_infllmv2_cache_bf16_head_dim_128():
+    """generate() with PHSA and InfLLMv2Cache against a DynamicCache loop given the flags of every
+    key at each step: the same kernels on bitwise-equal PHSA compressed keys (the cache kernel's
+    PHSA entries are compress_keys'), so the same tokens and bitwise logits."""
+    model, ids = _model("infllmv2", 128, torch.bfloat16, "cuda"), _punct_ids(2, 300, seed=44, device="cuda")
+    hook = infllmv2.hf.punctuation_hook(model, PUNCT)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    cache = infllmv2.hf.InfLLMv2Cache()
+    got = model.generate(ids, past_key_values=cache, **kw)
+    hook.remove()
+    seen, dyn, logits = ids, transformers.DynamicCache(config=model.config), []
+    with torch.no_grad():
+        out = model(ids, past_key_values=dyn, punct_mask=infllmv2.phsa.punctuation_mask(ids, PUNCT))
+        for _ in range(6):
+            logits.append(out.logits[:, -1])
+            seen = torch.cat([seen, logits[-1].argmax(-1, keepdim=True)], 1)
+            out = model(seen[:, -1:], past_key_values=dyn, punct_mask=infllmv2.phsa.punctuation_mask(seen, PUNCT))
+    assert torch.equal(got.sequences, seen)
+    for g, w in zip(got.logits, logits):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    _assert_phsa_caches_hold_the_keys(cache)

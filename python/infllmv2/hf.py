@@ -35,6 +35,14 @@ writes its keys behind them, so ``layer.keys`` holds each row's valid keys first
 transformers' padded layout; ``crop`` then removes only tokens valid in every row. Other masks
 (right padding, holes in the prompt) take the general path over the cached keys at every step.
 
+PHSA (punctuation-aware compression, ``infllmv2.phsa``): a forward given ``punct_mask`` (bool
+``(batch, tokens)``, which of its tokens are punctuation) passes it on to the attention layers,
+and ``punctuation_hook(model, punct_ids)`` computes it from every forward's ``input_ids``, so
+that ``generate`` gets it at every step. Attention needs the flags of all its keys: a forward
+without a cache has them; ``InfLLMv2Cache`` keeps each cached key's flag beside it (the prompt's
+forward turns PHSA on, and every later one must pass its tokens' flags); a ``DynamicCache`` or
+``StaticCache`` step raises ``NotImplementedError`` unless ``punct_mask`` covers every key.
+
 Non-causal attention, sliding windows shorter than the keys, soft-capping, attention sinks,
 position biases and the paged (continuous batching) cache raise ``NotImplementedError``;
 ``dropout > 0`` raises ``ValueError``. Importing this module does not import transformers;
@@ -51,6 +59,7 @@ import torch
 
 from .attention import SparseConfig, _config, attention, attention_kvcache, attention_padded
 from .ops import _equal_cu_seqlens, compress_keys_kvcache, compressed_capacity
+from .phsa import punctuation_mask
 
 NAME = "infllmv2"
 
@@ -104,8 +113,9 @@ def _restarts(position_ids, S: int):
     return None if starts.numel() == 0 else [0, *(starts + 1).tolist(), S]
 
 
-def _unpadded(q, k, v, mask, cfg, scaling):
-    """Attention of a padded batch given its 2-D padding mask (B, L): the valid tokens packed."""
+def _unpadded(q, k, v, mask, cfg, scaling, punct=None):
+    """Attention of a padded batch given its 2-D padding mask (B, L): the valid tokens packed;
+    ``punct`` the keys' punctuation flags (B, >= L) or None."""
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
     if mask.dim() != 2 or mask.shape[0] != B or not Sq <= mask.shape[1] <= Sk:
         raise NotImplementedError(
@@ -114,17 +124,18 @@ def _unpadded(q, k, v, mask, cfg, scaling):
     L = mask.shape[1]
     mask = mask.bool()
     # a StaticCache's slots past the mask were never written; the queries are the last Sq positions
-    return _packed(q, k[:, :L], v[:, :L], mask[:, L - Sq:], mask, cfg, scaling)
+    return _packed(q, k[:, :L], v[:, :L], mask[:, L - Sq:], mask, cfg, scaling, None if punct is None else punct[:, :L])
 
 
-def _packed(q, k, v, keep_q, keep_k, cfg, scaling):
+def _packed(q, k, v, keep_q, keep_k, cfg, scaling, punct=None):
     """Attention of the queries and keys that keep_q (B, Sq) and keep_k (B, L) mark, each row's kept
-    queries the last of its kept keys; zeros at the other queries."""
+    queries the last of its kept keys; zeros at the other queries. ``punct`` (B, L): the keys'
+    punctuation flags (PHSA), or None."""
     B, Sq, L = q.shape[0], q.shape[1], k.shape[1]
     len_k, len_q = keep_k.sum(1, dtype=torch.int32), keep_q.sum(1, dtype=torch.int32)
     n_k, n_q, max_k, max_q = torch.stack([len_k.sum(), len_q.sum(), len_k.max(), len_q.max()]).tolist()
     if n_k == B * L and n_q == B * Sq:  # a static cache without padding
-        return attention_padded(q, k, v, cfg, scaling)
+        return attention_padded(q, k, v, cfg, scaling, punct)
     out = q.new_zeros(q.shape)
     if n_q == 0:
         return out
@@ -132,8 +143,31 @@ def _packed(q, k, v, keep_q, keep_k, cfg, scaling):
     iq = torch.nonzero_static(keep_q.reshape(-1), size=n_q).flatten()
     bk, sk, bq, sq = ik // L, ik % L, iq // Sq, iq % Sq
     cu_k, cu_q = (torch.nn.functional.pad(n.cumsum(0, dtype=torch.int32), (1, 0)) for n in (len_k, len_q))
-    packed = attention(q[bq, sq], k[bk, sk], v[bk, sk], cu_q, cu_k, max_q, max_k, config=cfg, softmax_scale=scaling)
+    packed = attention(q[bq, sq], k[bk, sk], v[bk, sk], cu_q, cu_k, max_q, max_k, config=cfg, softmax_scale=scaling,
+                       punct_mask=None if punct is None else punct[bk, sk])
     return out.index_put((bq, sq), packed)
+
+
+def _flags(punct, B, S, L):
+    """A forward's ``punct_mask`` as bool flags: (B, S) of its tokens or (B, L) of every key."""
+    if not isinstance(punct, torch.Tensor) or punct.dim() != 2 or punct.shape[0] != B or punct.shape[1] not in (S, L) \
+            or punct.is_floating_point() or punct.is_complex():
+        got = f"{punct.dtype} {tuple(punct.shape)}" if isinstance(punct, torch.Tensor) else type(punct).__name__
+        raise ValueError(f"punct_mask must be a bool or integer tensor of shape (batch={B}, {S} tokens) or (batch, {L} "
+                         f"keys), got {got}")
+    return punct.bool()
+
+
+def _key_flags(punct, B, S, L):
+    """The punctuation flags (B, L) of a layer's keys from a forward's ``punct_mask``, or None."""
+    if punct is None:
+        return None
+    punct = _flags(punct, B, S, L)
+    if punct.shape[1] != L:
+        raise NotImplementedError(
+            f"PHSA (punct_mask) needs the flags of all {L} keys, not only of the {S} new tokens: decode with "
+            "infllmv2.hf.InfLLMv2Cache, which keeps them, or pass punct_mask over every key")
+    return punct
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,7 +207,11 @@ class _CacheState:
     ``b``'s tokens are its ``rows[b]`` valid ones, first, and ``append`` writes each step's keys
     into the row's next slots, so that the kernels, which read a row's keys from its start, see
     only valid keys. ``length`` stays the padded count that transformers' positions and masks
-    use; the last ``tail`` positions are valid in every row."""
+    use; the last ``tail`` positions are valid in every row.
+
+    PHSA: when the prompt's forward passes ``punct_mask``, ``punct`` (batch, capacity) holds every
+    cached key's punctuation flag, laid out as the keys (each forward records its tokens' flags),
+    and both compressed caches are PHSA's; every later forward must pass one too."""
 
     def __init__(self, key_states):
         B, Hk, _, D = key_states.shape
@@ -184,6 +222,8 @@ class _CacheState:
         self.ck = self.nk = None
         self.rows = None  # compacted mode: each row's valid keys (int32, on the device)
         self.rows_max = self.tail = 0
+        self.punct = None  # PHSA: the keys' punctuation flags (bool, laid out as k_cache's rows)
+        self.phsa = None  # whether the prompt's forward passed punct_mask (None before it)
 
     def append(self, key_states, value_states):
         B, Hk, S, D = key_states.shape
@@ -224,6 +264,8 @@ class _CacheState:
     def _resize(self, capacity):
         capacity = -(-capacity // 256) * 256
         self.k_cache, self.v_cache = (self._resized(t, capacity, self.length) for t in (self.k_cache, self.v_cache))
+        if self.punct is not None:
+            self.punct = self._resized(self.punct, capacity, self.length)
         if self.params is not None:
             (ks, kst), (nks, nkst), _ = self.params
             self.ck = self._resized(self.ck, compressed_capacity(capacity, ks, kst), self.ck.shape[1])
@@ -252,17 +294,46 @@ class _CacheState:
 
     def _compress(self, cfg, lens, new_keys):
         self._compressed_caches(cfg)
-        compress_keys_kvcache(self.k_cache, lens, self.ck, new_keys, None, cfg.kernel_size, cfg.kernel_stride)
+        compress_keys_kvcache(self.k_cache, lens, self.ck, new_keys, None, cfg.kernel_size, cfg.kernel_stride,
+                              self.punct, cfg.phsa_lambda)
         if self.nk is not None:
             compress_keys_kvcache(self.k_cache, lens, self.nk, new_keys, None, cfg.norm_kernel_size,
-                                  cfg.norm_kernel_stride)
+                                  cfg.norm_kernel_stride, self.punct, cfg.phsa_lambda)
         self.uncompressed = 0
 
-    def attend(self, q, cfg, scaling, mask=None):
+    def key_flags(self):
+        """The cached keys' punctuation flags (batch, length) as transformers lays the keys out, or None."""
+        return None if self.punct is None else self.punct[:, :self.length]
+
+    def _record_flags(self, punct, B, S):
+        """Writes the punctuation flags of the forward's S tokens (the last S cached) where append
+        wrote their keys."""
+        if self.phsa is None:  # the prompt's forward decides, as the compressed caches are built then
+            if punct is not None and S != self.length:
+                raise ValueError("InfLLMv2Cache: PHSA (punct_mask) must start with the prompt's forward, not after "
+                                 f"{self.length - S} cached tokens")
+            self.phsa = punct is not None
+            if self.phsa:
+                self.punct = torch.zeros(self.k_cache.shape[:2], dtype=torch.bool, device=self.k_cache.device)
+        if self.phsa != (punct is not None):
+            raise ValueError("InfLLMv2Cache: " + (
+                "the prompt's forward passed punct_mask (PHSA), so every later forward must pass one"
+                if self.phsa else "the prompt's forward passed no punct_mask, so later forwards cannot start PHSA"))
+        if punct is None:
+            return
+        flags = _flags(punct, B, S, self.length)[:, -S:].to(self.punct.device)
+        if self.rows is None:
+            self.punct[:, self.length - S:self.length] = flags
+        else:  # where append scattered the keys: behind each row's valid ones
+            self.punct.scatter_(1, self.rows[:, None].long() + _steps(S, flags.device), flags)
+
+    def attend(self, q, cfg, scaling, mask=None, punct=None):
         """Attention of q (B, S, Hq, D), the last S of the cached tokens, given the 2-D padding mask
-        (B, length) or None; None where the general path must run over the cached keys as they are."""
+        (B, length) or None and the forward's punctuation flags (PHSA) or None; None where the
+        general path must run over the cached keys as they are (``key_flags`` their flags)."""
         grad = torch.is_grad_enabled() and (q.requires_grad or self.k_cache.requires_grad or
                                             self.v_cache.requires_grad)
+        self._record_flags(punct, q.shape[0], q.shape[1])
         if self.rows is not None:
             return self._attend_compacted(q, cfg, scaling, mask, grad)
         B, S = q.shape[:2]
@@ -278,7 +349,7 @@ class _CacheState:
         if S == L:
             # the prompt: the prefill path, then its keys compressed once for the steps to come
             k, v = (t[:, :L] for t in (self.k_cache, self.v_cache))
-            out = attention_padded(q, k, v, cfg, scaling)
+            out = attention_padded(q, k, v, cfg, scaling, self.key_flags())
             self._compress(cfg, lens, L)
             return out
         return self._step(q, cfg, scaling, lens, L)
@@ -290,7 +361,7 @@ class _CacheState:
         self._compressed_caches(cfg)
         out = attention_kvcache(q.reshape(B * S, Hq, D), self.k_cache, self.v_cache, lens,
                                 _step_cu_seqlens(B, S, q.device), self.ck, self.nk, self.uncompressed, None, cfg,
-                                scaling, max_seqlen_q=S, max_seqlen_k=longest)
+                                scaling, max_seqlen_q=S, max_seqlen_k=longest, punct_cache=self.punct)
         self.uncompressed = 0
         return out.view(B, S, Hq, D)
 
@@ -299,12 +370,13 @@ class _CacheState:
         valid keys moved to its start and compressed once."""
         L = self.length
         k, v = (t[:, :L] for t in (self.k_cache, self.v_cache))
-        out = _unpadded(q, k, v, mask, cfg, scaling)
+        out = _unpadded(q, k, v, mask, cfg, scaling, self.key_flags())
         self.rows = torch.tensor(lens, dtype=torch.int32, device=q.device)
         self.rows_max, self.tail = max(lens), 0
         src = (torch.arange(L, device=q.device) + (L - self.rows)[:, None]).clamp_(max=L - 1)
-        for t in (self.k_cache, self.v_cache):
-            t[:, :L] = t[:, :L].gather(1, src[:, :, None, None].expand(-1, -1, *t.shape[2:]))
+        for t in (self.k_cache, self.v_cache, self.punct):
+            if t is not None:
+                t[:, :L] = t[:, :L].gather(1, src.view(*src.shape, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
         self._compress(cfg, self.rows, L)
         return out
 
@@ -324,20 +396,22 @@ class _CacheState:
             rank = keep.cumsum(1) - 1
             b, j = keep.nonzero(as_tuple=True)
             base = self.rows.long()
-            for t in (self.k_cache, self.v_cache):
-                t[b, base[b] + rank[b, j]] = t[b, base[b] + j]
+            for t in (self.k_cache, self.v_cache, self.punct):
+                if t is not None:
+                    t[b, base[b] + rank[b, j]] = t[b, base[b] + j]
             self.rows = self.rows + keep.sum(1, dtype=torch.int32)
             self.rows_max, self.tail = int(self.rows.max()), 0
         if grad or not valid:
             # the general path over the compacted keys; the compression stays pending
             keep_q = q.new_ones((B, S), dtype=torch.bool) if mask is None else mask[:, prev:].bool()
             keep_k = torch.arange(L, device=q.device) < self.rows[:, None]
-            return _packed(q, self.k_cache[:, :L], self.v_cache[:, :L], keep_q, keep_k, cfg, scaling)
+            return _packed(q, self.k_cache[:, :L], self.v_cache[:, :L], keep_q, keep_k, cfg, scaling,
+                           self.key_flags())
         return self._step(q, cfg, scaling, self.rows, self.rows_max)
 
     def select_batch(self, index):
         index = index.to(self.k_cache.device)
-        for name in ("k_cache", "v_cache", "ck", "nk", "rows"):
+        for name in ("k_cache", "v_cache", "ck", "nk", "rows", "punct"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, index))
@@ -442,26 +516,31 @@ def _attention_forward(default: SparseConfig):
         bounds = None  # packed sequences in one row
         if attention_mask is None and cu_q is None and B == 1 and Sq == k.shape[1]:
             bounds = _restarts(kwargs.get("position_ids"), Sq)
+        punct = kwargs.get("punct_mask")  # PHSA: the punctuation flags of the forward's tokens (or of every key)
         cached = getattr(key, "_infllmv2_cache", None)  # an InfLLMv2Cache layer's keys
         if cached is not None:
             if cu_q is None and bounds is None and cached.length == k.shape[1]:
-                out = cached.attend(q, cfg, scaling, attention_mask)
+                out = cached.attend(q, cfg, scaling, attention_mask, punct)
                 if out is not None:
                     return out, None
-            elif cached.rows is not None:  # its keys are not where the general path would look
-                raise NotImplementedError("InfLLMv2Cache holding a padded batch takes no packed sequences "
-                                          "(cu_seq_lens_q, restarting position_ids)")
+                punct = cached.key_flags()  # the general path over the cached keys, as they are
+            elif cached.rows is not None or cached.phsa or punct is not None:
+                # its keys, or their flags, are not where the general path would look
+                raise NotImplementedError("InfLLMv2Cache holding a padded batch or punctuation flags (PHSA) takes no "
+                                          "packed sequences (cu_seq_lens_q, restarting position_ids)")
+        punct = _key_flags(punct, B, Sq, k.shape[1])
         if attention_mask is not None:
-            return _unpadded(q, k, v, attention_mask, cfg, scaling), None
+            return _unpadded(q, k, v, attention_mask, cfg, scaling, punct), None
         if bounds is not None:
             cu_q = cu_k = torch.tensor(bounds, dtype=torch.int32, device=q.device)
             kwargs["max_length_q"] = kwargs["max_length_k"] = max(b - a for a, b in zip(bounds, bounds[1:]))
         if cu_q is None:
-            return attention_padded(q, k, v, cfg, scaling), None
+            return attention_padded(q, k, v, cfg, scaling, punct), None
         # with B = 1 the reshape is a strided view; the kernels read memory in order
         q, k, v = (t.reshape(-1, *t.shape[2:]).contiguous() for t in (q, k, v))
         out = attention(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs.get("max_length_q"),
-                        kwargs.get("max_length_k"), config=cfg, softmax_scale=scaling)
+                        kwargs.get("max_length_k"), config=cfg, softmax_scale=scaling,
+                        punct_mask=None if punct is None else punct.reshape(-1))
         return out.view(B, Sq, Hq, D), None
 
     return infllmv2_attention_forward
@@ -481,6 +560,26 @@ def _mask_function(flash_attention_mask):
         return mask
 
     return infllmv2_mask
+
+
+def punctuation_hook(model, punct_ids):
+    """PHSA for a transformers model: a forward pre-hook on ``model`` that passes each forward's
+    ``punct_mask`` (which of its ``input_ids`` are in ``punct_ids``, e.g.
+    ``infllmv2.phsa.punctuation_token_ids(tokenizer)``) on to the attention layers, ``generate``'s
+    steps included. Returns the hook's handle (``.remove()`` takes PHSA off again). A forward
+    given ``inputs_embeds`` instead of ``input_ids`` raises ``ValueError``."""
+    punct_ids = torch.as_tensor(punct_ids if isinstance(punct_ids, torch.Tensor) else list(punct_ids),
+                                dtype=torch.long)
+
+    def pass_punct_mask(module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            raise ValueError("infllmv2.hf.punctuation_hook: PHSA needs the forward's input_ids (punctuation is a "
+                             "property of tokens), got inputs_embeds only")
+        kwargs["punct_mask"] = punctuation_mask(input_ids, punct_ids)
+        return args, kwargs
+
+    return model.register_forward_pre_hook(pass_punct_mask, with_kwargs=True)
 
 
 def register(config=None, name: str = NAME) -> None:
