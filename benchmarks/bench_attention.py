@@ -3,12 +3,18 @@ backward) against dense causal attention (SDPA cuDNN and flash backends) in the 
 the dense path alone against cuDNN.
 
     python benchmarks/bench_attention.py --json bench_attention.json
-    python benchmarks/bench_attention.py --plot bench_attention.json --png benchmarks/results/bench_attention.png
+    python benchmarks/bench_attention.py --inputs correlated --json bench_attention_correlated.json
+    python benchmarks/bench_attention.py --plot bench_attention.json bench_attention_correlated.json \
+        --png benchmarks/results/bench_attention.png
 
 Configuration: bf16, D = 128, Hq = 32, Hk = 2, MiniCPM4.1's sparse_config (compression 32/16,
 coarse-key normaliser 128/64, block 64, 1 init block, 2048-token window, top-64 + 32 local =
 96 blocks, dense below 8192 keys), equal-length varlen at 32K x 8, 64K x 4, 128K x 2 tokens;
-the dense path (`infllmv2.dense_attn_varlen`, causal) at 4K x 8 and 8K x 4. Random data.
+the dense path (`infllmv2.dense_attn_varlen`, causal) at 4K x 8 and 8K x 4. Random data, or with
+`--inputs correlated` queries whose 64-token blocks share most of their direction (each token's
+query is its block's random vector plus a tenth of its own noise), so that neighbouring tokens
+pick mostly the same blocks, as a model's do (a synthetic stand-in: keys and values stay random);
+that mode runs the sparse rows only (the dense path does not depend on the data).
 
 ms are medians of CUDA-event timings after warm-up; "fwd+bwd" times one forward and one
 backward (autograd). TFLOP/s count the query-key pairs actually visible (for the sparse path
@@ -39,10 +45,18 @@ from infllmv2.testing import cu_seqlens, library_identity, visible_pairs  # noqa
 D, HQ, HK = 128, 32, 2
 
 
-def _inputs(seqlen, batch, seed=0):
+QUERY_BLOCK, NOISE = 64, 0.1  # --inputs correlated: tokens sharing a query direction, and their own part
+
+
+def _inputs(seqlen, batch, seed=0, correlated=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     n = seqlen * batch
-    q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    if correlated:
+        base = torch.randn(-(-n // QUERY_BLOCK), 1, HQ, D, device="cuda", generator=g)
+        own = torch.randn(base.shape[0], QUERY_BLOCK, HQ, D, device="cuda", generator=g)
+        q = (base + NOISE * own).reshape(-1, HQ, D)[:n].to(torch.bfloat16).requires_grad_()
+    else:
+        q = torch.randn(n, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     k = torch.randn(n, HK, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     v = torch.randn(n, HK, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     return q, k, v, cu_seqlens([seqlen] * batch, "cuda")
@@ -61,8 +75,8 @@ def _fwd_and_fwd_bwd(call, q, k, v, reps, kernels=False):
     return fwd, bench(fwd_bwd, reps), (kernel_times(fwd_bwd) if kernels else None)
 
 
-def end_to_end(seqlen, batch, reps, cfg, kernels=False):
-    q, k, v, cu = _inputs(seqlen, batch)
+def end_to_end(seqlen, batch, reps, cfg, kernels=False, correlated=False):
+    q, k, v, cu = _inputs(seqlen, batch, correlated=correlated)
 
     def call(q, k, v):
         return infllmv2.attention(q, k, v, cu, cu, seqlen, seqlen, config=cfg)
@@ -104,9 +118,12 @@ def run(args):
     rows = [("sparse", 32768, 8), ("sparse", 65536, 4), ("sparse", 131072, 2), ("dense", 4096, 8), ("dense", 8192, 4)]
     if args.quick:
         rows = [rows[0], rows[3]]
+    correlated = args.inputs == "correlated"
+    if correlated:
+        rows = [r for r in rows if r[0] == "sparse"]
     results = []
     for path, seqlen, batch in rows:
-        r = (end_to_end(seqlen, batch, args.reps, cfg, args.kernels) if path == "sparse"
+        r = (end_to_end(seqlen, batch, args.reps, cfg, args.kernels, correlated) if path == "sparse"
              else dense_path(seqlen, batch, args.reps))
         r.update(path=path, tokens=f"{seqlen // 1024}K x {batch}", seqlen=seqlen, batch=batch)
         pairs = r["visible_pairs"]
@@ -143,36 +160,45 @@ def run(args):
             print(f"{r['tokens']} fwd+bwd kernels (ms, one call): {listed}")
     with open(args.json, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "library": library_identity(), "config": cfg.to_dict(),
-                   "results": results}, f, indent=1)
+                   "inputs": args.inputs, "results": results}, f, indent=1)
     print(f"wrote {args.json}")
 
 
-def plot(json_path, png_path):
-    """Speed-up of infllmv2.attention over dense attention vs sequence length, from a JSON of run()."""
+def plot(json_paths, png_path):
+    """Speed-up of infllmv2.attention over dense attention vs sequence length, from JSONs of run():
+    every curve of the first; forward + backward against cuDNN of the others (other inputs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(json_path) as f:
-        data = json.load(f)
-    rows = sorted(data["results"], key=lambda r: r["seqlen"])
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for backend, style in (("cudnn", "o-"), ("flash", "s--")):
-        for what, label in (("fwd_bwd", "fwd+bwd"), ("fwd", "fwd")):
+    ticks = set()
+    for i, path in enumerate(json_paths):
+        with open(path) as f:
+            data = json.load(f)
+        if i == 0:
+            device = data["device"]
+        inputs = data.get("inputs", "random")
+        rows = sorted(data["results"], key=lambda r: r["seqlen"])
+        ticks.update(r["seqlen"] for r in rows)
+        curves = [("cudnn", "o-", "fwd_bwd", "fwd+bwd"), ("cudnn", "o-", "fwd", "fwd"),
+                  ("flash", "s--", "fwd_bwd", "fwd+bwd"), ("flash", "s--", "fwd", "fwd")]
+        for backend, style, what, label in curves if i == 0 else curves[:1]:
             pts = [(r["seqlen"], r[f"speedup_vs_{backend}_{what}"]) for r in rows
                    if r.get(f"speedup_vs_{backend}_{what}")]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, style, label=f"{label} vs {backend} dense", alpha=1.0 if what == "fwd_bwd" else 0.5)
+                ax.plot(xs, ys, style if i == 0 else "^:", alpha=1.0 if what == "fwd_bwd" else 0.5,
+                        label=f"{label} vs {backend} dense, {inputs} inputs")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xticks([r["seqlen"] for r in rows], [f"{r['seqlen'] // 1024}K" for r in rows])
+    ax.set_xticks(sorted(ticks), [f"{n // 1024}K" for n in sorted(ticks)])
     ax.set_xlabel("sequence length (dense path below 8K, InfLLM-V2 sparse from 8K)")
     ax.set_ylabel("speed-up over dense causal attention")
-    ax.set_title(f"infllmv2.attention, bf16 D=128 Hq=32 Hk=2 ({data['device']})", fontsize=9)
+    ax.set_title(f"infllmv2.attention, bf16 D=128 Hq=32 Hk=2 ({device})", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     print(f"wrote {png_path}")
@@ -183,9 +209,13 @@ def main():
     ap.add_argument("--json", default="bench_attention.json")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="32K x 8 and the 4K dense row only")
+    ap.add_argument("--inputs", choices=("random", "correlated"), default="random",
+                    help="random q/k/v, or queries shared within 64-token blocks (sparse rows only)")
     ap.add_argument("--kernels", action="store_true",
                     help="per-kernel device ms of one sparse forward + backward call (torch profiler)")
-    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG from an earlier run's JSON (needs matplotlib)")
+    ap.add_argument("--plot", metavar="JSON", nargs="+",
+                    help="only draw the PNG from earlier runs' JSONs (needs matplotlib): every curve of the first, "
+                         "fwd+bwd vs cuDNN of the others")
     ap.add_argument("--png", default="bench_attention.png")
     args = ap.parse_args()
     if args.plot:
