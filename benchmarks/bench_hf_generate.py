@@ -24,13 +24,12 @@ import json
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 
 import infllmv2
 import infllmv2.hf
-from infllmv2.testing import library_identity
+from infllmv2.testing import hf_cache_kwargs, library_identity
 
 # (padded length, left padding of each row)
 CASES = [(32768, (0,)), (131072, (0,)), (32768, (0, 4096, 8192, 12288))]
@@ -57,7 +56,7 @@ def run_case(model, cache, tokens, pads, steps):
         ids = ids * mask
 
     def forward(x, c, m):
-        return model(x, attention_mask=m, past_key_values=c).logits[:, -1:].argmax(-1)
+        return model(x, attention_mask=m, **hf_cache_kwargs(c)).logits[:, -1:].argmax(-1)
 
     def grown(m):  # generate()'s mask for one more token
         return None if m is None else torch.cat([m, m.new_ones(batch, 1)], 1)
@@ -97,7 +96,6 @@ def main():
     args = ap.parse_args()
     import transformers
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renames past_key_values
     infllmv2.hf.register()  # SparseConfig(): MiniCPM4.1's defaults
     rows = []
     print(f"{'tokens':>10} {'implementation':>28} {'prompt ms':>10} {'step ms':>8} {'GPU ms':>7}")

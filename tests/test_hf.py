@@ -12,6 +12,7 @@ from infllmv2.testing import assert_close_to_reference
 
 transformers = pytest.importorskip("transformers")
 import infllmv2.hf  # noqa: E402
+from infllmv2.testing import hf_cache_kwargs as _cache  # noqa: E402
 
 # K = 6 of at most 10 blocks at 600 tokens: 2 chosen by score
 SPARSE = SparseConfig(dense_len=256, window_size=128, topk=4)
@@ -169,7 +170,6 @@ def _assert_compressed_caches_hold_the_keys(cache, cfg=SPARSE):
                 assert torch.equal(got[b, :n], packed), f"{w}/{s} compressed keys of row {b}"
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_decodes_with_kept_compressed_keys(monkeypatch):
     """generate() with InfLLMv2Cache: the prompt through the prefill path, every later step through
     attention_kvcache, the same tokens and logits as with a DynamicCache (which compresses all the
@@ -179,7 +179,7 @@ def test_infllmv2_cache_decodes_with_kept_compressed_keys(monkeypatch):
     want = model.generate(ids, **kw)
     calls = _count_cache_paths(monkeypatch)
     cache = infllmv2.hf.InfLLMv2Cache()
-    got = model.generate(ids, past_key_values=cache, **kw)
+    got = model.generate(ids, **_cache(cache), **kw)
     layers = model.config.num_hidden_layers
     assert calls == {"prefill": layers, "kvcache": layers * 7}
     assert torch.equal(got.sequences, want.sequences)
@@ -198,7 +198,6 @@ def _left_padded(B, S, pads, seed):
     return ids, mask
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_left_padded_batch(monkeypatch):
     """generate() of a left-padded batch: each row's valid keys moved to its start, every step
     through attention_kvcache with per-row lengths, the same tokens and logits as a DynamicCache
@@ -211,7 +210,7 @@ def test_infllmv2_cache_left_padded_batch(monkeypatch):
     want = model.generate(ids, attention_mask=mask, **kw)
     calls = _count_cache_paths(monkeypatch)
     cache = infllmv2.hf.InfLLMv2Cache()
-    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+    got = model.generate(ids, attention_mask=mask, **_cache(cache), **kw)
     assert calls == {"prefill": 0, "kvcache": model.config.num_hidden_layers * 7}
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
@@ -222,7 +221,7 @@ def test_infllmv2_cache_left_padded_batch(monkeypatch):
     # beam search reorders the rows and their lengths
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, num_beams=2)
     calls.update(prefill=0, kvcache=0)
-    got = model.generate(ids, attention_mask=mask, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    got = model.generate(ids, attention_mask=mask, **_cache(infllmv2.hf.InfLLMv2Cache()), **kw)
     assert calls["kvcache"] > 0
     assert torch.equal(got, model.generate(ids, attention_mask=mask, **kw))
     # right padding or holes: the general path over the cache as transformers laid it out
@@ -231,12 +230,11 @@ def test_infllmv2_cache_left_padded_batch(monkeypatch):
     mask[1, 100:130] = 0
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     calls.update(prefill=0, kvcache=0)
-    got = model.generate(ids, attention_mask=mask, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    got = model.generate(ids, attention_mask=mask, **_cache(infllmv2.hf.InfLLMv2Cache()), **kw)
     assert calls == {"prefill": 0, "kvcache": 0}
     assert torch.equal(got, model.generate(ids, attention_mask=mask, **kw))
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_left_padded_batch_crosses_dense_len(monkeypatch):
     """The longest row decides dense or sparse, as for the packed batch of a DynamicCache step: the
     prompt's 318 valid keys run dense, the steps past 320 sparse (2 of 6 blocks selected)."""
@@ -253,14 +251,13 @@ def test_infllmv2_cache_left_padded_batch_crosses_dense_len(monkeypatch):
         return _f(*a, **k)
 
     monkeypatch.setattr(infllmv2.hf, "attention_kvcache", kvcache)
-    got = model.generate(ids, attention_mask=mask, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    got = model.generate(ids, attention_mask=mask, **_cache(infllmv2.hf.InfLLMv2Cache()), **kw)
     assert longest == [n for n in range(319, 324) for _ in range(model.config.num_hidden_layers)]
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_left_padded_steps_by_hand():
     """The compacted cache of a padded batch against a DynamicCache fed the same calls: steps of
     several tokens, steps with padding in one row (dropped from that row, the row's later tokens
@@ -272,7 +269,7 @@ def test_infllmv2_cache_left_padded_steps_by_hand():
 
     def both(tokens, m, grad=False):
         with torch.set_grad_enabled(grad):
-            out = [model(tokens, attention_mask=m, past_key_values=c).logits for c in (cache, ref)]
+            out = [model(tokens, attention_mask=m, **_cache(c)).logits for c in (cache, ref)]
         valid = m[:, -tokens.shape[1]:].bool()  # the logits of padding tokens are not compared
         torch.testing.assert_close(out[0][valid], out[1][valid], atol=1e-4, rtol=1e-4)
         return out
@@ -303,7 +300,6 @@ def test_infllmv2_cache_left_padded_steps_by_hand():
     _assert_compressed_caches_hold_the_keys(cache)
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_grows_with_its_compressed_keys():
     """A prompt of 505 keys takes a 512-key cache; the steps past it grow the cache and the
     compressed caches kept so far."""
@@ -311,7 +307,7 @@ def test_infllmv2_cache_grows_with_its_compressed_keys():
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     want = model.generate(ids, **kw)
     cache = infllmv2.hf.InfLLMv2Cache()
-    got = model.generate(ids, past_key_values=cache, **kw)
+    got = model.generate(ids, **_cache(cache), **kw)
     assert cache.layers[0].state.k_cache.shape[1] == 1024
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits, want.logits):
@@ -319,12 +315,11 @@ def test_infllmv2_cache_grows_with_its_compressed_keys():
     _assert_compressed_caches_hold_the_keys(cache)
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_beam_search_and_crop(monkeypatch):
     model, ids = _model("infllmv2"), _ids(2, 300, seed=12)
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, num_beams=3)
     calls = _count_cache_paths(monkeypatch)
-    got = model.generate(ids, past_key_values=infllmv2.hf.InfLLMv2Cache(), **kw)
+    got = model.generate(ids, **_cache(infllmv2.hf.InfLLMv2Cache()), **kw)
     assert calls["kvcache"] > 0
     assert torch.equal(got, model.generate(ids, **kw))
     # crop from 306 keys back to 302, across the end of the compressed key of keys 272-303, then
@@ -333,15 +328,15 @@ def test_infllmv2_cache_beam_search_and_crop(monkeypatch):
     first, second = _ids(1, 6, seed=13), _ids(1, 3, seed=14)
     cache = infllmv2.hf.InfLLMv2Cache()
     with torch.no_grad():
-        model(ids[:1], past_key_values=cache)
+        model(ids[:1], **_cache(cache))
         for t in range(6):
-            model(first[:, t:t + 1], past_key_values=cache)
+            model(first[:, t:t + 1], **_cache(cache))
         cache.crop(-4)
         assert cache.get_seq_length() == 302
-        got = [model(second[:, t:t + 1], past_key_values=cache).logits for t in range(3)]
+        got = [model(second[:, t:t + 1], **_cache(cache)).logits for t in range(3)]
         ref = transformers.DynamicCache()
-        model(torch.cat([ids[:1], first[:, :2]], 1), past_key_values=ref)
-        want = [model(second[:, t:t + 1], past_key_values=ref).logits for t in range(3)]
+        model(torch.cat([ids[:1], first[:, :2]], 1), **_cache(ref))
+        want = [model(second[:, t:t + 1], **_cache(ref)).logits for t in range(3)]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     _assert_compressed_caches_hold_the_keys(cache)
@@ -430,14 +425,13 @@ def test_cuda_padding_and_packing_equal_each_sequence_alone():
 
 
 @pytest.mark.gpu
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_cuda_infllmv2_cache_bf16_head_dim_128(monkeypatch):
     model, ids = _model("infllmv2", 128, torch.bfloat16, "cuda"), _ids(2, 300, seed=15, device="cuda")
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     want = model.generate(ids, **kw)
     calls = _count_cache_paths(monkeypatch)
     cache = infllmv2.hf.InfLLMv2Cache()
-    got = model.generate(ids, past_key_values=cache, **kw)
+    got = model.generate(ids, **_cache(cache), **kw)
     assert calls == {"prefill": 2, "kvcache": 10}
     # the same kernels on bitwise-equal compressed keys: the same selections and outputs
     assert torch.equal(got.sequences, want.sequences)
@@ -447,7 +441,6 @@ def test_cuda_infllmv2_cache_bf16_head_dim_128(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_cuda_infllmv2_cache_left_padded_batch(monkeypatch):
     model = _model("infllmv2", 128, torch.bfloat16, "cuda")
     ids, mask = (t.cuda() for t in _left_padded(3, 300, (15, 0, 37), seed=21))
@@ -455,7 +448,7 @@ def test_cuda_infllmv2_cache_left_padded_batch(monkeypatch):
     want = model.generate(ids, attention_mask=mask, **kw)
     calls = _count_cache_paths(monkeypatch)
     cache = infllmv2.hf.InfLLMv2Cache()
-    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+    got = model.generate(ids, attention_mask=mask, **_cache(cache), **kw)
     assert calls == {"prefill": 0, "kvcache": 10}
     # the same kernels on the same valid keys and bitwise-equal compressed keys
     assert torch.equal(got.sequences, want.sequences)
@@ -464,14 +457,13 @@ def test_cuda_infllmv2_cache_left_padded_batch(monkeypatch):
     _assert_compressed_caches_hold_the_keys(cache)
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_infllmv2_cache_batch_select_takes_indices_or_a_mask():
     model = _model("infllmv2")
     ids, mask = _left_padded(3, 70, (5, 0, 20), seed=22)
     caches = [infllmv2.hf.InfLLMv2Cache() for _ in range(2)]
     with torch.no_grad():
         for c in caches:
-            model(ids, attention_mask=mask, past_key_values=c)
+            model(ids, attention_mask=mask, **_cache(c))
     caches[0].batch_select_indices(torch.tensor([0, 2]))
     caches[1].batch_select_indices(torch.tensor([True, False, True]))
     for a, b in zip(caches[0].layers, caches[1].layers):
@@ -546,7 +538,6 @@ def test_phsa_punctuation_hook_forward_equals_reference():
             model(inputs_embeds=model.get_input_embeddings()(ids))
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 @pytest.mark.parametrize("mode", ["plain", "padded", "beams"])
 def test_phsa_infllmv2_cache_generate_equals_recomputing(mode):
     """generate() with PHSA and InfLLMv2Cache (each cached key's flag kept beside it, PHSA compressed
@@ -567,7 +558,7 @@ def test_phsa_infllmv2_cache_generate_equals_recomputing(mode):
         kw["attention_mask"] = mask
     want = model.generate(ids, use_cache=False, **kw)
     cache = infllmv2.hf.InfLLMv2Cache()
-    got = model.generate(ids, past_key_values=cache, **kw)
+    got = model.generate(ids, **_cache(cache), **kw)
     assert torch.equal(got.sequences, want.sequences)
     for g, w in zip(got.logits or (), want.logits or ()):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
@@ -584,26 +575,24 @@ def test_phsa_infllmv2_cache_generate_equals_recomputing(mode):
     _assert_phsa_caches_hold_the_keys(cache)
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_phsa_without_the_flags_of_every_key_raises():
     model = _model("infllmv2")
     ids = _punct_ids(1, 300, seed=33)
     flags = infllmv2.phsa.punctuation_mask(ids, PUNCT)
     with torch.no_grad():
         dyn = transformers.DynamicCache(config=model.config)
-        model(ids, past_key_values=dyn, punct_mask=flags)
+        model(ids, **_cache(dyn), punct_mask=flags)
         with pytest.raises(NotImplementedError, match="needs the flags of all 301 keys"):
-            model(ids[:, :1], past_key_values=dyn, punct_mask=flags[:, :1])
+            model(ids[:, :1], **_cache(dyn), punct_mask=flags[:, :1])
         for first, later in ((None, flags[:, :1]), (flags, None)):
             cache = infllmv2.hf.InfLLMv2Cache()
-            model(ids, past_key_values=cache, punct_mask=first)
+            model(ids, **_cache(cache), punct_mask=first)
             with pytest.raises(ValueError, match="InfLLMv2Cache: the prompt's forward passed"):
-                model(ids[:, :1], past_key_values=cache, punct_mask=later)
+                model(ids[:, :1], **_cache(cache), punct_mask=later)
         with pytest.raises(ValueError, match=r"punct_mask must be a bool or integer tensor of shape \(batch=1, 300"):
             model(ids, punct_mask=flags[:, :7])
 
 
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_phsa_infllmv2_cache_left_padded_steps_by_hand():
     """PHSA in a padded batch's compacted cache, against recomputing every key without a cache:
     steps of several tokens, padding inside a step (its flag dropped with its key, the row's later
@@ -621,7 +610,7 @@ def test_phsa_infllmv2_cache_left_padded_steps_by_hand():
         seen = torch.cat([seen, tokens], 1) if seen is not tokens else seen
         flags = infllmv2.phsa.punctuation_mask(seen, PUNCT)
         with torch.set_grad_enabled(grad):
-            got = model(tokens, attention_mask=m, past_key_values=cache, punct_mask=flags[:, -tokens.shape[1]:]).logits
+            got = model(tokens, attention_mask=m, **_cache(cache), punct_mask=flags[:, -tokens.shape[1]:]).logits
             want = model(seen, attention_mask=m, punct_mask=flags).logits[:, -tokens.shape[1]:]
         valid = m[:, -tokens.shape[1]:].bool()
         torch.testing.assert_close(got[valid], want[valid], atol=1e-4, rtol=1e-4)
@@ -645,7 +634,6 @@ def test_phsa_infllmv2_cache_left_padded_steps_by_hand():
 
 
 @pytest.mark.gpu
-@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")
 def test_cuda_phsa_infllmv2_cache_bf16_head_dim_128():
     """generate() with PHSA and InfLLMv2Cache against a DynamicCache loop given the flags of every
     key at each step: the same kernels on bitwise-equal PHSA compressed keys (the cache kernel's
@@ -654,15 +642,15 @@ def test_cuda_phsa_infllmv2_cache_bf16_head_dim_128():
     hook = infllmv2.hf.punctuation_hook(model, PUNCT)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     cache = infllmv2.hf.InfLLMv2Cache()
-    got = model.generate(ids, past_key_values=cache, **kw)
+    got = model.generate(ids, **_cache(cache), **kw)
     hook.remove()
     seen, dyn, logits = ids, transformers.DynamicCache(config=model.config), []
     with torch.no_grad():
-        out = model(ids, past_key_values=dyn, punct_mask=infllmv2.phsa.punctuation_mask(ids, PUNCT))
+        out = model(ids, **_cache(dyn), punct_mask=infllmv2.phsa.punctuation_mask(ids, PUNCT))
         for _ in range(6):
             logits.append(out.logits[:, -1])
             seen = torch.cat([seen, logits[-1].argmax(-1, keepdim=True)], 1)
-            out = model(seen[:, -1:], past_key_values=dyn, punct_mask=infllmv2.phsa.punctuation_mask(seen, PUNCT))
+            out = model(seen[:, -1:], **_cache(dyn), punct_mask=infllmv2.phsa.punctuation_mask(seen, PUNCT))
     assert torch.equal(got.sequences, seen)
     for g, w in zip(got.logits, logits):  # generate() hands out the logits in fp32
         torch.testing.assert_close(g, w.float(), atol=0, rtol=0)

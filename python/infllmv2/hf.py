@@ -23,9 +23,10 @@ Supported:
 - packed sequences (padding-free training): FlashAttention's ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` keyword arguments, or batch-1 ``position_ids`` that restart.
 
-Decoding with ``past_key_values=infllmv2.hf.InfLLMv2Cache()`` (``generate`` takes it as any
-cache) keeps each layer's keys and values in the library's padded cache layout with the
-compressed keys beside them: the prompt runs ``infllmv2.attention`` and compresses its keys once,
+Decoding with ``cache=infllmv2.hf.InfLLMv2Cache()`` (``generate`` takes it as any cache; releases
+of transformers before its rename of ``past_key_values`` take it by that name) keeps each
+layer's keys and values in the library's padded cache layout with the compressed keys beside
+them: the prompt runs ``infllmv2.attention`` and compresses its keys once,
 and every later step runs ``infllmv2.attention_kvcache``, which compresses only the keys the step
 added. With a ``DynamicCache`` every step compresses all of the keys again (the outputs are the
 same). Beam search, ``crop`` and batch selection work on it. A left-padded batch (``generate``
@@ -485,7 +486,8 @@ def _cache_classes():
     class InfLLMv2Cache(Cache):
         """A transformers cache for ``attn_implementation="infllmv2"`` that keeps each layer's
         compressed keys, so that a decoding step compresses only the keys it added (see the
-        module's docstring). ``model.generate(..., past_key_values=InfLLMv2Cache())``."""
+        module's docstring). ``model.generate(..., cache=InfLLMv2Cache())`` (``past_key_values=``
+        before transformers renamed it)."""
 
         def __init__(self):
             super().__init__(layer_class_to_replicate=InfLLMv2CacheLayer)

@@ -352,3 +352,15 @@ def no_host_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def hf_cache_kwargs(cache) -> dict:
+    """``{name: cache}`` for a transformers model's forward or generate, by the name the installed
+    transformers takes: ``cache`` (``past_key_values`` is deprecated, to go in 5.40) or, in older
+    5.x releases, ``past_key_values``."""
+    import inspect
+
+    import transformers
+
+    takes = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    return {"cache" if "cache" in takes else "past_key_values": cache}
