@@ -371,6 +371,12 @@ def test_unsupported_uses_raise():
         fn(layer, q, kv, kv, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="4-D"):
         fn(layer, q, kv, kv, torch.ones(1, 1, 16, 16, dtype=torch.bool))
+    paged = type("PagedAttentionCache", (), {})()  # continuous batching's cache, by its class name
+    with pytest.raises(NotImplementedError, match="paged cache"):
+        fn(layer, q, kv, kv, None, cache=paged)
+    # any other cache passed on as `cache` (transformers' name for past_key_values) holds the keys already
+    torch.testing.assert_close(fn(layer, q, kv, kv, None, cache=transformers.DynamicCache())[0],
+                               fn(layer, q, kv, kv, None)[0], atol=0, rtol=0)
 
 
 def test_import_without_transformers(monkeypatch):

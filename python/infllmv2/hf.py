@@ -101,7 +101,9 @@ def _check_supported(module, key, dropout, kwargs) -> None:
     for name in ("softcap", "s_aux", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"attn_implementation='infllmv2' does not support {name}")
-    if kwargs.get("cache") is not None:
+    # continuous batching hands its paged cache over as `cache`; a model may pass any other cache
+    # on by that name too (transformers' new name for past_key_values), whose keys are already in place
+    if type(kwargs.get("cache")).__name__ == "PagedAttentionCache":
         raise NotImplementedError("attn_implementation='infllmv2' does not support the paged cache (continuous batching)")
 
 
