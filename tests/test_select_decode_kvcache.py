@@ -376,11 +376,12 @@ def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
         ck, nk = caches[1]
 
         def call(**over):
-            a = dict(ws_size=size, max_k=max(lengths), nk=nk.data_ptr() if approx_lse else None, new=max(lengths))
+            a = dict(ws_size=size, max_k=max(lengths), nk=nk.data_ptr() if approx_lse else None, new=max(lengths),
+                     punct=None, lam=0.5)
             a.update(over)
             return lib.infllmv2_attention_kvcache(
                 q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if table is None else table.data_ptr(),
-                lens.data_ptr(), cu_q.data_ptr(), None, 0.5, ck.data_ptr(), a["nk"], out.data_ptr(), lse.data_ptr(),
+                lens.data_ptr(), cu_q.data_ptr(), a["punct"], a["lam"], ck.data_ptr(), a["nk"], out.data_ptr(), lse.data_ptr(),
                 ws.data_ptr(), a["ws_size"], 3, 3, 1, a["max_k"], kc.shape[0], kc.shape[1], pps, ck.shape[1],
                 nk.shape[1], a["new"], hk * G, hk, D, _lib.DTYPE_BF16, 0.0, ctypes.byref(c), _stream(q.device))
 
@@ -399,6 +400,12 @@ def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
         if approx_lse:
             assert call(nk=None) == _lib.ERR_INVALID_ARGUMENT
             assert "nk_cache" in lib.infllmv2_last_error().decode()
+        pc = torch.zeros(kc.shape[:2], dtype=torch.uint8, device="cuda")
+        assert call(punct=pc.data_ptr(), lam=-0.5) == _lib.ERR_INVALID_ARGUMENT
+        assert "infllmv2_attention_kvcache: phsa_lambda must be in [0, 1], got -0.5" in lib.infllmv2_last_error().decode()
+        pc_host = pc.cpu()
+        assert call(punct=pc_host.data_ptr()) == _lib.ERR_INVALID_ARGUMENT
+        assert "punct_cache" in lib.infllmv2_last_error().decode()
 
 
 @pytest.mark.gpu
