@@ -14,7 +14,9 @@ warm-up prompt); then `--steps` steps of one token each, synchronised after
 each. "step ms" is the median wall time of a step (Python and transformers included, as a user
 sees it: in this two-layer model the host's work); "GPU ms" is the kernels' time of a step (the
 torch profiler over the steps, divided by their count), the part the attention implementation
-decides, which grows with the layers and the batch.
+decides, which grows with the layers and the batch. The ", PHSA" rows run InfLLMv2Cache with
+`infllmv2.hf.punctuation_hook`, a fifth of the vocabulary (ids 1-204) counted as punctuation: each
+forward's flags are recorded beside its keys and both compressed caches are PHSA's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from infllmv2.testing import hf_cache_kwargs, library_identity
 
 # (padded length, left padding of each row)
 CASES = [(32768, (0,)), (131072, (0,)), (32768, (0, 4096, 8192, 12288))]
+PUNCT_IDS = 204  # the PHSA rows' punctuation: token ids 1 .. 204 of the 1024
 
 
 def model_of(impl):
@@ -101,15 +104,19 @@ def main():
     print(f"{'tokens':>10} {'implementation':>28} {'prompt ms':>10} {'step ms':>8} {'GPU ms':>7}")
     for tokens, pads in CASES:
         batch = len(pads)
-        impls = (("infllmv2", "DynamicCache"), ("infllmv2", "InfLLMv2Cache"))
-        for impl, cache_name in impls + ((("sdpa", "DynamicCache"),) if not any(pads) else ()):
+        impls = (("infllmv2", "DynamicCache", False), ("infllmv2", "InfLLMv2Cache", False),
+                 ("infllmv2", "InfLLMv2Cache", True))
+        for impl, cache_name, phsa in impls + ((("sdpa", "DynamicCache", False),) if not any(pads) else ()):
             model = model_of(impl)
+            if phsa:  # a fifth of the vocabulary taken for punctuation
+                infllmv2.hf.punctuation_hook(model, range(1, PUNCT_IDS + 1))
             cache = infllmv2.hf.InfLLMv2Cache() if cache_name == "InfLLMv2Cache" else transformers.DynamicCache()
             prompt_ms, step_ms, gpu_ms = run_case(model, cache, tokens, pads, args.steps)
-            name = f"{impl} + {cache_name}"
+            name = f"{impl} + {cache_name}{', PHSA' if phsa else ''}"
             print(f"{tokens // 1024:>8}K x{batch} {name:>28} {prompt_ms:10.1f} {step_ms:8.2f} {gpu_ms:7.3f}", flush=True)
             rows.append({"tokens": tokens, "batch": batch, "left_padding": list(pads), "attn_implementation": impl,
-                         "cache": cache_name, "prompt_ms": prompt_ms, "step_ms": step_ms, "step_gpu_ms": gpu_ms})
+                         "cache": cache_name, "phsa": phsa, "prompt_ms": prompt_ms, "step_ms": step_ms,
+                         "step_gpu_ms": gpu_ms})
             del model, cache
             torch.cuda.empty_cache()
     if args.json:
