@@ -574,13 +574,19 @@ def punctuation_hook(model, punct_ids):
     given ``inputs_embeds`` instead of ``input_ids`` raises ``ValueError``."""
     punct_ids = torch.as_tensor(punct_ids if isinstance(punct_ids, torch.Tensor) else list(punct_ids),
                                 dtype=torch.long)
+    # the ids where the input ids are, copied once: a copy from pageable host memory at every
+    # forward waits for the GPU (a decoding step's host time went 5.4 -> 6.4 ms with it)
+    placed = {}
 
     def pass_punct_mask(module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if input_ids is None:
+        if not isinstance(input_ids, torch.Tensor):
             raise ValueError("infllmv2.hf.punctuation_hook: PHSA needs the forward's input_ids (punctuation is a "
                              "property of tokens), got inputs_embeds only")
-        kwargs["punct_mask"] = punctuation_mask(input_ids, punct_ids)
+        key = (input_ids.device, input_ids.dtype)
+        if key not in placed:
+            placed[key] = punct_ids.to(device=input_ids.device, dtype=input_ids.dtype)
+        kwargs["punct_mask"] = punctuation_mask(input_ids, placed[key])
         return args, kwargs
 
     return model.register_forward_pre_hook(pass_punct_mask, with_kwargs=True)
