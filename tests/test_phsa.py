@@ -75,6 +75,19 @@ def test_mask_shapes_and_inputs():
     assert not punctuation_mask(ids, []).any()
     with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
         punctuation_mask(ids.float(), BYTE_LEVEL_PUNCT)
+    # the lookup against torch.isin, ids past the table and negative ones included
+    punct = torch.tensor([0, 5, 17, 42, 99])
+    wide = torch.arange(-3, 130).reshape(7, 19)
+    table = infllmv2.phsa.punctuation_table(punct)
+    for got in (punctuation_mask(wide, punct), punctuation_mask(wide, table=table),
+                punctuation_mask(wide, [99, 0, 5, 17, 42, 5])):
+        assert torch.equal(got, torch.isin(wide, punct))
+    with pytest.raises(ValueError, match="punct_ids must be non-negative"):
+        infllmv2.phsa.punctuation_table([3, -1])
+    with pytest.raises(ValueError, match="not both or neither"):
+        punctuation_mask(ids)
+    with pytest.raises(ValueError, match="table must be a punctuation_table"):
+        punctuation_mask(ids, table=table.int())
 
 
 def test_mask_into_compression_and_attention_match_reference():
