@@ -8,6 +8,7 @@ result is judged against it: the kernel's error against an fp32 reference must b
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -354,13 +355,19 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
 
 
-def hf_cache_kwargs(cache) -> dict:
-    """``{name: cache}`` for a transformers model's forward or generate, by the name the installed
-    transformers takes: ``cache`` (``past_key_values`` is deprecated, to go in 5.40) or, in older
-    5.x releases, ``past_key_values``."""
+@functools.cache
+def _hf_cache_name() -> str:
+    # read once: the benchmarks call hf_cache_kwargs in their timed decoding steps
     import inspect
 
     import transformers
 
-    takes = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
-    return {"cache" if "cache" in takes else "past_key_values": cache}
+    return "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters \
+        else "past_key_values"
+
+
+def hf_cache_kwargs(cache) -> dict:
+    """``{name: cache}`` for a transformers model's forward or generate, by the name the installed
+    transformers takes: ``cache`` (``past_key_values`` is deprecated, to go in 5.40) or, in older
+    5.x releases, ``past_key_values``."""
+    return {_hf_cache_name(): cache}
