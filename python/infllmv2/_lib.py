@@ -139,7 +139,8 @@ _SIGNATURES = {
     ),
     "infllmv2_attention_kvcache": (
         _c.c_int,
-        [_c.c_void_p] * 7 + [_c.c_float] + [_c.c_void_p] * 5 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int64]
+        [_c.c_void_p] * 7 + [_c.c_float] + [_c.c_void_p] * 5
+        + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int64]
         + [_c.c_int32] * 8 + [_c.c_int, _c.c_float, _c.c_void_p, _c.c_void_p],
     ),
     "infllmv2_attention_bwd_workspace_size": (

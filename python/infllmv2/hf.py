@@ -24,17 +24,17 @@ Supported:
   ``max_length_q/k`` keyword arguments, or batch-1 ``position_ids`` that restart.
 
 Decoding with ``cache=infllmv2.hf.InfLLMv2Cache()`` (``generate`` takes it as any cache; releases
-of transformers before its rename of ``past_key_values`` take it by that name) keeps each
-layer's keys and values in the library's padded cache layout with the compressed keys beside
-them: the prompt runs ``infllmv2.attention`` and compresses its keys once,
-and every later step runs ``infllmv2.attention_kvcache``, which compresses only the keys the step
-added. With a ``DynamicCache`` every step compresses all of the keys again (the outputs are the
-same). Beam search, ``crop`` and batch selection work on it. A left-padded batch (``generate``
-with an ``attention_mask``) does too: the prompt runs the general path, then each row's valid
-keys move to the start of its cache row (the kernels read a row from its start), and every step
-writes its keys behind them, so ``layer.keys`` holds each row's valid keys first, not
-transformers' padded layout; ``crop`` then removes only tokens valid in every row. Other masks
-(right padding, holes in the prompt) take the general path over the cached keys at every step.
+of transformers before its rename of ``past_key_values`` take it by that name) keeps each layer's
+keys and values in the library's padded cache layout with the compressed keys beside them: the
+prompt runs ``infllmv2.attention`` and compresses its keys once, and every later step runs
+``infllmv2.attention_kvcache``, which compresses only the keys the step added. With a
+``DynamicCache`` every step compresses all of the keys again (the outputs are the same). Beam
+search, ``crop`` and batch selection work on it. A left-padded batch (``generate`` with an
+``attention_mask``) does too: the prompt runs the general path, then each row's valid keys move to
+the start of its cache row (the kernels read a row from its start), and every step writes its keys
+behind them, so ``layer.keys`` holds each row's valid keys first, not transformers' padded layout;
+``crop`` then removes only tokens valid in every row. Other masks (right padding, holes in the
+prompt) take the general path over the cached keys at every step.
 
 PHSA (punctuation-aware compression, ``infllmv2.phsa``): a forward given ``punct_mask`` (bool
 ``(batch, tokens)``, which of its tokens are punctuation) passes it on to the attention layers,

@@ -1371,7 +1371,8 @@ def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, c
     with torch.cuda.device(q.device):
         status = lib.infllmv2_attention_kvcache(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(cu_seqlens_q),
-            _mask_ptr(punct_cache), float(phsa_lambda), _ptr(ck_cache), _ptr(nk_cache), _ptr(out), _ptr(lse), _ptr(workspace), size, *args,
+            _mask_ptr(punct_cache), float(phsa_lambda), _ptr(ck_cache), _ptr(nk_cache), _ptr(out), _ptr(lse),
+            _ptr(workspace), size, *args,
             ck_cache.shape[1], 0 if nk_cache is None else nk_cache.shape[1], new_keys, q.shape[1], k_cache.shape[2],
             q.shape[2], _KERNEL_DTYPES[q.dtype], softmax_scale, ctypes.byref(c), _stream(q.device))
     _lib.check(status)
