@@ -225,8 +225,8 @@ def test_c_attention_config_errors(change, status, message, op):
     for f, v in change.items():
         setattr(c, f, v)
     if op == "fwd":
-        st = _lib.lib().infllmv2_attention_fwd(None, None, None, None, None, None, None, None, None, 0, 1, 10, 10, 10,
-                                               10, 32, 2, 128, 0, 0.0, ctypes.byref(c), None)
+        st = _lib.lib().infllmv2_attention_fwd(*[None] * 5, None, 0.0, *[None] * 4, 0, 1, 10, 10, 10, 10, 32, 2, 128, 0,
+                                               0.0, ctypes.byref(c), None)
     else:
         st = _lib.lib().infllmv2_attention_bwd(*[None] * 13, 0, 1, 10, 10, 10, 10, 32, 2, 128, 0, 0.0, ctypes.byref(c),
                                                None)
@@ -264,17 +264,34 @@ def test_c_attention_bwd_workspace_and_selection_checks():
                      "config dense_len 1000\\)", lib.infllmv2_last_error().decode())
 
 
+def _c_attention_fwd(q, k, v, cu_q, cu_k, out, lse, idx, ws, size, max_seqlen_k, c, punct=None, lam=0.0):
+    """infllmv2_attention_fwd on torch tensors (None: a NULL pointer), max_seqlen_q 1000."""
+    from infllmv2 import _lib
+    from infllmv2.ops import _stream
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    return _lib.lib().infllmv2_attention_fwd(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(), ptr(punct), lam, ptr(out),
+        ptr(lse), ptr(idx), ptr(ws), size, cu_q.numel() - 1, q.shape[0], k.shape[0], 1000, max_seqlen_k, q.shape[1],
+        k.shape[1], q.shape[2], 0, 0.0, ctypes.byref(c), _stream(q.device))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dense_len", [0, 100000])
 @pytest.mark.parametrize("approx_lse", [True, False])
-def test_c_attention_fwd_equals_the_torch_layer(dense_len, approx_lse):
+@pytest.mark.parametrize("phsa", [False, True])
+def test_c_attention_fwd_equals_the_torch_layer(dense_len, approx_lse, phsa):
     from infllmv2 import _lib
-    from infllmv2.ops import _stream
 
     cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=3, approx_lse=approx_lse)
     lengths = [700, 65, 1000, 1, 31]
     q, k, v, cu_q, cu_k = _qkv(lengths, lengths, 16, 128, torch.bfloat16, "cuda")
-    want, want_lse = infllmv2.attention(q, k, v, cu_q, cu_k, config=cfg, return_lse=True)
+    punct = (torch.rand(k.shape[0], device="cuda") < 0.15) if phsa else None
+    want, want_lse = infllmv2.attention(q, k, v, cu_q, cu_k, config=cfg, return_lse=True, punct_mask=punct)
+    punct_c = punct.to(torch.uint8) if phsa else None
+    lam = cfg.phsa_lambda if phsa else 0.0
     c = _c_config(cfg)
     lib = _lib.lib()
     size = lib.infllmv2_attention_fwd_workspace_size(len(lengths), q.shape[0], k.shape[0], 1000, 2, 128, ctypes.byref(c))
@@ -283,35 +300,59 @@ def test_c_attention_fwd_equals_the_torch_layer(dense_len, approx_lse):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
     idx = torch.full((2, q.shape[0], cfg.num_selected), -7, dtype=torch.int32, device="cuda")
-    st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
-                                    out.data_ptr(), lse.data_ptr(), idx.data_ptr(), ws.data_ptr(), size, len(lengths),
-                                    q.shape[0], k.shape[0], 1000, 1000, 32, 2, 128, 0, 0.0, ctypes.byref(c),
-                                    _stream(q.device))
+    st = _c_attention_fwd(q, k, v, cu_q, cu_k, out, lse, idx, ws, size, 1000, c, punct_c, lam)
     assert st == _lib.OK, lib.infllmv2_last_error().decode()
     torch.cuda.synchronize()
     # the same kernels on the same data: bitwise the torch layer's result
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     if dense_len == 0:
         sel = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=cfg.num_selected, local_blocks=cfg.local_blocks,
-                                     approx_lse=approx_lse)
+                                     approx_lse=approx_lse, punct_mask=punct)
         assert torch.equal(idx, sel)
+        if phsa:
+            # the punctuation flags reach the selection (with none of them, it differs)
+            plain = infllmv2.select_blocks(q, k, cu_q, cu_k, topk=cfg.num_selected, local_blocks=cfg.local_blocks,
+                                           approx_lse=approx_lse)
+            assert not torch.equal(idx, plain)
         # a max_seqlen_k above every length (it sizes grids only; at most total_k here) gives the
         # same result
         out2 = torch.full_like(q, float("nan"))
-        st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
-                                        out2.data_ptr(), lse.data_ptr(), None, ws.data_ptr(), size, len(lengths),
-                                        q.shape[0], k.shape[0], 1000, k.shape[0], 32, 2, 128, 0, 0.0, ctypes.byref(c),
-                                        _stream(q.device))
+        st = _c_attention_fwd(q, k, v, cu_q, cu_k, out2, lse, None, ws, size, k.shape[0], c, punct_c, lam)
         assert st == _lib.OK, lib.infllmv2_last_error().decode()
         torch.cuda.synchronize()
         assert torch.equal(out2, want)
     else:
         assert (idx == -7).all()
-    st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
-                                    out.data_ptr(), lse.data_ptr(), None, ws.data_ptr(), 16, len(lengths), q.shape[0],
-                                    k.shape[0], 1000, 1000, 32, 2, 128, 0, 0.0, ctypes.byref(c), _stream(q.device))
+    st = _c_attention_fwd(q, k, v, cu_q, cu_k, out, lse, None, ws, 16, 1000, c, punct_c, lam)
     if size > 16:
         assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense_len", [0, 100000])
+def test_c_attention_fwd_phsa_errors(dense_len):
+    """A bad PHSA argument fails by name on either side of the switch, before any launch."""
+    from infllmv2 import _lib
+
+    cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=3)
+    lengths = [700, 65]
+    q, k, v, cu_q, cu_k = _qkv(lengths, lengths, 16, 128, torch.bfloat16, "cuda")
+    c = _c_config(cfg)
+    lib = _lib.lib()
+    size = lib.infllmv2_attention_fwd_workspace_size(len(lengths), q.shape[0], k.shape[0], 1000, 2, 128, ctypes.byref(c))
+    ws = torch.empty((max(size, 1),), dtype=torch.uint8, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+    punct = torch.zeros(k.shape[0], dtype=torch.uint8, device="cuda")
+    for lam in (1.5, -0.25, float("nan")):
+        st = _c_attention_fwd(q, k, v, cu_q, cu_k, out, lse, None, ws, size, 1000, c, punct, lam)
+        assert st == _lib.ERR_INVALID_ARGUMENT
+        assert re.search("infllmv2_attention_fwd: phsa_lambda must be in \\[0, 1\\], got", lib.infllmv2_last_error().decode())
+    st = _c_attention_fwd(q, k, v, cu_q, cu_k, out, lse, None, ws, size, 1000, c, punct.cpu(), 0.5)
+    assert st == _lib.ERR_INVALID_ARGUMENT
+    assert "infllmv2_attention_fwd: punct_mask" in lib.infllmv2_last_error().decode()
+    torch.cuda.synchronize()
+    assert out.isnan().all()
 
 
 @pytest.mark.gpu
@@ -338,10 +379,7 @@ def test_c_attention_bwd_equals_the_torch_layer(dense_len, G):
     ws = torch.empty((max(size, 1),), dtype=torch.uint8, device="cuda")
     out_c = torch.empty_like(out)
     lse_c = torch.empty_like(lse)
-    st = lib.infllmv2_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(),
-                                    out_c.data_ptr(), lse_c.data_ptr(), idx.data_ptr(), ws.data_ptr(), size,
-                                    len(lengths), total_q, total_k, 1000, 1000, hq, 2, 128, 0, 0.0, ctypes.byref(c),
-                                    _stream(q.device))
+    st = _c_attention_fwd(q, k, v, cu_q, cu_k, out_c, lse_c, idx, ws, size, 1000, c)
     assert st == _lib.OK, lib.infllmv2_last_error().decode()
 
     size = lib.infllmv2_attention_bwd_workspace_size(len(lengths), total_q, total_k, 1000, hq, 2, ctypes.byref(c))

@@ -66,8 +66,8 @@ static bool attention_sparse_equals_dense() {
     size_t bytes = infllmv2_attention_fwd_workspace_size(2, total, total, lens[0], hk, dim, &cfg);
     void* ws = nullptr;
     if (bytes) cudaMalloc(&ws, bytes);
-    infllmv2_status st = infllmv2_attention_fwd(dq, dkv, dkv, cu_d, cu_d, out[path], (float*)dlse, (int32_t*)didx, ws,
-                                                bytes, 2, total, total, lens[0], lens[0], hq, hk, dim,
+    infllmv2_status st = infllmv2_attention_fwd(dq, dkv, dkv, cu_d, cu_d, nullptr, 0.f, out[path], (float*)dlse,
+                                                (int32_t*)didx, ws, bytes, 2, total, total, lens[0], lens[0], hq, hk, dim,
                                                 INFLLMV2_DTYPE_BF16, 0.f, &cfg, nullptr);
     if (st != INFLLMV2_OK) {
       std::printf("infllmv2_attention_fwd (%s path) failed (%d): %s\n", name, (int)st, infllmv2_last_error());

@@ -57,7 +57,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change of a signature or of a struct/enum value. */
-#define INFLLMV2_ABI_VERSION 4
+#define INFLLMV2_ABI_VERSION 5
 
 typedef enum {
   INFLLMV2_OK = 0,
@@ -583,6 +583,10 @@ INFLLMV2_API size_t infllmv2_attention_fwd_workspace_size(int32_t batch, int64_t
  * InfLLM-V2 attention of packed varlen sequences, bottom-right causal.
  *
  *   [in]  q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse  as for infllmv2_sparse_attn_fwd
+ *   [in]  punct_mask, phsa_lambda  PHSA: optional uint8 (total_k,) device flags, nonzero for a
+ *                      punctuation key, with its weight in [0, 1], as for infllmv2_compress_keys
+ *                      (NULL: the plain mean); stage 0 only, so the dense path checks but does
+ *                      not use them
  *   [out] topk_idx     optional (NULL: kept in the workspace): int32 (heads_k, total_q, K), the
  *                      selection the sparse path used (untouched on the dense path)
  *   [in]  workspace    device memory of infllmv2_attention_fwd_workspace_size() bytes
@@ -590,13 +594,14 @@ INFLLMV2_API size_t infllmv2_attention_fwd_workspace_size(int32_t batch, int64_t
  *   [in]  config       see infllmv2_sparse_config; softmax_scale 0 for 1/sqrt(head_dim)
  * q, k, v, out and workspace 16-byte aligned.
  * Support: what its ops support (bf16/fp16, head_dim 64/128, G <= 64, K <= 128).
+ * (ABI 5 added punct_mask and phsa_lambda.)
  */
 INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
     const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
-    void* out, float* lse, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch,
-    int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads,
-    int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
-    const infllmv2_sparse_config* config, cudaStream_t stream);
+    const uint8_t* punct_mask, float phsa_lambda, void* out, float* lse, int32_t* topk_idx, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+    int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype,
+    float softmax_scale, const infllmv2_sparse_config* config, cudaStream_t stream);
 
 /* Bytes of device workspace infllmv2_attention_bwd needs: the dense backward's
  * (infllmv2_dense_attn_bwd_workspace_size) when max_seqlen_k < config->dense_len, else the sparse

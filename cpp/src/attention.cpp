@@ -230,14 +230,24 @@ extern "C" INFLLMV2_API size_t infllmv2_attention_fwd_workspace_size(int32_t bat
 }
 
 extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
-    const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k, void* out,
-    float* lse, int32_t* topk_idx, void* workspace, size_t workspace_size, int32_t batch, int64_t total_q,
-    int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t heads, int32_t heads_k, int32_t head_dim,
-    infllmv2_dtype dtype, float softmax_scale, const infllmv2_sparse_config* config, cudaStream_t stream) {
+    const void* q, const void* k, const void* v, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+    const uint8_t* punct_mask, float phsa_lambda, void* out, float* lse, int32_t* topk_idx, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int64_t total_k, int32_t max_seqlen_q, int32_t max_seqlen_k,
+    int32_t heads, int32_t heads_k, int32_t head_dim, infllmv2_dtype dtype, float softmax_scale,
+    const infllmv2_sparse_config* config, cudaStream_t stream) {
   clear_error();
   infllmv2_status st = check_call(kOp, config, dtype, head_dim, batch, heads, heads_k, total_q, total_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale);
   if (st != INFLLMV2_OK) return st;
+  // checked on both sides of the switch, so that a bad PHSA argument fails the same way for every
+  // length (the dense path has no compression to use it)
+  if (punct_mask != nullptr && !(phsa_lambda >= 0.0f && phsa_lambda <= 1.0f))
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: phsa_lambda must be in [0, 1], got %g", kOp, (double)phsa_lambda);
+  if (punct_mask != nullptr && total_k > 0) {
+    Device dev;
+    if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
+    if ((st = check_device_pointer(kOp, "punct_mask", punct_mask, dev)) != INFLLMV2_OK) return st;
+  }
   // named here, not by the op it dispatches to
   if ((st = check_aligned(kOp, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"workspace", workspace}})) != INFLLMV2_OK)
     return st;
@@ -259,7 +269,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
 
   int32_t* idx = topk_idx != nullptr ? topk_idx : at<int32_t>(workspace, l.select);
   const int K = selected(c);
-  if ((st = infllmv2_select_blocks_from_keys(q, k, cu_seqlens_q, cu_seqlens_k, nullptr, 0.0f, idx, workspace, l.select,
+  if ((st = infllmv2_select_blocks_from_keys(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, idx, workspace,
+                                             l.select,
                                              batch, total_q, total_k, max_seqlen_q, max_seqlen_k, heads, heads_k,
                                              head_dim, K, c.init_blocks, c.window_size / c.block_size, c.approx_lse,
                                              c.norm_kernel_size, c.norm_kernel_stride, dtype, softmax_scale, stream)) !=

@@ -13,7 +13,7 @@ import json
 import os
 import threading
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 OK = 0
 ERR_INVALID_ARGUMENT = 1
@@ -131,8 +131,8 @@ _SIGNATURES = {
     ),
     "infllmv2_attention_fwd": (
         _c.c_int,
-        [_c.c_void_p] * 9 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64] + [_c.c_int32] * 5
-        + [_c.c_int, _c.c_float, _c.c_void_p, _c.c_void_p],
+        [_c.c_void_p] * 6 + [_c.c_float] + [_c.c_void_p] * 4 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int64]
+        + [_c.c_int32] * 5 + [_c.c_int, _c.c_float, _c.c_void_p, _c.c_void_p],
     ),
     "infllmv2_attention_kvcache_workspace_size": (
         _c.c_size_t, [_c.c_int32, _c.c_int64, _c.c_int32, _c.c_int32, _c.c_int64] + [_c.c_int32] * 5 + [_c.c_void_p],
