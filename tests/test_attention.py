@@ -335,7 +335,7 @@ def test_c_attention_fwd_phsa_errors(dense_len):
     from infllmv2 import _lib
 
     cfg = SparseConfig(dense_len=dense_len, window_size=128, topk=3)
-    lengths = [700, 65]
+    lengths = [700, 1000]
     q, k, v, cu_q, cu_k = _qkv(lengths, lengths, 16, 128, torch.bfloat16, "cuda")
     c = _c_config(cfg)
     lib = _lib.lib()
