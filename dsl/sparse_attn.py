@@ -1111,8 +1111,8 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                VEC, predicate=r < n_rows)
 
     @T.macro
-    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, lseb, deltab, rowl, headl,
-                  hk, rbar, bi, boxl):
+    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, Qv, dOv, lseb, deltab, rowl,
+                  headl, hk, rbar, bi, boxl):
         # No wait: the next group's rows load while the current one is computed. Rows past the
         # member rows are zero-filled. Row r is head rhead_s[r] of member token
         # tok_s[base + rtok_s[r]]: a gather, one 16-byte cp.async a thread and vector, except in
@@ -1138,16 +1138,36 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
             for j in T.unroll(BM // boxes):
                 boxl[j] = T.if_then_else(j * boxes < n_rows, q0 + tok_s[base + j], total_q)
-            for j in T.unroll(BM // boxes):
-                # box j: rows j * boxes .., the heads of group hk of the group's token j
-                if tx // 32 == j % (threads // 32):
-                    for hf in T.unroll(D // BOX_D):
-                        T.tma_copy(Q[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
-                                   Qb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi],
-                                   leader_scope_threads=32)
-                        T.tma_copy(dO[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
-                                   dOb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D], barrier=rbar[bi],
-                                   leader_scope_threads=32)
+            run = BM // boxes  # the group's tokens
+            halves = D // BOX_D
+            if n_rows == BM and boxl[run - 1] - boxl[0] == run - 1:
+                # Consecutive tokens (the local window's members, and most runs of a query block
+                # that picked the block): one box of all of them per half of D and tensor, 4 TMA
+                # loads instead of 16, warp w issuing load w. The rows land where the per-token
+                # boxes put them (row j * boxes + head), so the group is the same, bitwise. H100,
+                # dK/dV alone, two runs: 70.6, 71.8 -> 68.7, 67.7 ms at 32K x 8, 74.5, 74.7 ->
+                # 73.4, 73.8 at 128K x 2 (benchmarks/NOTES.md, "Session 36"). Qv, dOv: Qb, dOb
+                # viewed as (token, head, D).
+                for w in T.unroll(2 * halves):
+                    h0 = (w % halves) * BOX_D
+                    if tx // 32 == w % (threads // 32):
+                        if w // halves == 0:
+                            T.tma_copy(Q[boxl[0] : boxl[0] + run, hk * boxes : hk * boxes + boxes, h0 : h0 + BOX_D],
+                                       Qv[0:run, 0:boxes, h0 : h0 + BOX_D], barrier=rbar[bi], leader_scope_threads=32)
+                        else:
+                            T.tma_copy(dO[boxl[0] : boxl[0] + run, hk * boxes : hk * boxes + boxes, h0 : h0 + BOX_D],
+                                       dOv[0:run, 0:boxes, h0 : h0 + BOX_D], barrier=rbar[bi], leader_scope_threads=32)
+            else:
+                for j in T.unroll(run):
+                    # box j: rows j * boxes .., the heads of group hk of the group's token j
+                    if tx // 32 == j % (threads // 32):
+                        for hf in T.unroll(halves):
+                            T.tma_copy(Q[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                       Qb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                       barrier=rbar[bi], leader_scope_threads=32)
+                            T.tma_copy(dO[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                       dOb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                       barrier=rbar[bi], leader_scope_threads=32)
             T.mbarrier_arrive(rbar[bi])
         else:
             row_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
@@ -1255,6 +1275,13 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             dO_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
             lse_s1 = T.alloc_shared([BM if prefetch else 1], accum)
             delta_s1 = T.alloc_shared([BM if prefetch else 1], accum)
+            # the box unit's 4-token boxes write the row tiles as (token, head, D); views made
+            # here, each under its own name, because views made in load_tile got TileLang's
+            # names in a different order on each build
+            Q_v0 = T.reshape(Q_s0, [BM // boxes, boxes, D]) if boxes else None
+            dO_v0 = T.reshape(dO_s0, [BM // boxes, boxes, D]) if boxes else None
+            Q_v1 = T.reshape(Q_s1, [BM // boxes, boxes, D]) if boxes else None
+            dO_v1 = T.reshape(dO_s1, [BM // boxes, boxes, D]) if boxes else None
             # a slice of the block's member tokens (positions in the sequence), in order; BM
             # spare entries keep the last group's reads past the end in bounds
             tok_s = T.alloc_shared([SLICE + BM], "int32")
@@ -1360,7 +1387,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                         n_m = T.ceildiv(n_toks, tile_tokens)
                         if n_m > 0:
                             load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                      rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
+                                      rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, lse_s0, delta_s0, rowl, headl, hk,
                                       rbar, 0, boxl)
                             T.ptx_commit_group()
                         for m in T.serial(n_m):
@@ -1388,19 +1415,19 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                     if m % 2 == 0:
                                         load_tile(Q, dO, LSE, Delta, q0, nb,
                                                   T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                  rhead_s, tx, Q_s1, dO_s1, lse_s1, delta_s1, rowl, headl, hk,
-                                                  rbar, 1, boxl)
+                                                  rhead_s, tx, Q_s1, dO_s1, Q_v1, dO_v1, lse_s1, delta_s1, rowl,
+                                                  headl, hk, rbar, 1, boxl)
                                     else:
                                         load_tile(Q, dO, LSE, Delta, q0, nb,
                                                   T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                  rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
-                                                  rbar, 0, boxl)
+                                                  rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, lse_s0, delta_s0, rowl,
+                                                  headl, hk, rbar, 0, boxl)
                                     T.ptx_commit_group()
                             else:
                                 if m > 0:
                                     load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
                                               T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
-                                              rhead_s, tx, Q_s0, dO_s0, lse_s0, delta_s0, rowl, headl, hk,
+                                              rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, lse_s0, delta_s0, rowl, headl, hk,
                                               rbar, 0, boxl)
                                     T.ptx_commit_group()
                                 T.ptx_wait_group(0)

@@ -21,8 +21,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Q_desc_1, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, __grid_constant__ const CUtensorMap dO_desc_1, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Q_desc_1, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, __grid_constant__ const CUtensorMap dO_desc_1, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
@@ -33,10 +33,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 17408));
   void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 25856));
   void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 26112));
-  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 26624));
-  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 34816));
-  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 43008));
-  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 51200));
+  void* Q_v0 = ((void*)((char*)buf_dyn_shmem + 26624));
+  void* Q_v1 = ((void*)((char*)buf_dyn_shmem + 34816));
+  void* dO_v0 = ((void*)((char*)buf_dyn_shmem + 43008));
+  void* dO_v1 = ((void*)((char*)buf_dyn_shmem + 51200));
   __shared__ __align__(16) uint64_t rbar_mem[2];
   auto rbar = reinterpret_cast<Barrier*>(rbar_mem);
   int kb = 0;
@@ -64,6 +64,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   if (tl::tl_shuffle_elect<0>()) {
     tl::prefetch_tma_descriptor(Q_desc);
     tl::prefetch_tma_descriptor(dO_desc);
+    tl::prefetch_tma_descriptor(Q_desc_1);
+    tl::prefetch_tma_descriptor(dO_desc_1);
   }
   if (tl::tl_shuffle_elect<0>()) {
     rbar[0].init(128);
@@ -332,15 +334,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
           }
         }
         if (0 < n_m) {
-          if (tl::tl_shuffle_elect<32>()) {
-            tl::fence_proxy_async();
-            #pragma unroll
-            for (int j_2 = 0; j_2 < 4; ++j_2) {
-              if ((((int)threadIdx.x) >> 5) == j_2) {
-                rbar[0].expect_transaction(2048);
-                tl::tma_load(Q_desc, rbar[0], (&(((half_t*)Q_s0)[(j_2 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_2]);
-                rbar[0].expect_transaction(2048);
-                tl::tma_load(dO_desc, rbar[0], (&(((half_t*)dO_s0)[(j_2 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_2]);
+          tl::fence_proxy_async();
+          if (((min(tile_tokens, n_toks) * groups) == 64) && ((boxl[3] - boxl[0]) == 3)) {
+            if (tl::tl_shuffle_elect<32>()) {
+              #pragma unroll
+              for (int w = 0; w < 2; ++w) {
+                if ((((int)threadIdx.x) >> 5) == w) {
+                  if (w == 0) {
+                    rbar[0].expect_transaction(8192);
+                    tl::tma_load(Q_desc, rbar[0], (&(((half_t*)Q_v0)[0])), 0, (((int)blockIdx.y) * 16), boxl[0]);
+                  } else {
+                    rbar[0].expect_transaction(8192);
+                    tl::tma_load(dO_desc, rbar[0], (&(((half_t*)dO_v0)[0])), 0, (((int)blockIdx.y) * 16), boxl[0]);
+                  }
+                }
+              }
+            }
+          } else {
+            if (tl::tl_shuffle_elect<32>()) {
+              #pragma unroll
+              for (int j_2 = 0; j_2 < 4; ++j_2) {
+                if ((((int)threadIdx.x) >> 5) == j_2) {
+                  rbar[0].expect_transaction(2048);
+                  tl::tma_load(Q_desc_1, rbar[0], (&(((half_t*)Q_v0)[(j_2 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_2]);
+                  rbar[0].expect_transaction(2048);
+                  tl::tma_load(dO_desc_1, rbar[0], (&(((half_t*)dO_v0)[(j_2 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_2]);
+                }
               }
             }
           }
@@ -394,15 +413,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 }
                 boxl[j_3] = condval_19;
               }
-              if (tl::tl_shuffle_elect<32>()) {
-                tl::fence_proxy_async();
-                #pragma unroll
-                for (int j_4 = 0; j_4 < 4; ++j_4) {
-                  if ((((int)threadIdx.x) >> 5) == j_4) {
-                    rbar[1].expect_transaction(2048);
-                    tl::tma_load(Q_desc, rbar[1], (&(((half_t*)Q_s1)[(j_4 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_4]);
-                    rbar[1].expect_transaction(2048);
-                    tl::tma_load(dO_desc, rbar[1], (&(((half_t*)dO_s1)[(j_4 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_4]);
+              tl::fence_proxy_async();
+              if ((n_rows == 64) && ((boxl[3] - boxl[0]) == 3)) {
+                if (tl::tl_shuffle_elect<32>()) {
+                  #pragma unroll
+                  for (int w_1 = 0; w_1 < 2; ++w_1) {
+                    if ((((int)threadIdx.x) >> 5) == w_1) {
+                      if (w_1 == 0) {
+                        rbar[1].expect_transaction(8192);
+                        tl::tma_load(Q_desc, rbar[1], (&(((half_t*)Q_v1)[0])), 0, (((int)blockIdx.y) * 16), boxl[0]);
+                      } else {
+                        rbar[1].expect_transaction(8192);
+                        tl::tma_load(dO_desc, rbar[1], (&(((half_t*)dO_v1)[0])), 0, (((int)blockIdx.y) * 16), boxl[0]);
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (tl::tl_shuffle_elect<32>()) {
+                  #pragma unroll
+                  for (int j_4 = 0; j_4 < 4; ++j_4) {
+                    if ((((int)threadIdx.x) >> 5) == j_4) {
+                      rbar[1].expect_transaction(2048);
+                      tl::tma_load(Q_desc_1, rbar[1], (&(((half_t*)Q_v1)[(j_4 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_4]);
+                      rbar[1].expect_transaction(2048);
+                      tl::tma_load(dO_desc_1, rbar[1], (&(((half_t*)dO_v1)[(j_4 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_4]);
+                    }
                   }
                 }
               }
@@ -433,15 +469,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 }
                 boxl[j_5] = condval_21;
               }
-              if (tl::tl_shuffle_elect<32>()) {
-                tl::fence_proxy_async();
-                #pragma unroll
-                for (int j_6 = 0; j_6 < 4; ++j_6) {
-                  if ((((int)threadIdx.x) >> 5) == j_6) {
-                    rbar[0].expect_transaction(2048);
-                    tl::tma_load(Q_desc, rbar[0], (&(((half_t*)Q_s0)[(j_6 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_6]);
-                    rbar[0].expect_transaction(2048);
-                    tl::tma_load(dO_desc, rbar[0], (&(((half_t*)dO_s0)[(j_6 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_6]);
+              tl::fence_proxy_async();
+              if ((n_rows_1 == 64) && ((boxl[3] - boxl[0]) == 3)) {
+                if (tl::tl_shuffle_elect<32>()) {
+                  #pragma unroll
+                  for (int w_2 = 0; w_2 < 2; ++w_2) {
+                    if ((((int)threadIdx.x) >> 5) == w_2) {
+                      if (w_2 == 0) {
+                        rbar[0].expect_transaction(8192);
+                        tl::tma_load(Q_desc, rbar[0], (&(((half_t*)Q_v0)[0])), 0, (((int)blockIdx.y) * 16), boxl[0]);
+                      } else {
+                        rbar[0].expect_transaction(8192);
+                        tl::tma_load(dO_desc, rbar[0], (&(((half_t*)dO_v0)[0])), 0, (((int)blockIdx.y) * 16), boxl[0]);
+                      }
+                    }
+                  }
+                }
+              } else {
+                if (tl::tl_shuffle_elect<32>()) {
+                  #pragma unroll
+                  for (int j_6 = 0; j_6 < 4; ++j_6) {
+                    if ((((int)threadIdx.x) >> 5) == j_6) {
+                      rbar[0].expect_transaction(2048);
+                      tl::tma_load(Q_desc_1, rbar[0], (&(((half_t*)Q_v0)[(j_6 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_6]);
+                      rbar[0].expect_transaction(2048);
+                      tl::tma_load(dO_desc_1, rbar[0], (&(((half_t*)dO_v0)[(j_6 * 1024)])), 0, (((int)blockIdx.y) * 16), boxl[j_6]);
+                    }
                   }
                 }
               }
@@ -463,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::GmmaDescriptor desc_a;
               tl::GmmaDescriptor desc_b;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)Q_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)Q_v0)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -477,7 +530,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::GmmaDescriptor desc_a_1;
               tl::GmmaDescriptor desc_b_1;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)dO_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)dO_v0)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -534,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
               tl::GmmaDescriptor desc_b_2;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((half_t*)dO_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((half_t*)dO_v0)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_arrive();
@@ -568,7 +621,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
               tl::GmmaDescriptor desc_b_3;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((half_t*)Q_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((half_t*)Q_v0)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_arrive();
@@ -589,7 +642,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::GmmaDescriptor desc_a_2;
               tl::GmmaDescriptor desc_b_4;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((half_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((half_t*)Q_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((half_t*)Q_v1)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -603,7 +656,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::GmmaDescriptor desc_a_3;
               tl::GmmaDescriptor desc_b_5;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((half_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((half_t*)dO_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((half_t*)dO_v1)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -660,7 +713,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
               tl::GmmaDescriptor desc_b_6;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_6, (&(((half_t*)dO_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_6, (&(((half_t*)dO_v1)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_arrive();
@@ -694,7 +747,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
               tl::GmmaDescriptor desc_b_7;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_7, (&(((half_t*)Q_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_7, (&(((half_t*)Q_v1)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_arrive();
@@ -866,7 +919,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(half_t* __r
 	void *Q_desc_globalAddress= Q;
 	cuuint64_t Q_desc_globalDim[3]= {64,heads,total_q};
 	cuuint64_t Q_desc_globalStride[3]= {2,128,(int64_t)heads * 128};
-	cuuint32_t Q_desc_boxDim[3]= {64,16,1};
+	cuuint32_t Q_desc_boxDim[3]= {64,16,4};
 	cuuint32_t Q_desc_elementStrides[3]= {1,1,1};
 	CUtensorMapInterleave Q_desc_interleave= (CUtensorMapInterleave)0;
 	CUtensorMapSwizzle Q_desc_swizzle= (CUtensorMapSwizzle)3;
@@ -881,13 +934,34 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(half_t* __r
 		return -1;
 	}
 
+	CUtensorMap Q_desc_1;
+	CUtensorMapDataType Q_desc_1_type= (CUtensorMapDataType)6;
+	cuuint32_t Q_desc_1_tensorRank= 3;
+	void *Q_desc_1_globalAddress= Q;
+	cuuint64_t Q_desc_1_globalDim[3]= {64,heads,total_q};
+	cuuint64_t Q_desc_1_globalStride[3]= {2,128,(int64_t)heads * 128};
+	cuuint32_t Q_desc_1_boxDim[3]= {64,16,1};
+	cuuint32_t Q_desc_1_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave Q_desc_1_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle Q_desc_1_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion Q_desc_1_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill Q_desc_1_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult Q_desc_1_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &Q_desc_1, Q_desc_1_type, Q_desc_1_tensorRank, Q_desc_1_globalAddress, Q_desc_1_globalDim, Q_desc_1_globalStride + 1, Q_desc_1_boxDim, Q_desc_1_elementStrides, Q_desc_1_interleave, Q_desc_1_swizzle, Q_desc_1_l2Promotion, Q_desc_1_oobFill);
+
+	if (Q_desc_1_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor Q_desc_1");
+		return -1;
+	}
+
 	CUtensorMap dO_desc;
 	CUtensorMapDataType dO_desc_type= (CUtensorMapDataType)6;
 	cuuint32_t dO_desc_tensorRank= 3;
 	void *dO_desc_globalAddress= dO;
 	cuuint64_t dO_desc_globalDim[3]= {64,heads,total_q};
 	cuuint64_t dO_desc_globalStride[3]= {2,128,(int64_t)heads * 128};
-	cuuint32_t dO_desc_boxDim[3]= {64,16,1};
+	cuuint32_t dO_desc_boxDim[3]= {64,16,4};
 	cuuint32_t dO_desc_elementStrides[3]= {1,1,1};
 	CUtensorMapInterleave dO_desc_interleave= (CUtensorMapInterleave)0;
 	CUtensorMapSwizzle dO_desc_swizzle= (CUtensorMapSwizzle)3;
@@ -902,6 +976,27 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(half_t* __r
 		return -1;
 	}
 
+	CUtensorMap dO_desc_1;
+	CUtensorMapDataType dO_desc_1_type= (CUtensorMapDataType)6;
+	cuuint32_t dO_desc_1_tensorRank= 3;
+	void *dO_desc_1_globalAddress= dO;
+	cuuint64_t dO_desc_1_globalDim[3]= {64,heads,total_q};
+	cuuint64_t dO_desc_1_globalStride[3]= {2,128,(int64_t)heads * 128};
+	cuuint32_t dO_desc_1_boxDim[3]= {64,16,1};
+	cuuint32_t dO_desc_1_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave dO_desc_1_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle dO_desc_1_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion dO_desc_1_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill dO_desc_1_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult dO_desc_1_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &dO_desc_1, dO_desc_1_type, dO_desc_1_tensorRank, dO_desc_1_globalAddress, dO_desc_1_globalDim, dO_desc_1_globalStride + 1, dO_desc_1_boxDim, dO_desc_1_elementStrides, dO_desc_1_interleave, dO_desc_1_swizzle, dO_desc_1_l2Promotion, dO_desc_1_oobFill);
+
+	if (dO_desc_1_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor dO_desc_1");
+		return -1;
+	}
+
 	{
 		cudaLaunchConfig_t config;
 		cudaLaunchAttribute attribute[1];
@@ -913,7 +1008,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(half_t* __r
 		config.gridDim = dim3(pieces * 4 + max_kblocks - 4, heads_k, batch);
 		config.blockDim = dim3(128, 1, 1);
 		config.dynamicSmemBytes = 59392;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_kernel, Delta, K, LSE, Q_desc, V, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_kernel, Delta, K, LSE, Q_desc, Q_desc_1, V, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dO_desc_1, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_kernel");
 
