@@ -241,8 +241,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
   if (st != INFLLMV2_OK) return st;
   // checked on both sides of the switch, so that a bad PHSA argument fails the same way for every
   // length (the dense path has no compression to use it)
-  if (punct_mask != nullptr && !(phsa_lambda >= 0.0f && phsa_lambda <= 1.0f))
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: phsa_lambda must be in [0, 1], got %g", kOp, (double)phsa_lambda);
+  if ((st = check_phsa_lambda(kOp, punct_mask, phsa_lambda)) != INFLLMV2_OK) return st;
   if (punct_mask != nullptr && total_k > 0) {
     Device dev;
     if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;

@@ -38,8 +38,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys(
   if (kernel_size < 1 || kernel_stride < 1)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: kernel_size and kernel_stride must be >= 1, got %d and %d", kOp,
                 kernel_size, kernel_stride);
-  if (punct_mask != nullptr && !(phsa_lambda >= 0.0f && phsa_lambda <= 1.0f))
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: phsa_lambda must be in [0, 1], got %g", kOp, (double)phsa_lambda);
+  infllmv2_status st = check_phsa_lambda(kOp, punct_mask, phsa_lambda);
+  if (st != INFLLMV2_OK) return st;
   // total_c bounds every row the kernel writes; a bound beyond what the lengths allow is a
   // caller bug worth naming rather than a silent partial write.
   if (total_c > total_k / kernel_stride + batch)
@@ -48,8 +48,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_compress_keys(
                 (long long)total_c, (long long)total_k, kernel_stride, batch);
 
   Device dev;
-  infllmv2_status st = current_device(kOp, &dev);
-  if (st != INFLLMV2_OK) return st;
+  if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
   if ((st = check_device_pointer(kOp, "cu_seqlens_k", cu_seqlens_k, dev)) != INFLLMV2_OK) return st;
   if ((st = check_device_pointer(kOp, "cu_seqlens_c", cu_seqlens_c, dev)) != INFLLMV2_OK) return st;
   if (total_k > 0 && (st = check_device_pointer(kOp, "k", k, dev)) != INFLLMV2_OK) return st;

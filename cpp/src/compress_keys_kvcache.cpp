@@ -36,8 +36,7 @@ infllmv2_status infllmv2::compress_kvcache_levels(const char* op, const void* k_
                 "launch, got %d", op, kMaxGridYZ / n_levels, n_levels, heads_k);
   if (new_keys < 0)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: new_keys must be >= 0, got %d", op, new_keys);
-  if (punct_cache != nullptr && !(phsa_lambda >= 0.0f && phsa_lambda <= 1.0f))
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: phsa_lambda must be in [0, 1], got %g", op, (double)phsa_lambda);
+  if ((st = check_phsa_lambda(op, punct_cache, phsa_lambda)) != INFLLMV2_OK) return st;
   if ((st = check_cache_layout(op, block_table != nullptr, batch, num_pages, page_size, pages_per_seq, kBlock)) !=
       INFLLMV2_OK)
     return st;

@@ -274,6 +274,12 @@ infllmv2_status check_cache_layout(const char* op, bool paged, int32_t batch, in
   return INFLLMV2_OK;
 }
 
+infllmv2_status check_phsa_lambda(const char* op, const void* punct, float phsa_lambda) {
+  if (punct != nullptr && !(phsa_lambda >= 0.0f && phsa_lambda <= 1.0f))
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: phsa_lambda must be in [0, 1], got %g", op, (double)phsa_lambda);
+  return INFLLMV2_OK;
+}
+
 infllmv2_status check_key_blocks_on_grid(const char* op, int32_t max_seqlen_k, int block) {
   if (((int64_t)max_seqlen_k + block - 1) / block > kMaxGridYZ)
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: max_seqlen_k must be at most %d in the backward, got %d", op,

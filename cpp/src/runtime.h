@@ -72,6 +72,10 @@ infllmv2_status check_group_layout(const char* op, int dtype, int head_dim, int 
 infllmv2_status check_attn_sizes(const char* op, int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
                                  int32_t max_seqlen_k, float softmax_scale);
 
+// PHSA's weight, checked where a punctuation mask is given (NULL: the plain mean, lambda unused):
+// in [0, 1], NaN rejected.
+infllmv2_status check_phsa_lambda(const char* op, const void* punct, float phsa_lambda);
+
 // The KV-cache layout the *_kvcache ops share (infllmv2.h, infllmv2_sparse_decode_kvcache):
 // num_pages pages of page_size rows; a padded cache (no block table, pages_per_seq 0) has a
 // page a sequence, a paged one pages_per_seq table entries a sequence, pages a multiple of
