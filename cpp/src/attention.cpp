@@ -242,16 +242,17 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
   // checked on both sides of the switch, so that a bad PHSA argument fails the same way for every
   // length (the dense path has no compression to use it)
   if ((st = check_phsa_lambda(kOp, punct_mask, phsa_lambda)) != INFLLMV2_OK) return st;
-  if (punct_mask != nullptr && total_k > 0) {
-    Device dev;
-    if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
-    if ((st = check_device_pointer(kOp, "punct_mask", punct_mask, dev)) != INFLLMV2_OK) return st;
-  }
+  const infllmv2_sparse_config& c = *config;
+  const bool sparse = max_seqlen_k >= c.dense_len;
+  const bool punct_checked = punct_mask != nullptr && total_k > 0;
+  // one device query serves the mask's check and the sparse path's workspace checks
+  Device dev;
+  if ((punct_checked || sparse) && (st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
+  if (punct_checked && (st = check_device_pointer(kOp, "punct_mask", punct_mask, dev)) != INFLLMV2_OK) return st;
   // named here, not by the op it dispatches to
   if ((st = check_aligned(kOp, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"workspace", workspace}})) != INFLLMV2_OK)
     return st;
-  const infllmv2_sparse_config& c = *config;
-  if (max_seqlen_k < c.dense_len)
+  if (!sparse)
     return infllmv2_dense_attn_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, batch, total_q, total_k,
                                    max_seqlen_q, max_seqlen_k, heads, heads_k, head_dim, 1, dtype, softmax_scale,
                                    stream);
@@ -261,8 +262,6 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
                 "%s: workspace_size is %zu bytes, infllmv2_attention_fwd_workspace_size() asks for %zu", kOp,
                 workspace_size, l.total);
-  Device dev;
-  if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
   if ((st = check_device_pointer(kOp, "workspace", workspace, dev)) != INFLLMV2_OK) return st;
   if (topk_idx != nullptr && (st = check_device_pointer(kOp, "topk_idx", topk_idx, dev)) != INFLLMV2_OK) return st;
 
