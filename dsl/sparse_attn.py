@@ -416,6 +416,20 @@ def walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p
 
 
 @T.macro
+def load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full, cluster_mask=None):
+    """The TMA loads of a union walk's first K and V blocks onto full[0], full[1] (an empty
+    union still loads, and waits for, one block: the sequence's first); cluster_mask multicasts
+    them to a cluster pair."""
+    first = T.if_then_else(n_it > 0, ublk_s[0], 0)
+    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0],
+               cluster_mask=cluster_mask)
+    T.mbarrier_arrive(full[0])
+    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1],
+               cluster_mask=cluster_mask)
+    T.mbarrier_arrive(full[1])
+
+
+@T.macro
 def walk_tile_union_tma(K, V, k0, hk, Q_r, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
                         acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2):
     """walk_tile_union on sm_90a with its own TMA loads (_fwd_pair's tiles that walk alone; the
@@ -425,11 +439,7 @@ def walk_tile_union_tma(K, V, k0, hk, Q_r, K_s, V_s, full, ublk_s, umask_s, n_it
     full[1]: K_s's, V_s's load landed; fresh, phase 0). The copies are issued on every step with
     a clamped index, as in _fwd_pair's shared walk; the last one's phase is waited for after
     the loop."""
-    first = T.if_then_else(n_it > 0, ublk_s[0], 0)
-    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
-    T.mbarrier_arrive(full[0])
-    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
-    T.mbarrier_arrive(full[1])
+    load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full)
     for it in T.serial(n_it):
         blk = ublk_s[it]
         nxt = ublk_s[T.min(it + 1, n_it - 1)]
@@ -629,14 +639,7 @@ def _fwd_pair(dtype, D):
                 T.fill(m_cur, NEG_INF)
                 T.copy(Q_s, Q_r)
                 if shared_walk == 1:
-                    # an empty union still loads (and waits for) one block: the sequence's first
-                    first = T.if_then_else(n_it > 0, ublk_s[0], 0)
-                    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0],
-                               cluster_mask=0b11)
-                    T.mbarrier_arrive(full[0])
-                    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1],
-                               cluster_mask=0b11)
-                    T.mbarrier_arrive(full[1])
+                    load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full, cluster_mask=0b11)
                     for it in T.serial(n_it):
                         blk = ublk_s[it]
                         nxt = ublk_s[T.min(it + 1, n_it - 1)]
@@ -861,12 +864,7 @@ def _bwd_dq(dtype, D, arch, tokens):
                 n_it = n_union[0]
                 T.fill(acc_dq, 0)
                 if rotate:
-                    # an empty union still loads (and waits for) one block: the sequence's first
-                    first = T.if_then_else(n_it > 0, ublk_s[0], 0)
-                    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
-                    T.mbarrier_arrive(full[0])
-                    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
-                    T.mbarrier_arrive(full[1])
+                    load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full)
                     for it in T.serial(n_it):
                         if it % 2 == 0:
                             dq_block(it, n_it, K, V, k0, hk, K_s, V_s, full, 0, 1, Q_s, dO_s, ublk_s, umask_s,

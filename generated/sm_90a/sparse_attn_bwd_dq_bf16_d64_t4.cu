@@ -418,8 +418,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
       float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
       *(float4*)(acc_dq + (i_13 * 4)) = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
     }
+    int n_it_1 = n_it;
     int condval_26;
-    if ((0 < n_it)) {
+    if ((0 < n_it_1)) {
       condval_26 = ((int*)ublk_s)[0];
     } else {
       condval_26 = 0;
@@ -442,9 +443,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
     for (int it = 0; it < n_it; ++it) {
       __syncthreads();
       if ((it % 2) == 0) {
-        int n_it_1 = n_it;
+        int n_it_2 = n_it;
         int blk = ((int*)ublk_s)[it];
-        int nxt = ((int*)ublk_s)[min((((int64_t)it) + (int64_t)1), (((int64_t)n_it_1) - (int64_t)1))];
+        int nxt = ((int*)ublk_s)[min((((int64_t)it) + (int64_t)1), (((int64_t)n_it_2) - (int64_t)1))];
         full[0].wait(0);
         {
           tl::GmmaDescriptor desc_a;
@@ -554,9 +555,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
         }
         full[0].arrive();
       } else {
-        int n_it_2 = n_it;
+        int n_it_3 = n_it;
         int blk_1 = ((int*)ublk_s)[it];
-        int nxt_1 = ((int*)ublk_s)[min((((int64_t)it) + (int64_t)1), (((int64_t)n_it_2) - (int64_t)1))];
+        int nxt_1 = ((int*)ublk_s)[min((((int64_t)it) + (int64_t)1), (((int64_t)n_it_3) - (int64_t)1))];
         full[1].wait((it & 1));
         {
           tl::GmmaDescriptor desc_a_2;

@@ -328,8 +328,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       tl::ptx_ldmatrix_x4((&(((half_t*)Q_s)[(((((((int)threadIdx.x) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (i_8 * 16)) + (((((int)threadIdx.x) & 31) >> 4) * 8))])), (&(Q_r[(i_8 * 8)])));
     }
     if (shared_walk == 1) {
+      int n_it_1 = n_it;
       int condval_18;
-      if ((0 < n_it)) {
+      if ((0 < n_it_1)) {
         condval_18 = ((int*)ublk_s)[0];
       } else {
         condval_18 = 0;
@@ -802,9 +803,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       }
       __syncthreads();
       n_it = ((int*)n_union)[0];
-      int n_it_1 = n_it;
+      int n_it_2 = n_it;
       int condval_29;
-      if ((0 < n_it_1)) {
+      if ((0 < n_it_2)) {
         condval_29 = ((int*)ublk_s)[0];
       } else {
         condval_29 = 0;
@@ -824,10 +825,10 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
       }
       full[1].arrive();
       tl::fence_proxy_async();
-      for (int it_1 = 0; it_1 < n_it_1; ++it_1) {
+      for (int it_1 = 0; it_1 < n_it_2; ++it_1) {
         __syncthreads();
         int blk_1 = ((int*)ublk_s)[it_1];
-        int nxt_1 = ((int*)ublk_s)[min((it_1 + 1), (n_it_1 - 1))];
+        int nxt_1 = ((int*)ublk_s)[min((it_1 + 1), (n_it_2 - 1))];
         int um_1 = ((int*)umask_s)[it_1];
         if ((um_1 == ((1 << max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0)) - 1)) && (((blk_1 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
@@ -966,8 +967,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_fp
         }
         full[1].arrive();
       }
-      full[0].wait((n_it_1 & 1));
-      full[1].wait((n_it_1 & 1));
+      full[0].wait((n_it_2 & 1));
+      full[1].wait((n_it_2 & 1));
       if (0 < (len_q - (((int)blockIdx.x) * tile_tokens))) {
         #pragma unroll
         for (int i_33 = 0; i_33 < 16; ++i_33) {
