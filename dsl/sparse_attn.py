@@ -1215,9 +1215,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                 dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
             T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
             T.wgmma_gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
-            T.wait_wgmma(0)
-            T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
-            T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
+            # no wait here: dV and dK run on while the next step waits for its rows (drain_gemms)
         else:
             T.clear(acc_dpT)
             T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -1226,6 +1224,15 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                 dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
             T.gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
             T.gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def drain_gemms(acc_dk, acc_dv):
+        # the previous group's dV and dK wgmma, left running by compute: done before any warp
+        # passes the next barrier, after which that group's buffer takes new rows
+        if reg_operands:
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
+            T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
 
     @T.prim_func
     def sparse_attn_bwd_dkdv(
@@ -1407,6 +1414,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                 # barriers TileLang's planner added, a step had four. H100 at base
                                 # clocks, this kernel alone: 18.74 -> 18.17 ms at 32K x 2, 39.34 ->
                                 # 38.23 at 128K x 1, 18.66 -> 18.50 at G = 4.)
+                                drain_gemms(acc_dk, acc_dv)
                                 T.sync_threads()
                                 if m + 1 < n_m:
                                     nb = (m + 1) * tile_tokens
@@ -1447,6 +1455,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                 # the next group's load overwrites this group's buffer
                                 T.sync_threads()
                         # the next slice overwrites tok_s
+                        drain_gemms(acc_dk, acc_dv)
                         T.sync_threads()
                 if split == 1:
                     for c, d in T.Parallel(BLOCK_N, D):

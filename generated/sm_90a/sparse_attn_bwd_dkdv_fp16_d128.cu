@@ -335,6 +335,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         }
         for (int m = 0; m < n_m; ++m) {
           tl::cp_async_wait<0>();
+          tl::wait_wgmma<0>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           __syncthreads();
           if ((m + 1) < n_m) {
             if ((m % 2) == 0) {
@@ -537,9 +540,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
-            tl::wait_wgmma<0>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           } else {
             int kb_2 = kb;
             {
@@ -663,11 +663,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
-            tl::wait_wgmma<0>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           }
         }
+        tl::wait_wgmma<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
         __syncthreads();
       }
     }

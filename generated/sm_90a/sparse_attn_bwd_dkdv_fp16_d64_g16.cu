@@ -389,6 +389,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             rbar[1].wait(ph1);
             ph1 = (ph1 ^ 1);
           }
+          tl::wait_wgmma<0>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           __syncthreads();
           if ((m + 1) < n_m) {
             if ((m % 2) == 0) {
@@ -633,9 +636,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
-            tl::wait_wgmma<0>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           } else {
             int kb_2 = kb;
             {
@@ -759,11 +759,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
-            tl::wait_wgmma<0>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
           }
         }
+        tl::wait_wgmma<0>();
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
         __syncthreads();
       }
     }
