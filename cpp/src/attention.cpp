@@ -244,11 +244,11 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_fwd(
   if ((st = check_phsa_lambda(kOp, punct_mask, phsa_lambda)) != INFLLMV2_OK) return st;
   const infllmv2_sparse_config& c = *config;
   const bool sparse = max_seqlen_k >= c.dense_len;
-  const bool punct_checked = punct_mask != nullptr && total_k > 0;
+  const bool check_punct = punct_mask != nullptr && total_k > 0;
   // one device query serves the mask's check and the sparse path's workspace checks
   Device dev;
-  if ((punct_checked || sparse) && (st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
-  if (punct_checked && (st = check_device_pointer(kOp, "punct_mask", punct_mask, dev)) != INFLLMV2_OK) return st;
+  if ((check_punct || sparse) && (st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
+  if (check_punct && (st = check_device_pointer(kOp, "punct_mask", punct_mask, dev)) != INFLLMV2_OK) return st;
   // named here, not by the op it dispatches to
   if ((st = check_aligned(kOp, {{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"workspace", workspace}})) != INFLLMV2_OK)
     return st;
