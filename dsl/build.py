@@ -75,6 +75,8 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
     from tilelang.engine.lower import lower
     from tilelang.jit.adapter.wrapper import TLCUDASourceWrapper
 
+    from dsl.tl_fixes import wgmma_fences_per_warpgroup
+
     if tilelang.__version__.split("+")[0] != TILELANG_VERSION:
         raise SystemExit(f"tilelang {TILELANG_VERSION} is required (templates and generated code are coupled), found {tilelang.__version__}")
 
@@ -89,7 +91,7 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
     pass_configs = dict(mod.pass_configs(arch=arch, **config)) if hasattr(mod, "pass_configs") else {}
     target_dict = {"kind": "cuda", "arch": arch}
     target = tvm.target.Target(target_dict)
-    with tvm.transform.PassContext(opt_level=3, config=pass_configs), target:
+    with tvm.transform.PassContext(opt_level=3, config=pass_configs), target, wgmma_fences_per_warpgroup():
         art = lower(func, target=target_dict)
     wrapper = TLCUDASourceWrapper(
         scheduled_ir_module=tvm.IRModule({symbol: func}),

@@ -227,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)K_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)Q_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b, ((j_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki = 0; ki < 8; ++ki) {
@@ -235,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
         }
         #pragma unroll
         for (int i_7 = 0; i_7 < 8; ++i_7) {
@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)V_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)dO_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_1, ((j_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
@@ -260,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
         }
         mbarrier[((j_1 & 1) + 4)].wait(((j_1 & 3) >> 1));
         int condval_12;
@@ -326,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((half_t*)dO_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_2, ((j_1 & 1) * 16384));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT_cast + 0), 16);
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
@@ -334,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT_cast + 0), 16);
         }
         mbarrier[((j_1 & 1) + 10)].arrive();
@@ -349,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((half_t*)Q_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_3, ((j_1 & 1) * 16384));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT_cast + 0), 16);
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
@@ -357,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT_cast + 0), 16);
         }
         mbarrier[((j_1 & 1) + 8)].arrive();

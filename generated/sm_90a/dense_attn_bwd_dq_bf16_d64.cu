@@ -381,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b, ((blk_1 & 1) * 8192));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki = 0; ki < 4; ++ki) {
@@ -389,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         }
         #pragma unroll
         for (int i_3 = 0; i_3 < 8; ++i_3) {
@@ -406,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)dO_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_1, ((blk_1 & 1) * 8192));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
@@ -414,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
         }
         mbarrier[((blk_1 & 1) + 6)].arrive();
         if (blk_1 < n_full) {
@@ -461,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)K_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_2, ((blk_1 & 1) * 8192));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(ds_cast + 0), 16);
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
@@ -469,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 32);
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(ds_cast + 0), 16);
         }
         mbarrier[((blk_1 & 1) + 4)].arrive();

@@ -393,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((half_t*)Q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b, ((blk_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki = 0; ki < 8; ++ki) {
@@ -401,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         }
         #pragma unroll
         for (int i_7 = 0; i_7 < 8; ++i_7) {
@@ -418,7 +418,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)dO_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((half_t*)V_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_1, ((blk_1 & 1) * 16384));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
@@ -426,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dp + 0), 32);
         }
         mbarrier[((blk_1 & 1) + 6)].arrive();
         if (blk_1 < n_full) {
@@ -473,7 +473,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_2, (&(((half_t*)K_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_2, ((blk_1 & 1) * 16384));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(ds_cast + 0), 16);
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
@@ -481,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(ds_cast + 0), 16);
         }
         mbarrier[((blk_1 & 1) + 4)].arrive();

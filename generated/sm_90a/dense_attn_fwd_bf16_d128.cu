@@ -383,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)Q_s)[0])));
           tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b, ((blk_1 & 1) * 32768));
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki = 0; ki < 8; ++ki) {
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 64);
         }
         mbarrier[((blk_1 & 1) + 4)].arrive();
         *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
@@ -474,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
           tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
           tl::increase_descriptor_offset<int>(desc_b_1, ((blk_1 & 1) * 32768));
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 32);
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
           tl::warpgroup_arrive();
           #pragma unroll
           for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
@@ -482,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
           }
           tl::warpgroup_commit_batch();
           tl::warpgroup_wait<0>();
-          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 128);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
           tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 32);
         }
         mbarrier[((blk_1 & 1) + 6)].arrive();
