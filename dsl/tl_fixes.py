@@ -11,8 +11,8 @@ def wgmma_fences_per_warpgroup():
     and writing past its register array: undefined behaviour, which nvcc 13.0 happens to drop
     (the dense units' SASS is the same with and without the fix), and which put a kernel at 255
     registers into local memory (session 39's bwd_dkdv pair unit, benchmarks/NOTES.md). A
-    warpgroup's rows are 4 warps x warp_row_tiles, as the emitter's own wgmma_num_inst_m counts
-    them; with one warpgroup along M the count is unchanged."""
+    warpgroup's M atoms are the emitter's own wgmma_num_inst_m (4 warps x warp_row_tiles rows);
+    with one warpgroup along M the count is unchanged."""
     from tilelang.cuda.intrinsics.macro import wgmma_macro_generator as g
 
     emitter = g.TensorCoreIntrinEmitter
@@ -20,7 +20,7 @@ def wgmma_fences_per_warpgroup():
 
     def per_warpgroup(self):
         bits = g.DataType(self.accum_dtype).bits
-        return ((4 * self.warp_row_tiles // 64) * self.warp_cols * self.local_size_out * bits + 31) // 32
+        return (self.wgmma_num_inst_m * self.warp_cols * self.local_size_out * bits + 31) // 32
 
     emitter.wgmma_accum_regs = property(per_warpgroup)
     try:
