@@ -24,7 +24,10 @@ forward, 2.5x that backward; dense causal counts S(S+1)/2 pairs per sequence and
 asks for (`bench_sparse_attn.tile_fill`; random data makes neighbouring tokens' picks unrelated).
 `--kernels` adds, for the sparse rows, each kernel's device time in one more forward + backward
 call (torch profiler; into the JSON as "kernel_ms", as bench_sparse_attn.py does; the five
-slowest device kernels printed).
+slowest device kernels printed). "fb MHz/W/cap", for the sparse rows: the median SM clock, the
+median board power and the share of samples in which the driver named the power cap as what
+held the clock down, over the timed forward + backward calls (`bench_sparse_attn.GpuSampler`,
+NVML; n/a without it).
 """
 
 from __future__ import annotations
@@ -62,9 +65,10 @@ def _inputs(seqlen, batch, seed=0, correlated=False):
     return q, k, v, cu_seqlens([seqlen] * batch, "cuda")
 
 
-def _fwd_and_fwd_bwd(call, q, k, v, reps, kernels=False):
+def _fwd_and_fwd_bwd(call, q, k, v, reps, kernels=False, gpu=None):
     """Median ms of the forward and of forward + backward; with kernels, also each kernel's
-    device ms in one more forward + backward call."""
+    device ms in one more forward + backward call; with a dict gpu, the GPU's clock, power and
+    clock limits over the timed forward + backward calls (bench_sparse_attn.GpuSampler)."""
     fwd = bench(lambda: call(q, k, v), reps)
     dout = torch.randn_like(q)
 
@@ -72,7 +76,7 @@ def _fwd_and_fwd_bwd(call, q, k, v, reps, kernels=False):
         out = call(q, k, v)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    return fwd, bench(fwd_bwd, reps), (kernel_times(fwd_bwd) if kernels else None)
+    return fwd, bench(fwd_bwd, reps, gpu=gpu), (kernel_times(fwd_bwd) if kernels else None)
 
 
 def end_to_end(seqlen, batch, reps, cfg, kernels=False, correlated=False):
@@ -81,7 +85,8 @@ def end_to_end(seqlen, batch, reps, cfg, kernels=False, correlated=False):
     def call(q, k, v):
         return infllmv2.attention(q, k, v, cu, cu, seqlen, seqlen, config=cfg)
 
-    fwd, fwd_bwd, times = _fwd_and_fwd_bwd(call, q, k, v, reps, kernels)
+    gpu = {}
+    fwd, fwd_bwd, times = _fwd_and_fwd_bwd(call, q, k, v, reps, kernels, gpu)
     sel = bench(lambda: infllmv2.select_blocks(
         q, k, cu, cu, topk=cfg.num_selected, init_blocks=cfg.init_blocks, local_blocks=cfg.local_blocks,
         approx_lse=cfg.approx_lse, max_seqlen_q=seqlen, max_seqlen_k=seqlen), reps)
@@ -93,7 +98,9 @@ def end_to_end(seqlen, batch, reps, cfg, kernels=False, correlated=False):
     fill = tile_fill(idx, lengths, HQ // HK)
     del q, k, v, idx
     torch.cuda.empty_cache()
-    r = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "selection_ms": sel, "visible_pairs": pairs, "tile_fill": fill}
+    r = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "selection_ms": sel, "visible_pairs": pairs, "tile_fill": fill,
+         "fwd_bwd_sm_mhz": gpu.get("sm_mhz"), "fwd_bwd_power_w": gpu.get("power_w"),
+         "fwd_bwd_temp_c": gpu.get("temp_c"), "fwd_bwd_clock_limits": gpu.get("clock_limits")}
     if times is not None:
         r["kernel_ms"] = times
     return r
@@ -140,7 +147,16 @@ def run(args):
         results.append(r)
 
     print(f"{'path':<7}{'tokens':<11}{'fwd ms':>8}{'fwd+bwd':>9}{'sel ms':>8}{'TF/s f/fb':>11}"
-          f"{'cuDNN f / fb':>15}{'flash f / fb':>16}{'x cuDNN f / fb':>16}{'tile fill':>10}")
+          f"{'cuDNN f / fb':>15}{'flash f / fb':>16}{'x cuDNN f / fb':>16}{'tile fill':>10}{'fb MHz/W/cap':>15}")
+
+    def clock(r):
+        # the GPU over the timed sparse forward + backward calls; cap: the share of samples in
+        # which the driver held the clock for the power cap
+        mhz, watts, lim = r.get("fwd_bwd_sm_mhz"), r.get("fwd_bwd_power_w"), r.get("fwd_bwd_clock_limits")
+        if not (mhz and watts):
+            return "-" if "fwd_bwd_sm_mhz" not in r else "n/a"
+        return f"{mhz:.0f}/{watts:.0f}/" + (f"{100 * lim['power_cap']:.0f}%" if lim else "n/a")
+
     for r in results:
         def pair(a, b):
             return f"{a:.1f}/{b:.1f}" if a else "n/a"
@@ -151,7 +167,7 @@ def run(args):
         print(f"{r['path']:<7}{r['tokens']:<11}{r['fwd_ms']:>8.1f}{r['fwd_bwd_ms']:>9.1f}{sel:>8}"
               f"{r['fwd_tflops']:>5.0f}/{r['fwd_bwd_tflops']:<5.0f}"
               f"{pair(r['cudnn_fwd_ms'], r['cudnn_fwd_bwd_ms']):>15}{pair(r['flash_fwd_ms'], r['flash_fwd_bwd_ms']):>16}"
-              f"{sp:>16}{format(r['tile_fill'], '.2f') if 'tile_fill' in r else '-':>10}")
+              f"{sp:>16}{format(r['tile_fill'], '.2f') if 'tile_fill' in r else '-':>10}{clock(r):>15}")
     for r in results:
         if "kernel_ms" in r:
             # device kernels only: the profiler also lists the ops that launched them

@@ -11,8 +11,11 @@ the worst case of independent per-token selections at 32K x 8.
 
 TFLOP/s count the query-key pairs actually visible (causal, selected): 4 * D flops per pair and
 head forward, 2.5x that backward; dense causal counts S(S+1)/2 pairs per sequence and head.
-Times are medians of CUDA-event timings after warm-up; "bwd MHz/W" is the median SM clock and
-board power during the timed backward calls (NVML; n/a without it). "tile fill" is the share
+Times are medians of CUDA-event timings after warm-up; "bwd MHz/W/cap" is the median SM clock,
+the median board power and the share of samples in which the driver named the power cap as
+what held the clock down, during the timed backward calls, and "bwd C" the median GPU
+temperature then (NVML; n/a without it; the JSON also has the thermal and hardware-slowdown
+shares). "tile fill" is the share
 of the forward's and dQ's GEMM rows that the selections ask for (`tile_fill`); `--kernels`
 adds each kernel's device time in one more forward and backward call (torch profiler).
 """
@@ -35,11 +38,16 @@ import infllmv2  # noqa: F401  (registers the custom ops)
 
 
 class GpuSampler:
-    """The SM clock (MHz) and board power (W) of the current GPU, sampled every 10 ms from NVML
-    (the driver's libnvidia-ml, through ctypes) between start() and stop(). Long sparse
-    backwards run at the board's power limit, which lowers the clock below its boost
-    (H100 and H200: a 700 W cap, 1.5-1.8 GHz against 1.98), so timings depend on it. NVML
-    averages power over the last second on these GPUs: the figure lags a short measurement."""
+    """The SM clock (MHz), board power (W), GPU temperature (C) and the driver's reasons for
+    holding the clock below its maximum, sampled every 10 ms from NVML (the driver's
+    libnvidia-ml, through ctypes) between start() and stop(). Long sparse backwards run at the
+    board's power limit, which lowers the clock below its boost (H100 and H200: a 700 W cap,
+    1.5-1.8 GHz against 1.98), so timings depend on it; the reasons say whether it is the power
+    cap or heat. NVML averages power over the last second on these GPUs: the figure lags a short
+    measurement."""
+
+    # nvmlClocksEventReasons bits (nvml.h)
+    REASONS = {"power_cap": 0x4, "hw_slowdown": 0x8 | 0x80, "thermal": 0x20 | 0x40}
 
     def __init__(self):
         self.handle = None
@@ -49,31 +57,46 @@ class GpuSampler:
             handle = ctypes.c_void_p()
             if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetHandleByUUID(uuid, ctypes.byref(handle)) == 0:
                 self.nvml, self.handle = nvml, handle
+                # the older name is still exported by current drivers; either may be missing
+                self.reasons_fn = next((getattr(nvml, n) for n in ("nvmlDeviceGetCurrentClocksEventReasons",
+                                        "nvmlDeviceGetCurrentClocksThrottleReasons") if hasattr(nvml, n)), None)
         except (OSError, AttributeError):  # no NVML here: no figures, the timings stand alone
             pass
 
     def _sample(self):
-        mhz, mw = ctypes.c_uint(), ctypes.c_uint()
+        mhz, mw, temp, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
         while not self.done.wait(0.01):
             if self.nvml.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(mhz)) == 0:  # 1: NVML_CLOCK_SM
                 self.mhz.append(mhz.value)
             if self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(mw)) == 0:
                 self.watts.append(mw.value / 1000)
+            if self.nvml.nvmlDeviceGetTemperature(self.handle, 0, ctypes.byref(temp)) == 0:  # 0: NVML_TEMPERATURE_GPU
+                self.temps.append(temp.value)
+            if self.reasons_fn is not None and self.reasons_fn(self.handle, ctypes.byref(reasons)) == 0:
+                self.reasons.append(reasons.value)
 
     def start(self):
-        self.mhz, self.watts, self.done = [], [], threading.Event()
+        self.mhz, self.watts, self.temps, self.reasons, self.done = [], [], [], [], threading.Event()
         if self.handle is not None:
             self.thread = threading.Thread(target=self._sample, daemon=True)
             self.thread.start()
 
     def stop(self):
-        """Medians over the samples taken: {"sm_mhz": ..., "power_w": ...}, None without NVML."""
+        """Medians over the samples taken, {"sm_mhz", "power_w", "temp_c"}, and for each reason in
+        REASONS the share of samples in which the driver named it ("clock_limits"); None without
+        NVML."""
         if self.handle is None:
-            return {"sm_mhz": None, "power_w": None}
+            return {"sm_mhz": None, "power_w": None, "temp_c": None, "clock_limits": None}
         self.done.set()
         self.thread.join()
-        return {"sm_mhz": statistics.median(self.mhz) if self.mhz else None,
-                "power_w": statistics.median(self.watts) if self.watts else None}
+
+        def med(xs):
+            return statistics.median(xs) if xs else None
+
+        limits = ({name: sum(1 for r in self.reasons if r & bits) / len(self.reasons)
+                   for name, bits in self.REASONS.items()} if self.reasons else None)
+        return {"sm_mhz": med(self.mhz), "power_w": med(self.watts), "temp_c": med(self.temps),
+                "clock_limits": limits}
 
 
 _SAMPLER = None
@@ -209,8 +232,10 @@ def main():
             "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": f_flops / fwd / 1e9, "bwd_tflops": b_flops / bwd / 1e9,
             "visible_pairs": pairs, "tile_fill": fill,
             # the GPU during the timed backward calls (GpuSampler): both backwards run at the power cap
-            "bwd_sm_mhz": gpu.get("sm_mhz"), "bwd_power_w": gpu.get("power_w"),
+            "bwd_sm_mhz": gpu.get("sm_mhz"), "bwd_power_w": gpu.get("power_w"), "bwd_temp_c": gpu.get("temp_c"),
+            "bwd_clock_limits": gpu.get("clock_limits"),
             "cudnn_bwd_sm_mhz": dn_gpu.get("sm_mhz"), "cudnn_bwd_power_w": dn_gpu.get("power_w"),
+            "cudnn_bwd_temp_c": dn_gpu.get("temp_c"), "cudnn_bwd_clock_limits": dn_gpu.get("clock_limits"),
         }
         if times:
             r["kernel_ms"] = times
@@ -226,21 +251,26 @@ def main():
 
     hdr = (f"{'tokens':<10}{'G':>3} {'selection':<12}{'fwd ms':>8}{'TF/s':>6}{'bwd ms':>8}{'TF/s':>6}"
            f"{'cuDNN f/b ms':>16}{'TF/s':>10}{'flash f/b ms':>16}{'x cuDNN':>9}{'tile fill':>10}"
-           f"{'bwd MHz/W':>11}{'cuDNN bwd':>11}")
+           f"{'bwd MHz/W/cap':>15}{'cuDNN bwd':>15}{'bwd C':>7}")
     print(hdr)
 
-    def clock(mhz, watts):
-        return f"{mhz:.0f}/{watts:.0f}" if mhz and watts else "n/a"
+    def clock(r, prefix):
+        # cap: the share of samples in which the driver held the clock for the power cap
+        mhz, watts, lim = r[prefix + "sm_mhz"], r[prefix + "power_w"], r[prefix + "clock_limits"]
+        if not (mhz and watts):
+            return "n/a"
+        return f"{mhz:.0f}/{watts:.0f}/" + (f"{100 * lim['power_cap']:.0f}%" if lim else "n/a")
 
     for r in results:
         cd = f"{r['cudnn_fwd_ms']:.1f}/{r['cudnn_bwd_ms']:.1f}" if r["cudnn_fwd_ms"] else "n/a"
         cdt = f"{r['cudnn_fwd_tflops']:.0f}/{r['cudnn_bwd_tflops']:.0f}" if r["cudnn_fwd_ms"] else ""
         fl = f"{r['flash_fwd_ms']:.1f}/{r['flash_bwd_ms']:.1f}" if r["flash_fwd_ms"] else "n/a"
         sp = f"{r.get('speedup_vs_cudnn_fwd_bwd', 0):.2f}x"
-        ck = clock(r["bwd_sm_mhz"], r["bwd_power_w"]), clock(r["cudnn_bwd_sm_mhz"], r["cudnn_bwd_power_w"])
+        ck = clock(r, "bwd_"), clock(r, "cudnn_bwd_")
+        temp = f"{r['bwd_temp_c']:.0f}" if r["bwd_temp_c"] else "n/a"
         print(f"{r['tokens']:<10}{r['G']:>3} {r['selection']:<12}{r['fwd_ms']:>8.1f}{r['fwd_tflops']:>6.0f}"
               f"{r['bwd_ms']:>8.1f}{r['bwd_tflops']:>6.0f}{cd:>16}{cdt:>10}{fl:>16}{sp:>9}{r['tile_fill']:>10.2f}"
-              f"{ck[0]:>11}{ck[1]:>11}")
+              f"{ck[0]:>15}{ck[1]:>15}{temp:>7}")
     for r in results:
         for call, times in r.get("kernel_ms", {}).items():
             listed = ", ".join(f"{name.removeprefix('infllmv2_')} {ms:.2f}" for name, ms in times.items())
