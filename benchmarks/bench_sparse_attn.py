@@ -126,12 +126,17 @@ def bench(fn, reps, warmup=3, gpu=None):
     return statistics.median(times)
 
 
-def tile_fill(idx, lengths, groups):
+def tile_fill(idx, lengths, groups, arch=None):
     """The share of the forward's and dQ's GEMM rows that the selections ask for: a query tile
-    is min(64 // G, 16) tokens x G heads (sm_90a) padded to 64 rows, and walks the union of its
+    is min(64 // G, T_MAX) tokens x G heads padded to 64 rows, and walks the union of its
     tokens' selected blocks, each for all its rows. 1.0 when a tile's tokens picked the same
-    blocks and fill its 64 rows."""
-    tokens = min(max(64 // groups, 1), 16)
+    blocks and fill its 64 rows. T_MAX is 16 on sm_90a and 8 on the other archs
+    (dsl/sparse_attn.py, T_MAX_BY_ARCH): arch, by default the one the library runs on this GPU."""
+    if arch is None:
+        from infllmv2._lib import selected_arch
+
+        arch = selected_arch()
+    tokens = min(max(64 // groups, 1), 16 if arch == "sm_90a" else 8)
     selected = tile_union_blocks(idx, lengths, lengths, 1)
     return selected * groups / (64 * tile_union_blocks(idx, lengths, lengths, tokens))
 
