@@ -40,7 +40,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_attn import bench, dense, kernel_times, tile_fill  # noqa: E402
+from bench_sparse_attn import bench, clock_text, dense, gpu_fields, kernel_times, tile_fill  # noqa: E402
 
 import infllmv2  # noqa: E402
 from infllmv2.testing import cu_seqlens, library_identity, visible_pairs  # noqa: E402
@@ -99,8 +99,7 @@ def end_to_end(seqlen, batch, reps, cfg, kernels=False, correlated=False):
     del q, k, v, idx
     torch.cuda.empty_cache()
     r = {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "selection_ms": sel, "visible_pairs": pairs, "tile_fill": fill,
-         "fwd_bwd_sm_mhz": gpu.get("sm_mhz"), "fwd_bwd_power_w": gpu.get("power_w"),
-         "fwd_bwd_temp_c": gpu.get("temp_c"), "fwd_bwd_clock_limits": gpu.get("clock_limits")}
+         **gpu_fields(gpu, "fwd_bwd_")}
     if times is not None:
         r["kernel_ms"] = times
     return r
@@ -148,26 +147,18 @@ def run(args):
 
     print(f"{'path':<7}{'tokens':<11}{'fwd ms':>8}{'fwd+bwd':>9}{'sel ms':>8}{'TF/s f/fb':>11}"
           f"{'cuDNN f / fb':>15}{'flash f / fb':>16}{'x cuDNN f / fb':>16}{'tile fill':>10}{'fb MHz/W/cap':>15}")
-
-    def clock(r):
-        # the GPU over the timed sparse forward + backward calls; cap: the share of samples in
-        # which the driver held the clock for the power cap
-        mhz, watts, lim = r.get("fwd_bwd_sm_mhz"), r.get("fwd_bwd_power_w"), r.get("fwd_bwd_clock_limits")
-        if not (mhz and watts):
-            return "-" if "fwd_bwd_sm_mhz" not in r else "n/a"
-        return f"{mhz:.0f}/{watts:.0f}/" + (f"{100 * lim['power_cap']:.0f}%" if lim else "n/a")
-
     for r in results:
         def pair(a, b):
             return f"{a:.1f}/{b:.1f}" if a else "n/a"
 
         sel = f"{r['selection_ms']:.1f}" if "selection_ms" in r else "-"
+        ck = clock_text(r, "fwd_bwd_") if r["path"] == "sparse" else "-"  # sampled for the sparse rows
         sp = (f"{r['speedup_vs_cudnn_fwd']:.2f}/{r['speedup_vs_cudnn_fwd_bwd']:.2f}x"
               if "speedup_vs_cudnn_fwd" in r else "n/a")
         print(f"{r['path']:<7}{r['tokens']:<11}{r['fwd_ms']:>8.1f}{r['fwd_bwd_ms']:>9.1f}{sel:>8}"
               f"{r['fwd_tflops']:>5.0f}/{r['fwd_bwd_tflops']:<5.0f}"
               f"{pair(r['cudnn_fwd_ms'], r['cudnn_fwd_bwd_ms']):>15}{pair(r['flash_fwd_ms'], r['flash_fwd_bwd_ms']):>16}"
-              f"{sp:>16}{format(r['tile_fill'], '.2f') if 'tile_fill' in r else '-':>10}{clock(r):>15}")
+              f"{sp:>16}{format(r['tile_fill'], '.2f') if 'tile_fill' in r else '-':>10}{ck:>15}")
     for r in results:
         if "kernel_ms" in r:
             # device kernels only: the profiler also lists the ops that launched them

@@ -15,9 +15,9 @@ Times are medians of CUDA-event timings after warm-up; "bwd MHz/W/cap" is the me
 the median board power and the share of samples in which the driver named the power cap as
 what held the clock down, during the timed backward calls, and "bwd C" the median GPU
 temperature then (NVML; n/a without it; the JSON also has the thermal and hardware-slowdown
-shares). "tile fill" is the share
-of the forward's and dQ's GEMM rows that the selections ask for (`tile_fill`); `--kernels`
-adds each kernel's device time in one more forward and backward call (torch profiler).
+shares). "tile fill" is the share of the forward's and dQ's GEMM rows that the selections ask
+for (`tile_fill`); `--kernels` adds each kernel's device time in one more forward and backward
+call (torch profiler).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from infllmv2._lib import selected_arch
 from infllmv2.ops import sort_topk_idx
 from infllmv2.testing import cu_seqlens, library_identity, realistic_topk, tile_union_blocks, visible_pairs
 
@@ -48,6 +49,7 @@ class GpuSampler:
 
     # nvmlClocksEventReasons bits (nvml.h)
     REASONS = {"power_cap": 0x4, "hw_slowdown": 0x8 | 0x80, "thermal": 0x20 | 0x40}
+    FIELDS = ("sm_mhz", "power_w", "temp_c", "clock_limits")  # what stop() returns
 
     def __init__(self):
         self.handle = None
@@ -86,7 +88,7 @@ class GpuSampler:
         REASONS the share of samples in which the driver named it ("clock_limits"); None without
         NVML."""
         if self.handle is None:
-            return {"sm_mhz": None, "power_w": None, "temp_c": None, "clock_limits": None}
+            return dict.fromkeys(self.FIELDS)
         self.done.set()
         self.thread.join()
 
@@ -97,6 +99,21 @@ class GpuSampler:
                    for name, bits in self.REASONS.items()} if self.reasons else None)
         return {"sm_mhz": med(self.mhz), "power_w": med(self.watts), "temp_c": med(self.temps),
                 "clock_limits": limits}
+
+
+def gpu_fields(gpu, prefix):
+    """A GpuSampler reading as result fields named prefix + field, None where nothing was sampled
+    (no NVML, or the timed calls failed before stop())."""
+    return {prefix + f: gpu.get(f) for f in GpuSampler.FIELDS}
+
+
+def clock_text(r, prefix):
+    """The table's "MHz/W/cap" cell for the result fields prefix + ...: median SM clock, median
+    board power, and the share of samples in which the driver held the clock for the power cap."""
+    mhz, watts, lim = r.get(prefix + "sm_mhz"), r.get(prefix + "power_w"), r.get(prefix + "clock_limits")
+    if not (mhz and watts):
+        return "n/a"
+    return f"{mhz:.0f}/{watts:.0f}/" + (f"{100 * lim['power_cap']:.0f}%" if lim else "n/a")
 
 
 _SAMPLER = None
@@ -133,8 +150,6 @@ def tile_fill(idx, lengths, groups, arch=None):
     blocks and fill its 64 rows. T_MAX is 16 on sm_90a and 8 on the other archs
     (dsl/sparse_attn.py, T_MAX_BY_ARCH): arch, by default the one the library runs on this GPU."""
     if arch is None:
-        from infllmv2._lib import selected_arch
-
         arch = selected_arch()
     tokens = min(max(64 // groups, 1), 16 if arch == "sm_90a" else 8)
     selected = tile_union_blocks(idx, lengths, lengths, 1)
@@ -237,10 +252,7 @@ def main():
             "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": f_flops / fwd / 1e9, "bwd_tflops": b_flops / bwd / 1e9,
             "visible_pairs": pairs, "tile_fill": fill,
             # the GPU during the timed backward calls (GpuSampler): both backwards run at the power cap
-            "bwd_sm_mhz": gpu.get("sm_mhz"), "bwd_power_w": gpu.get("power_w"), "bwd_temp_c": gpu.get("temp_c"),
-            "bwd_clock_limits": gpu.get("clock_limits"),
-            "cudnn_bwd_sm_mhz": dn_gpu.get("sm_mhz"), "cudnn_bwd_power_w": dn_gpu.get("power_w"),
-            "cudnn_bwd_temp_c": dn_gpu.get("temp_c"), "cudnn_bwd_clock_limits": dn_gpu.get("clock_limits"),
+            **gpu_fields(gpu, "bwd_"), **gpu_fields(dn_gpu, "cudnn_bwd_"),
         }
         if times:
             r["kernel_ms"] = times
@@ -259,19 +271,12 @@ def main():
            f"{'bwd MHz/W/cap':>15}{'cuDNN bwd':>15}{'bwd C':>7}")
     print(hdr)
 
-    def clock(r, prefix):
-        # cap: the share of samples in which the driver held the clock for the power cap
-        mhz, watts, lim = r[prefix + "sm_mhz"], r[prefix + "power_w"], r[prefix + "clock_limits"]
-        if not (mhz and watts):
-            return "n/a"
-        return f"{mhz:.0f}/{watts:.0f}/" + (f"{100 * lim['power_cap']:.0f}%" if lim else "n/a")
-
     for r in results:
         cd = f"{r['cudnn_fwd_ms']:.1f}/{r['cudnn_bwd_ms']:.1f}" if r["cudnn_fwd_ms"] else "n/a"
         cdt = f"{r['cudnn_fwd_tflops']:.0f}/{r['cudnn_bwd_tflops']:.0f}" if r["cudnn_fwd_ms"] else ""
         fl = f"{r['flash_fwd_ms']:.1f}/{r['flash_bwd_ms']:.1f}" if r["flash_fwd_ms"] else "n/a"
         sp = f"{r.get('speedup_vs_cudnn_fwd_bwd', 0):.2f}x"
-        ck = clock(r, "bwd_"), clock(r, "cudnn_bwd_")
+        ck = clock_text(r, "bwd_"), clock_text(r, "cudnn_bwd_")
         temp = f"{r['bwd_temp_c']:.0f}" if r["bwd_temp_c"] else "n/a"
         print(f"{r['tokens']:<10}{r['G']:>3} {r['selection']:<12}{r['fwd_ms']:>8.1f}{r['fwd_tflops']:>6.0f}"
               f"{r['bwd_ms']:>8.1f}{r['bwd_tflops']:>6.0f}{cd:>16}{cdt:>10}{fl:>16}{sp:>9}{r['tile_fill']:>10.2f}"
