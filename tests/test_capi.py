@@ -192,10 +192,14 @@ def test_select_blocks_from_keys_matches_the_ops_it_runs(approx, phsa):
     select_blocks_launch(q, ck, nk, cu, cu, cu_c, cu_n, want, 1, 8, 128, 64, 0.0, max(lengths), max(lengths))
     lib = _lib.lib()
     size = lib.infllmv2_select_blocks_from_keys_workspace_size(len(lengths), n, 2, 128, int(approx), 64)
-    ws = torch.empty(size, dtype=torch.uint8, device="cuda")
+    # NaN-filled: the compressed keys are written into it by a bound, and the selection's last key
+    # chunk of a sequence reads rows past its keys (masked), where nothing was written
+    ws = torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda")
     got = torch.full_like(want, -7)
+    # held for the calls: the pointer of a temporary is freed memory by the time the C side checks it
+    punct_u8 = punct.to(torch.uint8) if phsa else None
     call = dict(q=q.data_ptr(), k=k.data_ptr(), cu_q=cu.data_ptr(), cu_k=cu.data_ptr(),
-                punct=punct.to(torch.uint8).data_ptr() if phsa else None, lam=0.3, out=got.data_ptr(),
+                punct=punct_u8.data_ptr() if phsa else None, lam=0.3, out=got.data_ptr(),
                 ws=ws.data_ptr(), ws_size=size, batch=len(lengths), total_q=n, total_k=n, max_q=max(lengths),
                 max_k=max(lengths), heads=16, heads_k=2, head_dim=128, topk=40, init=1, local=8, approx=int(approx))
     status, text = _select_from_keys(**call)

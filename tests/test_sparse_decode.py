@@ -193,7 +193,8 @@ def test_c_abi_errors():
     q, k, v, cu_q, cu_k, idx = _case([1], [640], 16, 128, torch.bfloat16, topk=4)
     size = lib.infllmv2_sparse_decode_workspace_size(1, 32, 128, 4)
     ws = torch.empty(size // 4, device="cuda")
-    p = [t.data_ptr() for t in (q, k, v, idx, cu_q, cu_k, q)] + [torch.empty(32, device="cuda").data_ptr()]
+    lse = torch.empty(32, device="cuda")  # held: a pointer into a freed tensor may be handed out again
+    p = [t.data_ptr() for t in (q, k, v, idx, cu_q, cu_k, q, lse)]
 
     def call(ws_ptr=ws.data_ptr(), ws_size=size, splits=4, heads=32, topk=4, ptrs=p):
         st = lib.infllmv2_sparse_decode(*ptrs, ws_ptr, ws_size, 1, 1, 640, 1, heads, 2, 128, topk, splits, 0, 0.0, None)
