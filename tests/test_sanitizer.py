@@ -1,0 +1,62 @@
+"""The kernels under compute-sanitizer: no out-of-bounds or misaligned access (memcheck), no
+shared-memory race (racecheck), no misused barrier (synccheck), no read of global memory that
+nothing wrote (initcheck), for every kernel family, native and through the sm_80 / sm_89 PTX.
+
+Each case runs ``tests/sanitize_calls.py FAMILY [ARCH]`` in a child process under the tool, with
+only this library's kernels instrumented (``--kernel-name kns=infllmv2``; initcheck instruments
+everything, since it must see torch's kernels write the inputs). Skipped where
+``compute-sanitizer`` is not on PATH. ``pytest -m sanitizer`` runs these alone, ``-m "gpu and not
+sanitizer"`` the rest of the GPU tier."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import infllmv2
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from sanitize_calls import FAMILIES, SELECTS_FROM_A_BOUND  # noqa: E402
+
+# racecheck is about 100x slower than a plain run; these families are the small ones that still
+# reach every shared-memory kernel design (the forward's cluster pair, dQ's units, both dK/dV
+# units, the dense warp-specialised kernels, the selection, decoding and the cache updates)
+RACECHECK = ("attention_g16", "attention_g4", "dense_attn", "decode_g16", "attention_kvcache")
+CASES = (
+    [pytest.param("memcheck", f, None, id=f"memcheck-{f}") for f in FAMILIES]
+    + [pytest.param("synccheck", f, None, id=f"synccheck-{f}") for f in FAMILIES]
+    + [pytest.param("racecheck", f, None, id=f"racecheck-{f}") for f in RACECHECK]
+    + [pytest.param("initcheck", f, None, id=f"initcheck-{f}") for f in FAMILIES if f not in SELECTS_FROM_A_BOUND]
+    + [pytest.param(tool, f, arch, id=f"{tool}-{f}-{arch}") for arch in ("sm_80", "sm_89")
+       for tool in ("memcheck", "racecheck") for f in ("attention_g16", "dense_attn", "attention_kvcache")]
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.sanitizer
+@pytest.mark.parametrize("tool,family,arch", CASES)
+def test_kernels_under_compute_sanitizer(tool, family, arch):
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    if arch and arch not in infllmv2.build_info()["archs"]:
+        pytest.skip(f"{arch} not compiled into this build")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(HERE), "python"), env.get("PYTHONPATH", "")])
+    env["INFLLMV2_LIBRARY"] = infllmv2.library_path()
+    if tool in ("memcheck", "initcheck"):
+        # every tensor its own allocation, so that a read past one is not inside another
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
+    if tool != "initcheck":
+        cmd += ["--kernel-name", "kns=infllmv2"]
+    if tool == "racecheck":
+        cmd += ["--racecheck-report", "hazard"]
+    cmd += [sys.executable, os.path.join(HERE, "sanitize_calls.py"), family] + ([arch] if arch else [])
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0 and f"{family} {arch or 'native'} ok" in text, text[-6000:]
+    assert "ERROR SUMMARY: 0 errors" in text or "RACECHECK SUMMARY: 0 hazards" in text, text[-6000:]
