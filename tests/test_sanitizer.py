@@ -48,8 +48,8 @@ def test_kernels_under_compute_sanitizer(tool, family, arch):
         pytest.skip("compute-sanitizer is not on PATH")
     if arch and arch not in infllmv2.build_info()["archs"]:
         pytest.skip(f"{arch} not compiled into this build")
+    # the child imports infllmv2 as conftest does (the installed wheel, else python/), and this library
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(HERE), "python"), env.get("PYTHONPATH", "")])
     env["INFLLMV2_LIBRARY"] = infllmv2.library_path()
     if tool in ("memcheck", "initcheck"):
         # every tensor its own allocation, so that a read past one is not inside another
