@@ -193,7 +193,7 @@ def test_select_blocks_from_keys_matches_the_ops_it_runs(approx, phsa):
     lib = _lib.lib()
     size = lib.infllmv2_select_blocks_from_keys_workspace_size(len(lengths), n, 2, 128, int(approx), 64)
     # NaN-filled: the compressed keys are written into it by a bound, and the selection's last key
-    # chunk of a sequence reads rows past its keys (masked), where nothing was written
+    # chunk of a sequence reads rows past its keys (masked)
     ws = torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda")
     got = torch.full_like(want, -7)
     # held for the calls: the pointer of a temporary is freed memory by the time the C side checks it
@@ -206,6 +206,19 @@ def test_select_blocks_from_keys_matches_the_ops_it_runs(approx, phsa):
     assert status == _lib.OK, text
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+    # Every row of the compressed keys' regions, up to their bounds, was written: the keys, and
+    # zeros past the last sequence's, so the selection reads no unwritten memory (the layout of
+    # attention.cpp's select_layout: two offset arrays, then the fine and the coarse keys, each
+    # at a 256-byte boundary).
+    a256 = lambda nbytes: (nbytes + 255) // 256 * 256  # noqa: E731
+    row, b = 2 * 128 * 2, len(lengths)
+    regions = [(2 * a256((b + 1) * 4), (n // 16 + b) * row)]
+    if approx:
+        regions.append((regions[0][0] + a256(regions[0][1]), (n // 64 + b) * row))
+    for start, nbytes in regions:
+        keys = ws[start : start + nbytes].view(torch.bfloat16)
+        assert not keys.isnan().any(), "compressed-key rows left unwritten"
+    assert regions[-1][0] + a256(regions[-1][1]) == size
     # one byte short of the workspace is refused before anything runs
     status, text = _select_from_keys(**{**call, "ws_size": size - 1})
     assert status == _lib.ERR_INVALID_ARGUMENT and "workspace_size is" in text

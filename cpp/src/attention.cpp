@@ -178,8 +178,22 @@ infllmv2_status compress_for_selection(const char* op, const char* size_fn, cons
   };
   const Compression levels[2] = {{cu_c, ck, l.bound_c, kFineW, kFineS},
                                  {cu_n, nk, l.bound_n, norm_kernel_size, norm_kernel_stride}};
+  const size_t row = (size_t)heads_k * head_dim * 2;
   for (int i = 0; i < (approx_lse ? 2 : 1); ++i) {
     const Compression& z = levels[i];
+    // The selection reads whole 64-key chunks, so the last sequence's final chunk reads rows
+    // past the keys compress_keys writes, up to the bound; the visibility mask discards their
+    // scores. They are zeroed so that no read of unwritten memory remains (compute-sanitizer's
+    // initcheck sees none). The keys written number more than (total_k - batch * w) / s, since
+    // n(L) > (L - w) / s for every length, so the rows from there to the bound hold every
+    // unwritten one: at most about batch * (w / s + 1) rows, and compress_keys, launched after
+    // the memset on the same stream, overwrites those it writes.
+    const int64_t lo = std::max<int64_t>(0, (total_k - (int64_t)batch * z.w) / z.s);
+    if (z.bound > lo) {
+      cudaError_t e = cudaMemsetAsync(at<char>(z.keys, lo * row), 0, (size_t)(z.bound - lo) * row, stream);
+      if (e != cudaSuccess)
+        return fail(INFLLMV2_ERR_CUDA, "%s: zeroing the compressed keys' tail failed: %s", op, cudaGetErrorString(e));
+    }
     if ((st = infllmv2_attention_compressed_offsets(cu_seqlens_k, z.cu, batch, z.w, z.s, stream)) != INFLLMV2_OK)
       return st;
     // capped by the buffer: a max_seqlen_k above the true longest length is allowed (it only sizes grids)
