@@ -26,11 +26,6 @@ from infllmv2.testing import cu_seqlens, realistic_topk
 PIPELINE = {"attention_g16": (32, 2, 128), "attention_g4": (8, 2, 128), "attention_g32": (32, 1, 128),
             "attention_g1_d64": (2, 2, 64)}
 FAMILIES = (*PIPELINE, "sparse_attn_pieces", "dense_attn", "decode_g16", "decode_g4", "attention_kvcache")
-# reads the selection kernels make of compressed-key rows past a sequence's last one: the
-# workspace holds the compressed keys by a bound, so the last sequence's final key chunk reads
-# rows nothing wrote, whose scores the visibility mask replaces (tests/test_capi.py and
-# tests/test_select_decode.py fill the workspace with NaN and get the same selection)
-SELECTS_FROM_A_BOUND = (*PIPELINE, "decode_g16", "decode_g4")
 
 
 def _qkv(lengths, hq, hk, head_dim=128, dtype=torch.bfloat16):

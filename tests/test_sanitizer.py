@@ -19,21 +19,23 @@ import infllmv2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from sanitize_calls import FAMILIES, SELECTS_FROM_A_BOUND  # noqa: E402
+from sanitize_calls import FAMILIES  # noqa: E402
 
 # racecheck is about 100x slower than a plain run; these families are the small ones that still
 # reach the sparse and decoding kernels' shared-memory designs (the forward's cluster pair, dQ's
 # units, both dK/dV units, the selection, decoding and the cache updates). The sm_90a dense
-# kernels (warp-specialised: a TMA producer warpgroup, mbarrier waits) are checked through the
-# sm_80 / sm_89 variants only: under racecheck their native run did not finish in 3 of 6 tries on
-# an H200 (45 s against 11 s; 300 plain calls in a row all finished), so a native case would be
-# flaky (benchmarks/NOTES.md, "Session 43").
+# kernels (warp-specialised: a TMA producer warpgroup and two consumers spinning on each other's
+# mbarriers) are checked through the sm_80 / sm_89 variants only: under racecheck a native run
+# now and then never finishes (H200: 4 of 9 runs of the family, 1 of 9 with one kernel
+# instrumented at a time, the forward's, and 1 of 30 with setmaxnreg removed), with no hazard in
+# the runs that finish and no hang in hundreds of plain calls, so a native case would be flaky
+# (benchmarks/NOTES.md, "Session 43" and "Session 44").
 RACECHECK = ("attention_g16", "attention_g4", "decode_g16", "attention_kvcache")
 CASES = (
     [pytest.param("memcheck", f, None, id=f"memcheck-{f}") for f in FAMILIES]
     + [pytest.param("synccheck", f, None, id=f"synccheck-{f}") for f in FAMILIES]
     + [pytest.param("racecheck", f, None, id=f"racecheck-{f}") for f in RACECHECK]
-    + [pytest.param("initcheck", f, None, id=f"initcheck-{f}") for f in FAMILIES if f not in SELECTS_FROM_A_BOUND]
+    + [pytest.param("initcheck", f, None, id=f"initcheck-{f}") for f in FAMILIES]
     + [pytest.param(tool, f, arch, id=f"{tool}-{f}-{arch}") for arch in ("sm_80", "sm_89")
        for tool in ("memcheck", "racecheck") for f in ("attention_g16", "dense_attn", "attention_kvcache")]
 )
