@@ -57,20 +57,21 @@ infllmv2_status check_call(const char* op, const infllmv2_sparse_config* config,
 // bounds that hold for any lengths summing to total_k (n(L) <= L / s + 1 per sequence).
 struct SelectLayout {
   int64_t bound_c = 0, bound_n = 0;
+  size_t row = 0;  // one compressed key, bf16/fp16
   size_t cu_c = 0, cu_n = 0, ck = 0, nk = 0, total = 0;
 };
 
 SelectLayout select_layout(int32_t batch, int64_t total_k, int32_t heads_k, int32_t head_dim, bool approx_lse,
                            int32_t norm_kernel_stride) {
   SelectLayout l;
-  const size_t row = (size_t)heads_k * head_dim * 2;  // one compressed key, bf16/fp16
+  l.row = (size_t)heads_k * head_dim * 2;
   l.bound_c = total_k / kFineS + batch;
   l.bound_n = approx_lse ? total_k / norm_kernel_stride + batch : 0;
   size_t at = 0;
   l.cu_c = at, at += align256((size_t)(batch + 1) * 4);
   l.cu_n = at, at += align256((size_t)(batch + 1) * 4);
-  l.ck = at, at += align256((size_t)l.bound_c * row);
-  l.nk = at, at += align256((size_t)l.bound_n * row);
+  l.ck = at, at += align256((size_t)l.bound_c * l.row);
+  l.nk = at, at += align256((size_t)l.bound_n * l.row);
   l.total = at;
   return l;
 }
@@ -178,7 +179,6 @@ infllmv2_status compress_for_selection(const char* op, const char* size_fn, cons
   };
   const Compression levels[2] = {{cu_c, ck, l.bound_c, kFineW, kFineS},
                                  {cu_n, nk, l.bound_n, norm_kernel_size, norm_kernel_stride}};
-  const size_t row = (size_t)heads_k * head_dim * 2;
   for (int i = 0; i < (approx_lse ? 2 : 1); ++i) {
     const Compression& z = levels[i];
     // The selection reads whole 64-key chunks, so the last sequence's final chunk reads rows
@@ -190,7 +190,7 @@ infllmv2_status compress_for_selection(const char* op, const char* size_fn, cons
     // the memset on the same stream, overwrites those it writes.
     const int64_t lo = std::max<int64_t>(0, (total_k - (int64_t)batch * z.w) / z.s);
     if (z.bound > lo) {
-      cudaError_t e = cudaMemsetAsync(at<char>(z.keys, lo * row), 0, (size_t)(z.bound - lo) * row, stream);
+      cudaError_t e = cudaMemsetAsync(at<char>(z.keys, lo * l.row), 0, (size_t)(z.bound - lo) * l.row, stream);
       if (e != cudaSuccess)
         return fail(INFLLMV2_ERR_CUDA, "%s: zeroing the compressed keys' tail failed: %s", op, cudaGetErrorString(e));
     }
