@@ -334,6 +334,25 @@ def test_cpu_path_is_the_reference():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("correlated", [True, False])
+def test_realistic_topk_keeps_each_window_when_scores_tie(monkeypatch, correlated):
+    # scores drawn from eight values tie at nearly every row's cut; a full row must still hold
+    # exactly its init block, its whole window and `topk` picks, none of them cut off its end
+    uniform = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.floor(uniform(*a, **kw) * 8) / 8)
+    lengths, local, topk = [3000, 65, 1, 700], 8, 16
+    idx = realistic_topk(lengths, lengths, 2, topk, local_blocks=local, correlated=correlated)
+    off = 0
+    for length in lengths:
+        blk = torch.arange(length)[None, :] // 64
+        rows = idx[:, off:off + length]
+        window = ((rows >= torch.clamp(blk - local, min=0)[..., None]) & (rows <= blk[..., None])).sum(-1)
+        assert torch.equal(window, torch.clamp(blk, max=local).expand_as(window) + 1)
+        assert bool(((rows == 0).sum(-1) == 1).all())
+        assert torch.equal((rows >= 0).sum(-1), torch.clamp(blk + 1, max=topk).expand_as(window))
+        off += length
+
+
 def test_cpu_custom_ops_forward_and_backward():
     lq = lk = [70, 130]
     q = random_tokens(lq, 4, 16, torch.float64, seed=1).requires_grad_()

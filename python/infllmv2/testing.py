@@ -149,10 +149,13 @@ def realistic_topk(lengths_q, lengths_k, heads_k, topk, block=64, init_blocks=1,
                     score = torch.where(in_list, torch.rand((c1 - c0, nb), generator=g, device=dev), -1.0)
                 else:
                     score = torch.where(past, torch.rand((c1 - c0, nb), generator=g, device=dev), -1.0)
-                # the rest-th best score of each row is the threshold of its picks
-                srt = score.sort(dim=1, descending=True).values
-                thr = srt.gather(1, torch.clamp(rest - 1, min=0, max=nb - 1)[:, None])
-                picked = (score >= thr) & (score >= 0) & (rest[:, None] > 0)
+                # each row's `rest` best scores, by rank: a threshold on the score would take
+                # every block tied with the rest-th best, and the row's cut to topk would then
+                # drop its newest picks, the local window's
+                order = score.argsort(dim=1, descending=True, stable=True)
+                rank = torch.empty_like(order)
+                rank.scatter_(1, order, torch.arange(nb, device=dev).expand_as(order))
+                picked = (rank < rest[:, None]) & (score >= 0)
                 sel = forced | picked
                 idx = torch.where(sel, ar[None, :], nb + 1).sort(dim=1).values[:, :topk]
                 idx = torch.where(idx > nb, -1, idx).to(torch.int32)
