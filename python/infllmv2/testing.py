@@ -107,6 +107,14 @@ def assert_sparse_forward_close(out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, t
     assert_close_to_reference(lse[fin], lowp[1][fin], ref32[1][fin], what=f"{what} lse")
 
 
+def _ranks(score):
+    """Each entry's place in its row, best score first (0), ties in column order."""
+    order = score.argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(score.shape[1], device=score.device).expand_as(order))
+    return rank
+
+
 def realistic_topk(lengths_q, lengths_k, heads_k, topk, block=64, init_blocks=1, local_blocks=32, shared_extra=4,
                    correlated=True, device="cpu", seed=0, chunk=8192):
     """Selections shaped like InfLLM-V2's: int32 (heads_k, total_q, topk), rows ascending, -1 padded.
@@ -141,21 +149,14 @@ def realistic_topk(lengths_q, lengths_k, heads_k, topk, block=64, init_blocks=1,
                 if correlated:
                     # the query block's shared ranking; keep its best rest + extra past blocks,
                     # then each token keeps a random `rest` of those
-                    rank_score = torch.where(past, base[qblk], -1.0)
-                    order = rank_score.argsort(dim=1, descending=True)
-                    rank = torch.empty_like(order)
-                    rank.scatter_(1, order, torch.arange(nb, device=dev).expand_as(order))
-                    in_list = past & (rank < (rest + shared_extra)[:, None])
+                    in_list = past & (_ranks(torch.where(past, base[qblk], -1.0)) < (rest + shared_extra)[:, None])
                     score = torch.where(in_list, torch.rand((c1 - c0, nb), generator=g, device=dev), -1.0)
                 else:
                     score = torch.where(past, torch.rand((c1 - c0, nb), generator=g, device=dev), -1.0)
                 # each row's `rest` best scores, by rank: a threshold on the score would take
                 # every block tied with the rest-th best, and the row's cut to topk would then
                 # drop its newest picks, the local window's
-                order = score.argsort(dim=1, descending=True, stable=True)
-                rank = torch.empty_like(order)
-                rank.scatter_(1, order, torch.arange(nb, device=dev).expand_as(order))
-                picked = (rank < rest[:, None]) & (score >= 0)
+                picked = (_ranks(score) < rest[:, None]) & (score >= 0)
                 sel = forced | picked
                 idx = torch.where(sel, ar[None, :], nb + 1).sort(dim=1).values[:, :topk]
                 idx = torch.where(idx > nb, -1, idx).to(torch.int32)
