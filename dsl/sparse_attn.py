@@ -404,42 +404,59 @@ def walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_it, n_tok, p
         block_step(Q_s, K_s, V_s, umask_s[it], blk, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe,
                    r_scale, r_sum, l_sum, scale_log2)
     if len_k is not None:
-        for it in T.serial(n_full, n_it):
-            blk = ublk_s[it]
-            r0 = key_row(it, blk)
-            for r, d in T.Parallel(BLOCK_N, K_s.shape[1]):
-                K_s[r, d] = T.if_then_else(blk * BLOCK_N + r < len_k, K[r0 + r, hk, d], T.cast(0, K_s.dtype))
-            for r, d in T.Parallel(BLOCK_N, V_s.shape[1]):
-                V_s[r, d] = T.if_then_else(blk * BLOCK_N + r < len_k, V[r0 + r, hk, d], T.cast(0, V_s.dtype))
-            block_step(Q_s, K_s, V_s, umask_s[it], blk, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o, m_prev, m_cur,
-                       m_safe, r_scale, r_sum, l_sum, scale_log2)
+        walk_partial_blocks(K, V, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_full, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
+                            acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, key_row, len_k)
 
 
 @T.macro
-def load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full, cluster_mask=None):
+def walk_partial_blocks(K, V, hk, Q_s, K_s, V_s, ublk_s, umask_s, n_full, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
+                        acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, key_row, len_k):
+    """Blocks n_full .. n_it - 1 of a walk over a cache, whose rows past len_k load as zeros
+    (walk_tile_union's ``len_k``): conditional loads, no pipeline."""
+    for it in T.serial(n_full, n_it):
+        blk = ublk_s[it]
+        r0 = key_row(it, blk)
+        for r, d in T.Parallel(BLOCK_N, K_s.shape[1]):
+            K_s[r, d] = T.if_then_else(blk * BLOCK_N + r < len_k, K[r0 + r, hk, d], T.cast(0, K_s.dtype))
+        for r, d in T.Parallel(BLOCK_N, V_s.shape[1]):
+            V_s[r, d] = T.if_then_else(blk * BLOCK_N + r < len_k, V[r0 + r, hk, d], T.cast(0, V_s.dtype))
+        block_step(Q_s, K_s, V_s, umask_s[it], blk, n_tok, p0, rtok, acc_s, acc_s_cast, acc_o, m_prev, m_cur,
+                   m_safe, r_scale, r_sum, l_sum, scale_log2)
+
+
+@T.macro
+def load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full, cluster_mask=None, key_row=None):
     """The TMA loads of a union walk's first K and V blocks onto full[0], full[1] (an empty
     union still loads, and waits for, one block: the sequence's first); cluster_mask multicasts
-    them to a cluster pair."""
+    them to a cluster pair. ``key_row`` as in walk_tile_union."""
     first = T.if_then_else(n_it > 0, ublk_s[0], 0)
-    T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0],
-               cluster_mask=cluster_mask)
-    T.mbarrier_arrive(full[0])
-    T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1],
-               cluster_mask=cluster_mask)
-    T.mbarrier_arrive(full[1])
+    if key_row is None:
+        T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0],
+                   cluster_mask=cluster_mask)
+        T.mbarrier_arrive(full[0])
+        T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1],
+                   cluster_mask=cluster_mask)
+        T.mbarrier_arrive(full[1])
+    else:
+        r0 = key_row(0, first)
+        T.tma_copy(K[r0 : r0 + BLOCK_N, hk, :], K_s, barrier=full[0], cluster_mask=cluster_mask)
+        T.mbarrier_arrive(full[0])
+        T.tma_copy(V[r0 : r0 + BLOCK_N, hk, :], V_s, barrier=full[1], cluster_mask=cluster_mask)
+        T.mbarrier_arrive(full[1])
 
 
 @T.macro
 def walk_tile_union_tma(K, V, k0, hk, Q_r, K_s, V_s, full, ublk_s, umask_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
-                        acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2):
+                        acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, key_row=None):
     """walk_tile_union on sm_90a with its own TMA loads (_fwd_pair's tiles that walk alone; the
     query tile in registers, Q_r, as in the pair's shared walk): K is
     free once S is computed and V once P V is, so the next block's K loads during this block's
     softmax and P V, and its V during the next S GEMM, into the same two buffers (full[0] and
     full[1]: K_s's, V_s's load landed; fresh, phase 0). The copies are issued on every step with
     a clamped index, as in _fwd_pair's shared walk; the last one's phase is waited for after
-    the loop."""
-    load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full)
+    the loop. ``key_row`` as in walk_tile_union, for whole blocks only (a cache's partial last
+    block goes through walk_partial_blocks after this walk)."""
+    load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full, key_row=key_row)
     for it in T.serial(n_it):
         blk = ublk_s[it]
         nxt = ublk_s[T.min(it + 1, n_it - 1)]
@@ -447,13 +464,21 @@ def walk_tile_union_tma(K, V, k0, hk, Q_r, K_s, V_s, full, ublk_s, umask_s, n_it
         T.mbarrier_wait_parity(full[0], it % 2)
         T.gemm(Q_r, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.sync_threads()  # every warp's part of S has read K_s
-        T.tma_copy(K[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
+        if key_row is None:
+            T.tma_copy(K[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
+        else:
+            r_nxt = key_row(T.min(it + 1, n_it - 1), nxt)
+            T.tma_copy(K[r_nxt : r_nxt + BLOCK_N, hk, :], K_s, barrier=full[0])
         T.mbarrier_arrive(full[0])
         softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2)
         T.mbarrier_wait_parity(full[1], it % 2)
         T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
         T.sync_threads()  # every warp's part of P V has read V_s
-        T.tma_copy(V[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
+        if key_row is None:
+            T.tma_copy(V[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
+        else:
+            r_nxt = key_row(T.min(it + 1, n_it - 1), nxt)
+            T.tma_copy(V[r_nxt : r_nxt + BLOCK_N, hk, :], V_s, barrier=full[1])
         T.mbarrier_arrive(full[1])
     T.mbarrier_wait_parity(full[0], n_it % 2)
     T.mbarrier_wait_parity(full[1], n_it % 2)

@@ -22,7 +22,7 @@ import tilelang.language as T
 from dsl import EXP_NVCC_FLAGS
 from dsl.group_rows import load_rows
 from dsl.sparse_attn import (BLOCK_M, BLOCK_N, K_MAX, NEG_INF, SMALL_TOKENS, LOG2E, _fwd_signature, _fwd_state, _make_tile_union,
-                             _union_buffers, store_out, walk_tile_union)
+                             _union_buffers, store_out, walk_partial_blocks, walk_tile_union, walk_tile_union_tma)
 
 OP = "sparse_decode"
 NVCC_FLAGS = EXP_NVCC_FLAGS
@@ -61,15 +61,21 @@ def unit_constants(kernel, arch, dtype=None, head_dim=None):
 
 
 def program(kernel, arch, dtype, head_dim):
-    return {"fwd": _fwd, "kvcache": _kvcache, "combine": _combine}[kernel](dtype, head_dim)
+    if kernel == "combine":
+        return _combine(dtype, head_dim)
+    # sm_90a: each block's K and V load by TMA while the block before is computed (a split walks
+    # a few blocks, each otherwise a whole load latency; TileLang's two-stage cp.async pipeline
+    # cannot lower a run-time trip count here, TILELANG.md)
+    return {"fwd": _fwd, "kvcache": _kvcache}[kernel](dtype, head_dim, arch == "sm_90a")
 
 
 @T.macro
 def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, k0, len_q, len_k, groups, tile_tokens,
-                scale_log2, splits, cache_row=None):
+                scale_log2, splits, tma, cache_row=None):
     """One (tile, split) of the split forward: the tile's union, this split's range of it walked,
     the range's normalised O and LSE written to the partial rows split * total_q + token.
-    ``cache_row`` maps a block to its first row of K and V in a cache (None: packed keys)."""
+    ``cache_row`` maps a block to its first row of K and V in a cache (None: packed keys);
+    ``tma``: the walk's loads by TMA (sm_90a), the next block's in flight."""
     threads = 128
     dtype = Q.dtype
     D = Q.shape[2]
@@ -85,6 +91,7 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
         rows_s = T.alloc_shared([T_MAX * K_MAX], "int32")
     acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum = _fwd_state(dtype, D)
     rtok = T.alloc_fragment([BLOCK_M], "int32")
+    full = T.alloc_barrier([threads, threads]) if tma else None  # K_s, V_s landed
 
     tx = T.get_thread_binding()
     # computed once: as expressions, every use of t0 would divide by the run-time splits
@@ -137,15 +144,28 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
         T.fill(acc_o, 0)
         T.fill(l_sum, 0)
         T.fill(m_cur, NEG_INF)
-        walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, idx_s, keep_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
-                        acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, 1,
-                        None if cache_row is None else (lambda it, blk: rows_s[it]),
-                        None if cache_row is None else len_k, None if cache_row is None else n_full)
+        if not tma:
+            walk_tile_union(K, V, k0, hk, Q_s, K_s, V_s, idx_s, keep_s, n_it, n_tok, p0, rtok, acc_s, acc_s_cast,
+                            acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2, 1,
+                            None if cache_row is None else (lambda it, blk: rows_s[it]),
+                            None if cache_row is None else len_k, None if cache_row is None else n_full)
+        elif cache_row is None:
+            walk_tile_union_tma(K, V, k0, hk, Q_s, K_s, V_s, full, idx_s, keep_s, n_it, n_tok, p0, rtok, acc_s,
+                                acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2)
+        else:
+            # the whole blocks by TMA (an empty walk still loads one: row 0, inside the cache),
+            # then the partial one
+            walk_tile_union_tma(K, V, k0, hk, Q_s, K_s, V_s, full, idx_s, keep_s, n_full, n_tok, p0, rtok, acc_s,
+                                acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2,
+                                lambda it, blk: T.if_then_else(it < n_full, rows_s[it], 0))
+            walk_partial_blocks(K, V, hk, Q_s, K_s, V_s, idx_s, keep_s, n_full, n_it, n_tok, p0, rtok, acc_s,
+                                acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2,
+                                lambda it, blk: rows_s[it], len_k)
         store_out(acc_o, l_sum, m_cur, O_part, LSE_part, split * total_q + q0 + t0, hk, n_tok, groups,
                   scale_log2)
 
 
-def _fwd(dtype, D):
+def _fwd(dtype, D, tma):
     threads = 128
     accum = "float32"
     topk, sig = _fwd_signature(dtype, D)
@@ -171,7 +191,7 @@ def _fwd(dtype, D):
             q0 = cu_seqlens_q[b]
             k0 = cu_seqlens_k[b]
             _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, k0, cu_seqlens_q[b + 1] - q0,
-                        cu_seqlens_k[b + 1] - k0, groups, tile_tokens, scale_log2, splits)
+                        cu_seqlens_k[b + 1] - k0, groups, tile_tokens, scale_log2, splits, tma)
 
     return sparse_decode_fwd
 
@@ -194,7 +214,7 @@ def _cache_rows(block_table, b, page_size, pages_per_seq, num_pages):
     return cache_row
 
 
-def _kvcache(dtype, D):
+def _kvcache(dtype, D, tma):
     """fwd over a KV cache: each sequence's keys are rows of pages (block_table) or its own rows
     of a padded cache, cache_seqlens[b] of them."""
     threads = 128
@@ -231,7 +251,7 @@ def _kvcache(dtype, D):
             cap = page_size * T.max(pages_per_seq, 1)
 
             _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 0, cu_seqlens_q[b + 1] - q0,
-                        T.max(T.min(cache_seqlens[b], cap), 0), groups, tile_tokens, scale_log2, splits,
+                        T.max(T.min(cache_seqlens[b], cap), 0), groups, tile_tokens, scale_log2, splits, tma,
                         _cache_rows(block_table, b, page_size, pages_per_seq, num_pages))
 
     return sparse_decode_kvcache

@@ -2433,7 +2433,7 @@ static const infllmv2_sparse_decode_fwd_unit infllmv2_sparse_decode_fwd_units[] 
   {"sparse_decode_fwd_bf16_d128", "sm_89", 89, 53248, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d128_sm89_init, infllmv2_sparse_decode_fwd_bf16_d128_sm89_call, infllmv2_sparse_decode_fwd_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd_bf16_d128", "sm_90a", 90, 53248, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_init, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_call, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_last_error},
+  {"sparse_decode_fwd_bf16_d128", "sm_90a", 90, 65552, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_init, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_call, infllmv2_sparse_decode_fwd_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_fwd_bf16_d64", "sm_80", 80, 28672, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d64_sm80_init, infllmv2_sparse_decode_fwd_bf16_d64_sm80_call, infllmv2_sparse_decode_fwd_bf16_d64_sm80_last_error},
@@ -2442,7 +2442,7 @@ static const infllmv2_sparse_decode_fwd_unit infllmv2_sparse_decode_fwd_units[] 
   {"sparse_decode_fwd_bf16_d64", "sm_89", 89, 28672, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d64_sm89_init, infllmv2_sparse_decode_fwd_bf16_d64_sm89_call, infllmv2_sparse_decode_fwd_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd_bf16_d64", "sm_90a", 90, 28672, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_init, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_call, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_last_error},
+  {"sparse_decode_fwd_bf16_d64", "sm_90a", 90, 40976, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_init, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_call, infllmv2_sparse_decode_fwd_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_fwd_fp16_d128", "sm_80", 80, 53248, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d128_sm80_init, infllmv2_sparse_decode_fwd_fp16_d128_sm80_call, infllmv2_sparse_decode_fwd_fp16_d128_sm80_last_error},
@@ -2451,7 +2451,7 @@ static const infllmv2_sparse_decode_fwd_unit infllmv2_sparse_decode_fwd_units[] 
   {"sparse_decode_fwd_fp16_d128", "sm_89", 89, 53248, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d128_sm89_init, infllmv2_sparse_decode_fwd_fp16_d128_sm89_call, infllmv2_sparse_decode_fwd_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd_fp16_d128", "sm_90a", 90, 53248, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_init, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_call, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_last_error},
+  {"sparse_decode_fwd_fp16_d128", "sm_90a", 90, 65552, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_init, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_call, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_fwd_fp16_d64", "sm_80", 80, 28672, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d64_sm80_init, infllmv2_sparse_decode_fwd_fp16_d64_sm80_call, infllmv2_sparse_decode_fwd_fp16_d64_sm80_last_error},
@@ -2460,7 +2460,7 @@ static const infllmv2_sparse_decode_fwd_unit infllmv2_sparse_decode_fwd_units[] 
   {"sparse_decode_fwd_fp16_d64", "sm_89", 89, 28672, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d64_sm89_init, infllmv2_sparse_decode_fwd_fp16_d64_sm89_call, infllmv2_sparse_decode_fwd_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd_fp16_d64", "sm_90a", 90, 28672, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_init, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_call, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_last_error},
+  {"sparse_decode_fwd_fp16_d64", "sm_90a", 90, 40976, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_init, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_call, infllmv2_sparse_decode_fwd_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -2544,7 +2544,7 @@ static const infllmv2_sparse_decode_kvcache_unit infllmv2_sparse_decode_kvcache_
   {"sparse_decode_kvcache_bf16_d128", "sm_89", 89, 59408, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d128_sm89_init, infllmv2_sparse_decode_kvcache_bf16_d128_sm89_call, infllmv2_sparse_decode_kvcache_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache_bf16_d128", "sm_90a", 90, 60416, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_init, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_call, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_last_error},
+  {"sparse_decode_kvcache_bf16_d128", "sm_90a", 90, 67616, 128, 0, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_init, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_call, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_kvcache_bf16_d64", "sm_80", 80, 34832, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d64_sm80_init, infllmv2_sparse_decode_kvcache_bf16_d64_sm80_call, infllmv2_sparse_decode_kvcache_bf16_d64_sm80_last_error},
@@ -2553,7 +2553,7 @@ static const infllmv2_sparse_decode_kvcache_unit infllmv2_sparse_decode_kvcache_
   {"sparse_decode_kvcache_bf16_d64", "sm_89", 89, 34832, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d64_sm89_init, infllmv2_sparse_decode_kvcache_bf16_d64_sm89_call, infllmv2_sparse_decode_kvcache_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache_bf16_d64", "sm_90a", 90, 35840, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_init, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_call, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_last_error},
+  {"sparse_decode_kvcache_bf16_d64", "sm_90a", 90, 43040, 128, 0, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_init, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_call, infllmv2_sparse_decode_kvcache_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_kvcache_fp16_d128", "sm_80", 80, 59408, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d128_sm80_init, infllmv2_sparse_decode_kvcache_fp16_d128_sm80_call, infllmv2_sparse_decode_kvcache_fp16_d128_sm80_last_error},
@@ -2562,7 +2562,7 @@ static const infllmv2_sparse_decode_kvcache_unit infllmv2_sparse_decode_kvcache_
   {"sparse_decode_kvcache_fp16_d128", "sm_89", 89, 59408, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d128_sm89_init, infllmv2_sparse_decode_kvcache_fp16_d128_sm89_call, infllmv2_sparse_decode_kvcache_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache_fp16_d128", "sm_90a", 90, 60416, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_init, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_call, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_last_error},
+  {"sparse_decode_kvcache_fp16_d128", "sm_90a", 90, 67616, 128, 1, 128, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_init, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_call, infllmv2_sparse_decode_kvcache_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_kvcache_fp16_d64", "sm_80", 80, 34832, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d64_sm80_init, infllmv2_sparse_decode_kvcache_fp16_d64_sm80_call, infllmv2_sparse_decode_kvcache_fp16_d64_sm80_last_error},
@@ -2571,7 +2571,7 @@ static const infllmv2_sparse_decode_kvcache_unit infllmv2_sparse_decode_kvcache_
   {"sparse_decode_kvcache_fp16_d64", "sm_89", 89, 34832, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d64_sm89_init, infllmv2_sparse_decode_kvcache_fp16_d64_sm89_call, infllmv2_sparse_decode_kvcache_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache_fp16_d64", "sm_90a", 90, 35840, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_init, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_call, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_last_error},
+  {"sparse_decode_kvcache_fp16_d64", "sm_90a", 90, 43040, 128, 1, 64, 64, 64, 4, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_init, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_call, infllmv2_sparse_decode_kvcache_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -3332,7 +3332,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d128", "sm_89", 53248, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d128", "sm_90a", 53248, 128},
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d128", "sm_90a", 65552, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d64", "sm_80", 28672, 128},
@@ -3341,7 +3341,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d64", "sm_89", 28672, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d64", "sm_90a", 28672, 128},
+  {"sparse_decode_fwd", "sparse_decode_fwd_bf16_d64", "sm_90a", 40976, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d128", "sm_80", 53248, 128},
@@ -3350,7 +3350,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d128", "sm_89", 53248, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d128", "sm_90a", 53248, 128},
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d128", "sm_90a", 65552, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_80", 28672, 128},
@@ -3359,7 +3359,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_89", 28672, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_90a", 28672, 128},
+  {"sparse_decode_fwd", "sparse_decode_fwd_fp16_d64", "sm_90a", 40976, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d128", "sm_80", 59408, 128},
@@ -3368,7 +3368,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d128", "sm_89", 59408, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d128", "sm_90a", 60416, 128},
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d128", "sm_90a", 67616, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d64", "sm_80", 34832, 128},
@@ -3377,7 +3377,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d64", "sm_89", 34832, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d64", "sm_90a", 35840, 128},
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_bf16_d64", "sm_90a", 43040, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d128", "sm_80", 59408, 128},
@@ -3386,7 +3386,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d128", "sm_89", 59408, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d128", "sm_90a", 60416, 128},
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d128", "sm_90a", 67616, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d64", "sm_80", 34832, 128},
@@ -3395,7 +3395,7 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d64", "sm_89", 34832, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d64", "sm_90a", 35840, 128},
+  {"sparse_decode_kvcache", "sparse_decode_kvcache_fp16_d64", "sm_90a", 43040, 128},
 #endif
   {nullptr, nullptr, nullptr, 0, 0},
 };

@@ -11,7 +11,7 @@
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/atomic.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy.h>
+#include <tl_templates/cuda/copy_sm90.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -21,18 +21,20 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel(const half_t* __restrict__ K, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int part_rows, float scale_log2, int splits, int tile_tokens, int topk, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel(const half_t* __restrict__ K, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int part_rows, float scale_log2, int splits, int tile_tokens, int topk, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int part_rows, float scale_log2, int splits, int tile_tokens, int topk, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int part_rows, float scale_log2, int splits, int tile_tokens, int topk, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* idx_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* bm_s = ((void*)((char*)buf_dyn_shmem + 18432));
-  void* keep_s = ((void*)((char*)buf_dyn_shmem + 18432));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 20480));
-  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 20480));
-  void* umask_s = ((void*)((char*)buf_dyn_shmem + 22528));
-  void* n_union = ((void*)((char*)buf_dyn_shmem + 24576));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 36864));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* bm_s = ((void*)((char*)buf_dyn_shmem + 49152));
+  void* idx_s = ((void*)((char*)buf_dyn_shmem + 57344));
+  void* keep_s = ((void*)((char*)buf_dyn_shmem + 59392));
+  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 61440));
+  void* umask_s = ((void*)((char*)buf_dyn_shmem + 63488));
+  void* n_union = ((void*)((char*)buf_dyn_shmem + 65536));
+  __shared__ __align__(16) uint64_t full_mem[2];
+  auto full = reinterpret_cast<Barrier*>(full_mem);
   int t0 = 0;
   int split = 0;
   int my_mask[4];
@@ -45,12 +47,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
   float m_cur[2];
   float acc_s[32];
   float m_prev[2];
+  float m_cur_clear[2];
   float m_safe[2];
   float r_scale[2];
   float r_sum[2];
   half_t acc_s_cast[32];
-  float m_cur_clear[2];
-  float m_cur_clear_1[2];
+  if (tl::tl_shuffle_elect<0>()) {
+    tl::prefetch_tma_descriptor(K_desc);
+    tl::prefetch_tma_descriptor(V_desc);
+  }
+  if (tl::tl_shuffle_elect<0>()) {
+    full[0].init(128);
+    full[1].init(128);
+  }
+  tl::fence_barrier_init();
+  __syncthreads();
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.y)];
@@ -207,6 +218,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       }
       my_keep[e_1] = condval_12;
     }
+    __syncthreads();
     for (int w = 0; w < ((((p0 + n_tok) - 1) >> 17) + 1); ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
@@ -260,9 +272,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
-  }
-  __syncthreads();
-  if (0 < n_tok) {
+    __syncthreads();
     if (((int)threadIdx.x) == 0) {
       ((int*)n_union)[0] = ((int*)keep_s)[511];
     }
@@ -314,30 +324,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     float broadcast_var_8 = -CUDART_INF_F;
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
     int n_it_1 = n_it;
-    if (0 < n_it_1) {
-      int blk = ((int*)idx_s)[0];
-      __syncthreads();
-      #pragma unroll
-      for (int i_8 = 0; i_8 < 8; ++i_8) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk) * (int64_t)64) + (((int64_t)i_8) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk * 64) + (i_8 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
-      }
-      tl::cp_async_commit();
+    int condval_18;
+    if ((0 < n_it_1)) {
+      condval_18 = ((int*)idx_s)[0];
+    } else {
+      condval_18 = 0;
     }
+    int first = condval_18;
     __syncthreads();
-    if (0 < n_it_1) {
-      int blk_1 = ((int*)idx_s)[0];
-      __syncthreads();
+    if (tl::tl_shuffle_elect<128>()) {
+      full[0].expect_transaction(16384);
+      tl::fence_proxy_async();
       #pragma unroll
-      for (int i_9 = 0; i_9 < 8; ++i_9) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_9 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_1) * (int64_t)64) + (((int64_t)i_9) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_1 * 64) + (i_9 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_8 = 0; i_8 < 2; ++i_8) {
+        tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_8 * 4096)])), (i_8 * 64), ((first * 64) + k0), ((int)blockIdx.z));
       }
-      tl::cp_async_commit();
     }
-    for (int it = 0; it < (n_it_1 - 1); ++it) {
+    full[0].arrive();
+    if (tl::tl_shuffle_elect<128>()) {
+      full[1].expect_transaction(16384);
+      tl::fence_proxy_async();
+      #pragma unroll
+      for (int i_9 = 0; i_9 < 2; ++i_9) {
+        tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_9 * 4096)])), (i_9 * 64), ((first * 64) + k0), ((int)blockIdx.z));
+      }
+    }
+    full[1].arrive();
+    tl::fence_proxy_async();
+    for (int it = 0; it < n_it_1; ++it) {
       __syncthreads();
-      int blk_2 = ((int*)idx_s)[it];
+      int blk = ((int*)idx_s)[it];
+      int nxt = ((int*)idx_s)[min((it + 1), (n_it_1 - 1))];
       int um = ((int*)keep_s)[it];
-      if ((um == ((1 << n_tok) - 1)) && (((blk_2 * 64) + 63) <= p0)) {
+      if ((um == ((1 << n_tok) - 1)) && (((blk * 64) + 63) <= p0)) {
         #pragma unroll
         for (int i_10 = 0; i_10 < 8; ++i_10) {
           float broadcast_var_9 = 0x0p+0f/*0.000000e+00*/;
@@ -346,17 +365,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          float condval_18;
-          if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (p0 + rtok[((i_11 & 3) >> 1)])))) {
-            condval_18 = 0x0p+0f/*0.000000e+00*/;
+          float condval_19;
+          if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (p0 + rtok[((i_11 & 3) >> 1)])))) {
+            condval_19 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_18 = -CUDART_INF_F;
+            condval_19 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_18;
+          acc_s[i_11] = condval_19;
         }
       }
-      tl::cp_async_wait<1>();
-      __syncthreads();
+      full[0].wait((it & 1));
       {
         tl::GmmaDescriptor desc_a;
         tl::GmmaDescriptor desc_b;
@@ -364,7 +382,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((half_t*)K_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         tl::warpgroup_arrive();
-        tl::fence_proxy_async();
         #pragma unroll
         for (int ki = 0; ki < 8; ++ki) {
           tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
@@ -373,13 +390,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
         tl::warpgroup_wait<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
       }
-      int blk_3 = ((int*)idx_s)[(it + 1)];
       __syncthreads();
-      #pragma unroll
-      for (int i_12 = 0; i_12 < 8; ++i_12) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_12 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_12) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_12 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      if (tl::tl_shuffle_elect<128>()) {
+        full[0].expect_transaction(16384);
+        #pragma unroll
+        for (int i_12 = 0; i_12 < 2; ++i_12) {
+          tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_12 * 4096)])), (i_12 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+        }
       }
-      tl::cp_async_commit();
+      full[0].arrive();
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
       for (int i_13 = 0; i_13 < 2; ++i_13) {
@@ -393,13 +412,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       }
       #pragma unroll
       for (int i_14 = 0; i_14 < 2; ++i_14) {
-        float condval_19;
+        float condval_20;
         if ((m_cur[i_14] == -CUDART_INF_F)) {
-          condval_19 = 0x0p+0f/*0.000000e+00*/;
+          condval_20 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_19 = m_cur[i_14];
+          condval_20 = m_cur[i_14];
         }
-        m_safe[i_14] = condval_19;
+        m_safe[i_14] = condval_20;
         r_scale[i_14] = exp2f(((m_prev[i_14] - m_safe[i_14]) * scale_log2));
       }
       #pragma unroll
@@ -454,15 +473,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
           __7.y = (v__7.y*v__8.y);
         *(float2*)(acc_o + (i_18 * 2)) = __7;
       }
-      tl::cp_async_wait<1>();
-      __syncthreads();
+      full[1].wait((it & 1));
       {
         tl::GmmaDescriptor desc_b_1;
         tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_1, (&(((half_t*)V_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
         tl::warpgroup_arrive();
-        tl::fence_proxy_async();
         #pragma unroll
         for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
           tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_1 * 8)), uint64_t(desc_b_1 + ((ki_1 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
@@ -472,176 +489,43 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
       }
-      int blk_4 = ((int*)idx_s)[(it + 1)];
       __syncthreads();
-      #pragma unroll
-      for (int i_19 = 0; i_19 < 8; ++i_19) {
-        tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_19 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_19) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_19 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      if (tl::tl_shuffle_elect<128>()) {
+        full[1].expect_transaction(16384);
+        #pragma unroll
+        for (int i_19 = 0; i_19 < 2; ++i_19) {
+          tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_19 * 4096)])), (i_19 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+        }
       }
-      tl::cp_async_commit();
+      full[1].arrive();
     }
-    __syncthreads();
-    if (1 <= n_it_1) {
-      int blk_5 = ((int*)idx_s)[(n_it_1 - 1)];
-      int um_1 = ((int*)keep_s)[(n_it_1 - 1)];
-      if ((um_1 == ((1 << n_tok) - 1)) && (((blk_5 * 64) + 63) <= p0)) {
-        #pragma unroll
-        for (int i_20 = 0; i_20 < 8; ++i_20) {
-          float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_20 * 4)) = make_float4(broadcast_var_10, broadcast_var_10, broadcast_var_10, broadcast_var_10);
-        }
-      } else {
-        #pragma unroll
-        for (int i_21 = 0; i_21 < 32; ++i_21) {
-          float condval_20;
-          if (((((um_1 >> rtok[((i_21 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_21 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_21 & 1)) <= (p0 + rtok[((i_21 & 3) >> 1)])))) {
-            condval_20 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_20 = -CUDART_INF_F;
-          }
-          acc_s[i_21] = condval_20;
-        }
-      }
-    }
-    tl::cp_async_wait<1>();
-    __syncthreads();
-    if (1 <= n_it_1) {
-      {
-        tl::GmmaDescriptor desc_a_1;
-        tl::GmmaDescriptor desc_b_2;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((half_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_2, (&(((half_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_2 = 0; ki_2 < 8; ++ki_2) {
-          tl::wgmma_ss<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), uint64_t(desc_b_2 + ((((ki_2 >> 2) * 8192) + ((ki_2 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-      *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-      #pragma unroll
-      for (int i_22 = 0; i_22 < 2; ++i_22) {
-        m_cur_clear_1[i_22] = -CUDART_INF_F;
-        #pragma unroll
-        for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-          m_cur_clear_1[i_22] = max(m_cur_clear_1[i_22], acc_s[((((rv_2 & 7) * 4) + (i_22 * 2)) + (rv_2 >> 3))]);
-        }
-        m_cur_clear_1[i_22] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_22]);
-        m_cur[i_22] = max(m_cur[i_22], m_cur_clear_1[i_22]);
-      }
-      #pragma unroll
-      for (int i_23 = 0; i_23 < 2; ++i_23) {
-        float condval_21;
-        if ((m_cur[i_23] == -CUDART_INF_F)) {
-          condval_21 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_21 = m_cur[i_23];
-        }
-        m_safe[i_23] = condval_21;
-        r_scale[i_23] = exp2f(((m_prev[i_23] - m_safe[i_23]) * scale_log2));
-      }
-      #pragma unroll
-      for (int i_24 = 0; i_24 < 16; ++i_24) {
-        float2 __8;
-        float2 __9;
-          float2 __10;
-            float2 v__9 = *(float2*)(acc_s + (i_24 * 2));
-            float2 v__10 = make_float2(m_safe[(i_24 & 1)], m_safe[(i_24 & 1)]);
-            __10.x = (v__9.x-v__10.x);
-            __10.y = (v__9.y-v__10.y);
-          float2 v__11 = make_float2(scale_log2, scale_log2);
-          __9.x = (__10.x*v__11.x);
-          __9.y = (__10.y*v__11.y);
-        __8.x = exp2f(__9.x);
-        __8.y = exp2f(__9.y);
-        *(float2*)(acc_s + (i_24 * 2)) = __8;
-      }
-      #pragma unroll
-      for (int i_25 = 0; i_25 < 2; ++i_25) {
-        r_sum[i_25] = 0x0p+0f/*0.000000e+00*/;
-        #pragma unroll
-        for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-          r_sum[i_25] = (r_sum[i_25] + acc_s[((((rv_3 & 7) * 4) + (i_25 * 2)) + (rv_3 >> 3))]);
-        }
-        r_sum[i_25] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_25]);
-      }
-      float2 __11;
-        float2 __12;
-          float2 v__12 = *(float2*)(l_sum + 0);
-          float2 v__13 = *(float2*)(r_scale + 0);
-          __12.x = (v__12.x*v__13.x);
-          __12.y = (v__12.y*v__13.y);
-        float2 v__14 = *(float2*)(r_sum + 0);
-        __11.x = (__12.x+v__14.x);
-        __11.y = (__12.y+v__14.y);
-      *(float2*)(l_sum + 0) = __11;
-      #pragma unroll
-      for (int i_26 = 0; i_26 < 8; ++i_26) {
-        uint2 __13;
-        float4 v__15 = *(float4*)(acc_s + (i_26 * 4));
-        ((half2*)(&__13))[0] = __float22half2_rn(((float2*)(&v__15))[0]);
-        ((half2*)(&__13))[1] = __float22half2_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_26 * 4)) = __13;
-      }
-      #pragma unroll
-      for (int i_27 = 0; i_27 < 32; ++i_27) {
-        float2 __14;
-          float2 v__16 = *(float2*)(acc_o + (i_27 * 2));
-          float2 v__17 = make_float2(r_scale[(i_27 & 1)], r_scale[(i_27 & 1)]);
-          __14.x = (v__16.x*v__17.x);
-          __14.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_27 * 2)) = __14;
-      }
-    }
-    tl::cp_async_wait<0>();
-    __syncthreads();
-    if (1 <= n_it_1) {
-      {
-        tl::GmmaDescriptor desc_b_3;
-        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((half_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-          tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-      }
-    }
+    full[0].wait((n_it_1 & 1));
+    full[1].wait((n_it_1 & 1));
     int row0 = (((split * total_q) + q0) + t0);
     #pragma unroll
-    for (int i_28 = 0; i_28 < 32; ++i_28) {
-      float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_22;
-      if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_28 & 1)])) {
-        float2 __15;
-          float2 v__18 = *(float2*)(acc_o + (i_28 * 2));
-          float2 v__19 = make_float2(l_sum[(i_28 & 1)], l_sum[(i_28 & 1)]);
-          __15.x = (v__18.x/v__19.x);
-          __15.y = (v__18.y/v__19.y);
-        condval_22 = __15;
+    for (int i_20 = 0; i_20 < 32; ++i_20) {
+      float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
+      float2 condval_21;
+      if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_20 & 1)])) {
+        float2 __8;
+          float2 v__9 = *(float2*)(acc_o + (i_20 * 2));
+          float2 v__10 = make_float2(l_sum[(i_20 & 1)], l_sum[(i_20 & 1)]);
+          __8.x = (v__9.x/v__10.x);
+          __8.y = (v__9.y/v__10.y);
+        condval_21 = __8;
       } else {
-        condval_22 = make_float2(broadcast_var_11, broadcast_var_11);
+        condval_21 = make_float2(broadcast_var_10, broadcast_var_10);
       }
-      *(float2*)(acc_o + (i_28 * 2)) = condval_22;
+      *(float2*)(acc_o + (i_20 * 2)) = condval_21;
     }
     if (groups == 16) {
       if (((((int)threadIdx.x) >> 5) - n_tok) < 0) {
         #pragma unroll
-        for (int i_29 = 0; i_29 < 32; ++i_29) {
-          if ((((((int)blockIdx.z) * 16) + ((i_29 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+        for (int i_21 = 0; i_21 < 32; ++i_21) {
+          if ((((((int)blockIdx.z) * 16) + ((i_21 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
             if (0 <= ((((int)threadIdx.x) >> 5) + row0)) {
               if (((((int)threadIdx.x) >> 5) + row0) < part_rows) {
-                *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_29) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_29 * 2));
+                *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_21) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_21) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_21 * 2));
               }
             }
           }
@@ -651,11 +535,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       if (groups == 8) {
         if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
           #pragma unroll
-          for (int i_30 = 0; i_30 < 32; ++i_30) {
-            if (((((((int)threadIdx.x) >> 5) * 2) + (i_30 & 1)) - n_tok) < 0) {
-              if (0 <= ((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_30 & 1))) {
-                if (((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_30 & 1)) < part_rows) {
-                  *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)row0)) + (((int64_t)i_30) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_30 * 2));
+          for (int i_22 = 0; i_22 < 32; ++i_22) {
+            if (((((((int)threadIdx.x) >> 5) * 2) + (i_22 & 1)) - n_tok) < 0) {
+              if (0 <= ((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_22 & 1))) {
+                if (((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_22 & 1)) < part_rows) {
+                  *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)row0)) + (((int64_t)i_22) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_22) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_22 * 2));
                 }
               }
             }
@@ -665,11 +549,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
         if (groups == 4) {
           if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
             #pragma unroll
-            for (int i_31 = 0; i_31 < 32; ++i_31) {
-              if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_31 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - n_tok) < 0) {
-                if (0 <= (((((((int)threadIdx.x) >> 5) * 4) + ((i_31 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0)) {
-                  if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_31 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0) < part_rows) {
-                    *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_31 * 2));
+            for (int i_23 = 0; i_23 < 32; ++i_23) {
+              if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_23 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - n_tok) < 0) {
+                if (0 <= (((((((int)threadIdx.x) >> 5) * 4) + ((i_23 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0)) {
+                  if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_23 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0) < part_rows) {
+                    *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_23) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_23) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_23 * 2));
                   }
                 }
               }
@@ -679,11 +563,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
           if (groups == 2) {
             if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
               #pragma unroll
-              for (int i_32 = 0; i_32 < 32; ++i_32) {
-                if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_32 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - n_tok) < 0) {
-                  if (0 <= (((((((int)threadIdx.x) >> 5) * 8) + ((i_32 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0)) {
-                    if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_32 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0) < part_rows) {
-                      *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_32) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_32) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_32 * 2));
+              for (int i_24 = 0; i_24 < 32; ++i_24) {
+                if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_24 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - n_tok) < 0) {
+                  if (0 <= (((((((int)threadIdx.x) >> 5) * 8) + ((i_24 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0)) {
+                    if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_24 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0) < part_rows) {
+                      *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_24) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_24) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_24 * 2));
                     }
                   }
                 }
@@ -693,11 +577,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
             if (groups == 1) {
               if (((int)blockIdx.z) < heads) {
                 #pragma unroll
-                for (int i_33 = 0; i_33 < 32; ++i_33) {
-                  if (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
-                    if (0 <= (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0)) {
-                      if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0) < part_rows) {
-                        *(float2*)(O_part + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_33) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_33 * 2));
+                for (int i_25 = 0; i_25 < 32; ++i_25) {
+                  if (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
+                    if (0 <= (((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0)) {
+                      if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_25 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0) < part_rows) {
+                        *(float2*)(O_part + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_25) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_25) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_25 * 2));
                       }
                     }
                   }
@@ -705,25 +589,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
               }
             } else {
               #pragma unroll
-              for (int i_34 = 0; i_34 < 32; ++i_34) {
-                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
-                  int rmod_15 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              for (int i_26 = 0; i_26 < 32; ++i_26) {
+                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
+                  int rmod_15 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_15)) || ((groups < 0) && (rmod_15 <= 0))) ? rmod_15 : (rmod_15 + groups)))) {
-                    int rmod_16 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_16 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_16)) || ((groups < 0) && (rmod_16 <= 0))) ? rmod_16 : (rmod_16 + groups))) < heads) {
-                      int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                      int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                      int rmod_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rdiv_8 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                       if (0 <= (row0 + ((((0 <= groups) && (0 <= rmod_17)) || ((groups < 0) && (rmod_17 <= 0))) ? rdiv_8 : (rdiv_8 - 1)))) {
-                        int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                        int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                        int rmod_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rdiv_9 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                         if ((row0 + ((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) < part_rows) {
-                          int64_t rmod_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_21)) || ((((int64_t)groups) < (int64_t)0) && (rmod_21 <= (int64_t)0))) ? rmod_21 : (rmod_21 + ((int64_t)groups))) * (int64_t)128)) + (((((int64_t)row0) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_34) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_34 * 2));
+                          int64_t rmod_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_10 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_11 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_21)) || ((((int64_t)groups) < (int64_t)0) && (rmod_21 <= (int64_t)0))) ? rmod_21 : (rmod_21 + ((int64_t)groups))) * (int64_t)128)) + (((((int64_t)row0) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_22)) || ((((int64_t)groups) < (int64_t)0) && (rmod_22 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_26 * 2));
                         }
                       }
                     }
@@ -737,31 +621,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     }
     if ((((int)threadIdx.x) % 4) == 0) {
       #pragma unroll
-      for (int i_35 = 0; i_35 < 2; ++i_35) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
-          int rmod_23 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      for (int i_27 = 0; i_27 < 2; ++i_27) {
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
+          int rmod_23 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
           if (0 <= (row0 + ((((0 <= groups) && (0 <= rmod_23)) || ((groups < 0) && (rmod_23 <= 0))) ? rdiv_12 : (rdiv_12 - 1)))) {
-            int rmod_24 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_24 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if ((row0 + ((((0 <= groups) && (0 <= rmod_24)) || ((groups < 0) && (rmod_24 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < part_rows) {
-              int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rmod_25 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rmod_25 : (rmod_25 + groups)))) {
-                int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_35 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))) < heads) {
-                  float condval_23;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_35])) {
-                    condval_23 = (((m_cur[i_35] * scale_log2) + log2f(l_sum[i_35])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  float condval_22;
+                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_27])) {
+                    condval_22 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_23 = -CUDART_INF_F;
+                    condval_22 = -CUDART_INF_F;
                   }
-                  int64_t rmod_27 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_35) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_29)) || ((((int64_t)groups) < (int64_t)0) && (rmod_29 <= (int64_t)0))) ? rmod_29 : (rmod_29 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))] = condval_23;
+                  int64_t rmod_27 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_29)) || ((((int64_t)groups) < (int64_t)0) && (rmod_29 <= (int64_t)0))) ? rmod_29 : (rmod_29 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))] = condval_22;
                 }
               }
             }
@@ -790,9 +674,9 @@ extern "C" const char* infllmv2_sparse_decode_fwd_fp16_d128_sm90a_last_error() {
 extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 53248);
+    cudaError_t result_infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 65552);
     if (result_infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 53248, cudaGetErrorString(result_infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 65552, cudaGetErrorString(result_infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel));
         return -1;
     }
 
@@ -800,6 +684,48 @@ extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm90a_init() {
 }
 
 extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm90a_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, int* __restrict__ topk_idx, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, float* __restrict__ O_part, float* __restrict__ LSE_part, int batch, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int part_rows, cudaStream_t stream) {
+
+	CUtensorMap K_desc;
+	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)6;
+	cuuint32_t K_desc_tensorRank= 3;
+	void *K_desc_globalAddress= K;
+	cuuint64_t K_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t K_desc_boxDim[3]= {64,64,1};
+	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
+
+	if (K_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
+		return -1;
+	}
+
+	CUtensorMap V_desc;
+	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)6;
+	cuuint32_t V_desc_tensorRank= 3;
+	void *V_desc_globalAddress= V;
+	cuuint64_t V_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t V_desc_boxDim[3]= {64,64,1};
+	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
+
+	if (V_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
+		return -1;
+	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -811,8 +737,8 @@ extern "C" int infllmv2_sparse_decode_fwd_fp16_d128_sm90a_call(half_t* __restric
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles * splits, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 53248;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel, K, LSE_part, O_part, Q, V, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, part_rows, scale_log2, splits, tile_tokens, topk, total_k, total_q);
+		config.dynamicSmemBytes = 65552;
+		cudaLaunchKernelEx(&config, infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel, K_desc, LSE_part, O_part, Q, V_desc, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, part_rows, scale_log2, splits, tile_tokens, topk, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_decode_fwd_fp16_d128_sm90a_kernel");
 

@@ -11,7 +11,7 @@
 #include <tl_templates/cuda/intrin.h>
 #include <tl_templates/cuda/atomic.h>
 #include <tl_templates/cuda/barrier.h>
-#include <tl_templates/cuda/copy.h>
+#include <tl_templates/cuda/copy_sm90.h>
 #include <math_constants.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
@@ -21,20 +21,22 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ K, float* __restrict__ LSE_part, float* __restrict__ O_part, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int num_pages, int page_size, int pages_per_seq, int part_rows, float scale_log2, int splits, int table_len, int tile_tokens, int topk, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ K, float* __restrict__ LSE_part, float* __restrict__ O_part, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int num_pages, int page_size, int pages_per_seq, int part_rows, float scale_log2, int splits, int table_len, int tile_tokens, int topk, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ K, __grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int num_pages, int page_size, int pages_per_seq, int part_rows, float scale_log2, int splits, int table_len, int tile_tokens, int topk, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ K, __grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int num_pages, int page_size, int pages_per_seq, int part_rows, float scale_log2, int splits, int table_len, int tile_tokens, int topk, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
-  void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* idx_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  void* bm_s = ((void*)((char*)buf_dyn_shmem + 18432));
-  void* keep_s = ((void*)((char*)buf_dyn_shmem + 18432));
-  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 20480));
-  void* umask_s = ((void*)((char*)buf_dyn_shmem + 22528));
-  void* n_union = ((void*)((char*)buf_dyn_shmem + 24576));
-  void* part_at = ((void*)((char*)buf_dyn_shmem + 24576));
-  void* rows_s = ((void*)((char*)buf_dyn_shmem + 24592));
-  void* K_s = ((void*)((char*)buf_dyn_shmem + 27648));
-  void* V_s = ((void*)((char*)buf_dyn_shmem + 44032));
+  void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));
+  void* bm_s = ((void*)((char*)buf_dyn_shmem + 49152));
+  void* idx_s = ((void*)((char*)buf_dyn_shmem + 57344));
+  void* keep_s = ((void*)((char*)buf_dyn_shmem + 59392));
+  void* rows_s = ((void*)((char*)buf_dyn_shmem + 61440));
+  void* ublk_s = ((void*)((char*)buf_dyn_shmem + 63488));
+  void* umask_s = ((void*)((char*)buf_dyn_shmem + 65536));
+  void* n_union = ((void*)((char*)buf_dyn_shmem + 67584));
+  void* part_at = ((void*)((char*)buf_dyn_shmem + 67600));
+  __shared__ __align__(16) uint64_t full_mem[2];
+  auto full = reinterpret_cast<Barrier*>(full_mem);
   int cap = 0;
   int t0 = 0;
   int split = 0;
@@ -55,7 +57,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
   bfloat16_t acc_s_cast[32];
   float m_cur_clear[2];
   float m_cur_clear_1[2];
-  float m_cur_clear_2[2];
+  if (tl::tl_shuffle_elect<0>()) {
+    tl::prefetch_tma_descriptor(K_desc);
+    tl::prefetch_tma_descriptor(V_desc);
+  }
+  if (tl::tl_shuffle_elect<0>()) {
+    full[0].init(128);
+    full[1].init(128);
+  }
+  tl::fence_barrier_init();
+  __syncthreads();
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {
     condval = cu_seqlens_q[((int64_t)((int)blockIdx.y))];
@@ -200,6 +211,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       my_keep[e_1] = condval_10;
     }
+    __syncthreads();
     for (int w = 0; w < ((((p0 + n_tok) - 1) >> 17) + 1); ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
@@ -253,9 +265,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
-  }
-  __syncthreads();
-  if (0 < n_tok) {
+    __syncthreads();
     if (((int)threadIdx.x) == 0) {
       ((int*)n_union)[0] = ((int*)keep_s)[511];
     }
@@ -274,9 +284,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     int rmod_13 = (((int*)n_union)[0] % splits);
     int rdiv_6 = (((int*)n_union)[0] / splits);
     lo = (min(split, ((((0 <= splits) && (0 <= rmod_12)) || ((splits < 0) && (rmod_12 <= 0))) ? rmod_12 : (rmod_12 + splits))) + (split * ((((0 <= splits) && (0 <= rmod_13)) || ((splits < 0) && (rmod_13 <= 0))) ? rdiv_6 : (rdiv_6 - 1))));
-  }
-  __syncthreads();
-  if (0 < n_tok) {
     if (((int)threadIdx.x) == 0) {
       ((int*)part_at)[0] = n_it;
     }
@@ -365,28 +372,35 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     *(float2*)(l_sum + 0) = make_float2(broadcast_var_7, broadcast_var_7);
     float broadcast_var_8 = -CUDART_INF_F;
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
-    int n_it_1 = n_it;
-    int n_full_1 = n_full;
-    if (0 < n_full_1) {
-      int r0 = ((int*)rows_s)[0];
-      __syncthreads();
-      #pragma unroll
-      for (int i_8 = 0; i_8 < 8; ++i_8) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_8 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_8) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_8 * 8) + (((int)threadIdx.x) >> 4)) + r0) < total_k) && (0 <= (((i_8 * 8) + (((int)threadIdx.x) >> 4)) + r0))) && ((((i_8 * 8) + (((int)threadIdx.x) >> 4)) + r0) < total_k)) && (0 <= (((i_8 * 8) + (((int)threadIdx.x) >> 4)) + r0))));
-      }
-      tl::cp_async_commit();
+    int n_it_1 = n_full;
+    int condval_21;
+    if ((0 < n_full)) {
+      condval_21 = ((int*)rows_s)[0];
+    } else {
+      condval_21 = 0;
     }
+    int r0 = condval_21;
     __syncthreads();
-    if (0 < n_full_1) {
-      int r0_1 = ((int*)rows_s)[0];
-      __syncthreads();
+    if (tl::tl_shuffle_elect<128>()) {
+      full[0].expect_transaction(16384);
+      tl::fence_proxy_async();
       #pragma unroll
-      for (int i_9 = 0; i_9 < 8; ++i_9) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_9 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_9) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_9 * 8) + (((int)threadIdx.x) >> 4)) + r0_1) < total_k) && (0 <= (((i_9 * 8) + (((int)threadIdx.x) >> 4)) + r0_1))) && ((((i_9 * 8) + (((int)threadIdx.x) >> 4)) + r0_1) < total_k)) && (0 <= (((i_9 * 8) + (((int)threadIdx.x) >> 4)) + r0_1))));
+      for (int i_8 = 0; i_8 < 2; ++i_8) {
+        tl::tma_load(K_desc, full[0], (&(((bfloat16_t*)K_s)[(i_8 * 4096)])), (i_8 * 64), r0, ((int)blockIdx.z));
       }
-      tl::cp_async_commit();
     }
-    for (int it = 0; it < (n_full_1 - 1); ++it) {
+    full[0].arrive();
+    if (tl::tl_shuffle_elect<128>()) {
+      full[1].expect_transaction(16384);
+      tl::fence_proxy_async();
+      #pragma unroll
+      for (int i_9 = 0; i_9 < 2; ++i_9) {
+        tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[(i_9 * 4096)])), (i_9 * 64), r0, ((int)blockIdx.z));
+      }
+    }
+    full[1].arrive();
+    tl::fence_proxy_async();
+    for (int it = 0; it < n_it_1; ++it) {
       __syncthreads();
       int blk = ((int*)idx_s)[it];
       int um = ((int*)keep_s)[it];
@@ -399,17 +413,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          float condval_21;
+          float condval_22;
           if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (p0 + rtok[((i_11 & 3) >> 1)])))) {
-            condval_21 = 0x0p+0f/*0.000000e+00*/;
+            condval_22 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_21 = -CUDART_INF_F;
+            condval_22 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_21;
+          acc_s[i_11] = condval_22;
         }
       }
-      tl::cp_async_wait<1>();
-      __syncthreads();
+      full[0].wait((it & 1));
       {
         tl::GmmaDescriptor desc_a;
         tl::GmmaDescriptor desc_b;
@@ -417,7 +430,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)K_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
         tl::warpgroup_arrive();
-        tl::fence_proxy_async();
         #pragma unroll
         for (int ki = 0; ki < 8; ++ki) {
           tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
@@ -426,13 +438,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         tl::warpgroup_wait<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
       }
-      int r0_2 = ((int*)rows_s)[(it + 1)];
       __syncthreads();
-      #pragma unroll
-      for (int i_12 = 0; i_12 < 8; ++i_12) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_12 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_12) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_2)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_12 * 8) + (((int)threadIdx.x) >> 4)) + r0_2) < total_k) && (0 <= (((i_12 * 8) + (((int)threadIdx.x) >> 4)) + r0_2))) && ((((i_12 * 8) + (((int)threadIdx.x) >> 4)) + r0_2) < total_k)) && (0 <= (((i_12 * 8) + (((int)threadIdx.x) >> 4)) + r0_2))));
+      int condval_23;
+      if ((((it + 1) < n_full) || (n_it_1 <= n_full))) {
+        condval_23 = ((int*)rows_s)[min((it + 1), (n_it_1 - 1))];
+      } else {
+        condval_23 = 0;
       }
-      tl::cp_async_commit();
+      int r_nxt = condval_23;
+      __syncthreads();
+      if (tl::tl_shuffle_elect<128>()) {
+        full[0].expect_transaction(16384);
+        #pragma unroll
+        for (int i_12 = 0; i_12 < 2; ++i_12) {
+          tl::tma_load(K_desc, full[0], (&(((bfloat16_t*)K_s)[(i_12 * 4096)])), (i_12 * 64), r_nxt, ((int)blockIdx.z));
+        }
+      }
+      full[0].arrive();
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
       for (int i_13 = 0; i_13 < 2; ++i_13) {
@@ -446,13 +468,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_14 = 0; i_14 < 2; ++i_14) {
-        float condval_22;
+        float condval_24;
         if ((m_cur[i_14] == -CUDART_INF_F)) {
-          condval_22 = 0x0p+0f/*0.000000e+00*/;
+          condval_24 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_22 = m_cur[i_14];
+          condval_24 = m_cur[i_14];
         }
-        m_safe[i_14] = condval_22;
+        m_safe[i_14] = condval_24;
         r_scale[i_14] = exp2f(((m_prev[i_14] - m_safe[i_14]) * scale_log2));
       }
       #pragma unroll
@@ -507,15 +529,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
           __7.y = (v__7.y*v__8.y);
         *(float2*)(acc_o + (i_18 * 2)) = __7;
       }
-      tl::cp_async_wait<1>();
-      __syncthreads();
+      full[1].wait((it & 1));
       {
         tl::GmmaDescriptor desc_b_1;
         tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_1, (&(((bfloat16_t*)V_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
         tl::warpgroup_arrive();
-        tl::fence_proxy_async();
         #pragma unroll
         for (int ki_1 = 0; ki_1 < 4; ++ki_1) {
           tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_1 * 8)), uint64_t(desc_b_1 + ((ki_1 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
@@ -525,40 +545,75 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
       }
-      int r0_3 = ((int*)rows_s)[(it + 1)];
+      __syncthreads();
+      int condval_25;
+      if ((((it + 1) < n_full) || (n_it_1 <= n_full))) {
+        condval_25 = ((int*)rows_s)[min((it + 1), (n_it_1 - 1))];
+      } else {
+        condval_25 = 0;
+      }
+      int r_nxt_1 = condval_25;
+      __syncthreads();
+      if (tl::tl_shuffle_elect<128>()) {
+        full[1].expect_transaction(16384);
+        #pragma unroll
+        for (int i_19 = 0; i_19 < 2; ++i_19) {
+          tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[(i_19 * 4096)])), (i_19 * 64), r_nxt_1, ((int)blockIdx.z));
+        }
+      }
+      full[1].arrive();
+    }
+    full[0].wait((n_it_1 & 1));
+    full[1].wait((n_it_1 & 1));
+    int n_full_1 = n_full;
+    int n_it_2 = n_it;
+    __syncthreads();
+    for (int it_1 = n_full_1; it_1 < n_it_2; ++it_1) {
+      int blk_1 = ((int*)idx_s)[((int64_t)it_1)];
+      int r0_1 = ((int*)rows_s)[((int64_t)it_1)];
       __syncthreads();
       #pragma unroll
-      for (int i_19 = 0; i_19 < 8; ++i_19) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_19 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_19) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_3)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((i_19 * 8) + (((int)threadIdx.x) >> 4)) + r0_3) < total_k) && (0 <= (((i_19 * 8) + (((int)threadIdx.x) >> 4)) + r0_3))) && ((((i_19 * 8) + (((int)threadIdx.x) >> 4)) + r0_3) < total_k)) && (0 <= (((i_19 * 8) + (((int)threadIdx.x) >> 4)) + r0_3))));
+      for (int i_20 = 0; i_20 < 8; ++i_20) {
+        bfloat16_t broadcast_var_10 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_26;
+        if (((((((blk_1 * 64) + (i_20 * 8)) + (((int)threadIdx.x) >> 4)) < len_k) && (0 <= (((i_20 * 8) + (((int)threadIdx.x) >> 4)) + r0_1))) && ((((i_20 * 8) + (((int)threadIdx.x) >> 4)) + r0_1) < total_k))) {
+          condval_26 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_20) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        } else {
+          condval_26 = make_uint4(__pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10));
+        }
+        *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_20 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_26;
       }
-      tl::cp_async_commit();
-    }
-    __syncthreads();
-    if (1 <= n_full_1) {
-      int blk_1 = ((int*)idx_s)[(n_full_1 - 1)];
-      int um_1 = ((int*)keep_s)[(n_full_1 - 1)];
+      #pragma unroll
+      for (int i_21 = 0; i_21 < 8; ++i_21) {
+        bfloat16_t broadcast_var_11 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_27;
+        if (((((((blk_1 * 64) + (i_21 * 8)) + (((int)threadIdx.x) >> 4)) < len_k) && (0 <= (((i_21 * 8) + (((int)threadIdx.x) >> 4)) + r0_1))) && ((((i_21 * 8) + (((int)threadIdx.x) >> 4)) + r0_1) < total_k))) {
+          condval_27 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_21) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_1)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        } else {
+          condval_27 = make_uint4(__pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11));
+        }
+        *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_21 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_27;
+      }
+      __syncthreads();
+      int um_1 = ((int*)keep_s)[((int64_t)it_1)];
       if ((um_1 == ((1 << n_tok) - 1)) && (((blk_1 * 64) + 63) <= p0)) {
         #pragma unroll
-        for (int i_20 = 0; i_20 < 8; ++i_20) {
-          float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_20 * 4)) = make_float4(broadcast_var_10, broadcast_var_10, broadcast_var_10, broadcast_var_10);
+        for (int i_22 = 0; i_22 < 8; ++i_22) {
+          float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
+          *(float4*)(acc_s + (i_22 * 4)) = make_float4(broadcast_var_12, broadcast_var_12, broadcast_var_12, broadcast_var_12);
         }
       } else {
         #pragma unroll
-        for (int i_21 = 0; i_21 < 32; ++i_21) {
-          float condval_23;
-          if (((((um_1 >> rtok[((i_21 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_21 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_21 & 1)) <= (p0 + rtok[((i_21 & 3) >> 1)])))) {
-            condval_23 = 0x0p+0f/*0.000000e+00*/;
+        for (int i_23 = 0; i_23 < 32; ++i_23) {
+          float condval_28;
+          if (((((um_1 >> rtok[((i_23 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) <= (p0 + rtok[((i_23 & 3) >> 1)])))) {
+            condval_28 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_23 = -CUDART_INF_F;
+            condval_28 = -CUDART_INF_F;
           }
-          acc_s[i_21] = condval_23;
+          acc_s[i_23] = condval_28;
         }
       }
-    }
-    tl::cp_async_wait<1>();
-    __syncthreads();
-    if (1 <= n_full_1) {
       {
         tl::GmmaDescriptor desc_a_1;
         tl::GmmaDescriptor desc_b_2;
@@ -577,33 +632,33 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
       #pragma unroll
-      for (int i_22 = 0; i_22 < 2; ++i_22) {
-        m_cur_clear_1[i_22] = -CUDART_INF_F;
+      for (int i_24 = 0; i_24 < 2; ++i_24) {
+        m_cur_clear_1[i_24] = -CUDART_INF_F;
         #pragma unroll
         for (int rv_2 = 0; rv_2 < 16; ++rv_2) {
-          m_cur_clear_1[i_22] = max(m_cur_clear_1[i_22], acc_s[((((rv_2 & 7) * 4) + (i_22 * 2)) + (rv_2 >> 3))]);
+          m_cur_clear_1[i_24] = max(m_cur_clear_1[i_24], acc_s[((((rv_2 & 7) * 4) + (i_24 * 2)) + (rv_2 >> 3))]);
         }
-        m_cur_clear_1[i_22] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_22]);
-        m_cur[i_22] = max(m_cur[i_22], m_cur_clear_1[i_22]);
+        m_cur_clear_1[i_24] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_1[i_24]);
+        m_cur[i_24] = max(m_cur[i_24], m_cur_clear_1[i_24]);
       }
       #pragma unroll
-      for (int i_23 = 0; i_23 < 2; ++i_23) {
-        float condval_24;
-        if ((m_cur[i_23] == -CUDART_INF_F)) {
-          condval_24 = 0x0p+0f/*0.000000e+00*/;
+      for (int i_25 = 0; i_25 < 2; ++i_25) {
+        float condval_29;
+        if ((m_cur[i_25] == -CUDART_INF_F)) {
+          condval_29 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_24 = m_cur[i_23];
+          condval_29 = m_cur[i_25];
         }
-        m_safe[i_23] = condval_24;
-        r_scale[i_23] = exp2f(((m_prev[i_23] - m_safe[i_23]) * scale_log2));
+        m_safe[i_25] = condval_29;
+        r_scale[i_25] = exp2f(((m_prev[i_25] - m_safe[i_25]) * scale_log2));
       }
       #pragma unroll
-      for (int i_24 = 0; i_24 < 16; ++i_24) {
+      for (int i_26 = 0; i_26 < 16; ++i_26) {
         float2 __8;
         float2 __9;
           float2 __10;
-            float2 v__9 = *(float2*)(acc_s + (i_24 * 2));
-            float2 v__10 = make_float2(m_safe[(i_24 & 1)], m_safe[(i_24 & 1)]);
+            float2 v__9 = *(float2*)(acc_s + (i_26 * 2));
+            float2 v__10 = make_float2(m_safe[(i_26 & 1)], m_safe[(i_26 & 1)]);
             __10.x = (v__9.x-v__10.x);
             __10.y = (v__9.y-v__10.y);
           float2 v__11 = make_float2(scale_log2, scale_log2);
@@ -611,16 +666,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
           __9.y = (__10.y*v__11.y);
         __8.x = exp2f(__9.x);
         __8.y = exp2f(__9.y);
-        *(float2*)(acc_s + (i_24 * 2)) = __8;
+        *(float2*)(acc_s + (i_26 * 2)) = __8;
       }
       #pragma unroll
-      for (int i_25 = 0; i_25 < 2; ++i_25) {
-        r_sum[i_25] = 0x0p+0f/*0.000000e+00*/;
+      for (int i_27 = 0; i_27 < 2; ++i_27) {
+        r_sum[i_27] = 0x0p+0f/*0.000000e+00*/;
         #pragma unroll
         for (int rv_3 = 0; rv_3 < 16; ++rv_3) {
-          r_sum[i_25] = (r_sum[i_25] + acc_s[((((rv_3 & 7) * 4) + (i_25 * 2)) + (rv_3 >> 3))]);
+          r_sum[i_27] = (r_sum[i_27] + acc_s[((((rv_3 & 7) * 4) + (i_27 * 2)) + (rv_3 >> 3))]);
         }
-        r_sum[i_25] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_25]);
+        r_sum[i_27] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_27]);
       }
       float2 __11;
         float2 __12;
@@ -633,33 +688,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         __11.y = (__12.y+v__14.y);
       *(float2*)(l_sum + 0) = __11;
       #pragma unroll
-      for (int i_26 = 0; i_26 < 8; ++i_26) {
+      for (int i_28 = 0; i_28 < 8; ++i_28) {
         uint2 __13;
-        float4 v__15 = *(float4*)(acc_s + (i_26 * 4));
+        float4 v__15 = *(float4*)(acc_s + (i_28 * 4));
         (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__15))[0]);
         (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__15))[1]);
-        *(uint2*)(acc_s_cast + (i_26 * 4)) = __13;
+        *(uint2*)(acc_s_cast + (i_28 * 4)) = __13;
       }
       #pragma unroll
-      for (int i_27 = 0; i_27 < 32; ++i_27) {
+      for (int i_29 = 0; i_29 < 32; ++i_29) {
         float2 __14;
-          float2 v__16 = *(float2*)(acc_o + (i_27 * 2));
-          float2 v__17 = make_float2(r_scale[(i_27 & 1)], r_scale[(i_27 & 1)]);
+          float2 v__16 = *(float2*)(acc_o + (i_29 * 2));
+          float2 v__17 = make_float2(r_scale[(i_29 & 1)], r_scale[(i_29 & 1)]);
           __14.x = (v__16.x*v__17.x);
           __14.y = (v__16.y*v__17.y);
-        *(float2*)(acc_o + (i_27 * 2)) = __14;
+        *(float2*)(acc_o + (i_29 * 2)) = __14;
       }
-    }
-    tl::cp_async_wait<0>();
-    __syncthreads();
-    if (1 <= n_full_1) {
       {
         tl::GmmaDescriptor desc_b_3;
         tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_3, (&(((bfloat16_t*)V_s)[0])));
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
         tl::warpgroup_arrive();
-        tl::fence_proxy_async();
         #pragma unroll
         for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
           tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
@@ -670,183 +720,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
       }
     }
-    for (int it_1 = n_full_1; it_1 < n_it_1; ++it_1) {
-      int blk_2 = ((int*)idx_s)[((int64_t)it_1)];
-      int r0_4 = ((int*)rows_s)[((int64_t)it_1)];
-      __syncthreads();
-      #pragma unroll
-      for (int i_28 = 0; i_28 < 8; ++i_28) {
-        bfloat16_t broadcast_var_11 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_25;
-        if (((((((blk_2 * 64) + (i_28 * 8)) + (((int)threadIdx.x) >> 4)) < len_k) && (0 <= (((i_28 * 8) + (((int)threadIdx.x) >> 4)) + r0_4))) && ((((i_28 * 8) + (((int)threadIdx.x) >> 4)) + r0_4) < total_k))) {
-          condval_25 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_28) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-        } else {
-          condval_25 = make_uint4(__pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11));
-        }
-        *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_28 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_25;
-      }
-      #pragma unroll
-      for (int i_29 = 0; i_29 < 8; ++i_29) {
-        bfloat16_t broadcast_var_12 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_26;
-        if (((((((blk_2 * 64) + (i_29 * 8)) + (((int)threadIdx.x) >> 4)) < len_k) && (0 <= (((i_29 * 8) + (((int)threadIdx.x) >> 4)) + r0_4))) && ((((i_29 * 8) + (((int)threadIdx.x) >> 4)) + r0_4) < total_k))) {
-          condval_26 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_29) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-        } else {
-          condval_26 = make_uint4(__pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12));
-        }
-        *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_29 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_26;
-      }
-      __syncthreads();
-      int um_2 = ((int*)keep_s)[((int64_t)it_1)];
-      if ((um_2 == ((1 << n_tok) - 1)) && (((blk_2 * 64) + 63) <= p0)) {
-        #pragma unroll
-        for (int i_30 = 0; i_30 < 8; ++i_30) {
-          float broadcast_var_13 = 0x0p+0f/*0.000000e+00*/;
-          *(float4*)(acc_s + (i_30 * 4)) = make_float4(broadcast_var_13, broadcast_var_13, broadcast_var_13, broadcast_var_13);
-        }
-      } else {
-        #pragma unroll
-        for (int i_31 = 0; i_31 < 32; ++i_31) {
-          float condval_27;
-          if (((((um_2 >> rtok[((i_31 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_31 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_31 & 1)) <= (p0 + rtok[((i_31 & 3) >> 1)])))) {
-            condval_27 = 0x0p+0f/*0.000000e+00*/;
-          } else {
-            condval_27 = -CUDART_INF_F;
-          }
-          acc_s[i_31] = condval_27;
-        }
-      }
-      {
-        tl::GmmaDescriptor desc_a_2;
-        tl::GmmaDescriptor desc_b_4;
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)Q_s)[0])));
-        tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)K_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-        tl::warpgroup_arrive();
-        tl::fence_proxy_async();
-        #pragma unroll
-        for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-          tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_s + 0)), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
-      }
-      *(float2*)(m_prev + 0) = *(float2*)(m_cur + 0);
-      #pragma unroll
-      for (int i_32 = 0; i_32 < 2; ++i_32) {
-        m_cur_clear_2[i_32] = -CUDART_INF_F;
-        #pragma unroll
-        for (int rv_4 = 0; rv_4 < 16; ++rv_4) {
-          m_cur_clear_2[i_32] = max(m_cur_clear_2[i_32], acc_s[((((rv_4 & 7) * 4) + (i_32 * 2)) + (rv_4 >> 3))]);
-        }
-        m_cur_clear_2[i_32] = tl::AllReduce<tl::MaxOp, 4, 1, 0, tl::NamedBarrier<128>>::run(m_cur_clear_2[i_32]);
-        m_cur[i_32] = max(m_cur[i_32], m_cur_clear_2[i_32]);
-      }
-      #pragma unroll
-      for (int i_33 = 0; i_33 < 2; ++i_33) {
-        float condval_28;
-        if ((m_cur[i_33] == -CUDART_INF_F)) {
-          condval_28 = 0x0p+0f/*0.000000e+00*/;
-        } else {
-          condval_28 = m_cur[i_33];
-        }
-        m_safe[i_33] = condval_28;
-        r_scale[i_33] = exp2f(((m_prev[i_33] - m_safe[i_33]) * scale_log2));
-      }
-      #pragma unroll
-      for (int i_34 = 0; i_34 < 16; ++i_34) {
-        float2 __15;
-        float2 __16;
-          float2 __17;
-            float2 v__18 = *(float2*)(acc_s + (i_34 * 2));
-            float2 v__19 = make_float2(m_safe[(i_34 & 1)], m_safe[(i_34 & 1)]);
-            __17.x = (v__18.x-v__19.x);
-            __17.y = (v__18.y-v__19.y);
-          float2 v__20 = make_float2(scale_log2, scale_log2);
-          __16.x = (__17.x*v__20.x);
-          __16.y = (__17.y*v__20.y);
-        __15.x = exp2f(__16.x);
-        __15.y = exp2f(__16.y);
-        *(float2*)(acc_s + (i_34 * 2)) = __15;
-      }
-      #pragma unroll
-      for (int i_35 = 0; i_35 < 2; ++i_35) {
-        r_sum[i_35] = 0x0p+0f/*0.000000e+00*/;
-        #pragma unroll
-        for (int rv_5 = 0; rv_5 < 16; ++rv_5) {
-          r_sum[i_35] = (r_sum[i_35] + acc_s[((((rv_5 & 7) * 4) + (i_35 * 2)) + (rv_5 >> 3))]);
-        }
-        r_sum[i_35] = tl::AllReduce<tl::SumOp, 4, 1, 0, tl::NamedBarrier<128>>::run(r_sum[i_35]);
-      }
-      float2 __18;
-        float2 __19;
-          float2 v__21 = *(float2*)(l_sum + 0);
-          float2 v__22 = *(float2*)(r_scale + 0);
-          __19.x = (v__21.x*v__22.x);
-          __19.y = (v__21.y*v__22.y);
-        float2 v__23 = *(float2*)(r_sum + 0);
-        __18.x = (__19.x+v__23.x);
-        __18.y = (__19.y+v__23.y);
-      *(float2*)(l_sum + 0) = __18;
-      #pragma unroll
-      for (int i_36 = 0; i_36 < 8; ++i_36) {
-        uint2 __20;
-        float4 v__24 = *(float4*)(acc_s + (i_36 * 4));
-        (reinterpret_cast<__nv_bfloat162*>(&__20))[0] = __float22bfloat162_rn(((float2*)(&v__24))[0]);
-        (reinterpret_cast<__nv_bfloat162*>(&__20))[1] = __float22bfloat162_rn(((float2*)(&v__24))[1]);
-        *(uint2*)(acc_s_cast + (i_36 * 4)) = __20;
-      }
-      #pragma unroll
-      for (int i_37 = 0; i_37 < 32; ++i_37) {
-        float2 __21;
-          float2 v__25 = *(float2*)(acc_o + (i_37 * 2));
-          float2 v__26 = make_float2(r_scale[(i_37 & 1)], r_scale[(i_37 & 1)]);
-          __21.x = (v__25.x*v__26.x);
-          __21.y = (v__25.y*v__26.y);
-        *(float2*)(acc_o + (i_37 * 2)) = __21;
-      }
-      {
-        tl::GmmaDescriptor desc_b_5;
-        tl::initialize_wgmma_descriptor<1, 512, 64>(desc_b_5, (&(((bfloat16_t*)V_s)[0])));
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-        tl::warpgroup_arrive();
-        #pragma unroll
-        for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
-          tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(acc_s_cast + (ki_5 * 8)), uint64_t(desc_b_5 + ((ki_5 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_o + 0), 1);
-        }
-        tl::warpgroup_commit_batch();
-        tl::warpgroup_wait<0>();
-        tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_o + 0), 64);
-        tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
-      }
-    }
     int row0 = (((split * total_q) + q0) + t0);
     #pragma unroll
-    for (int i_38 = 0; i_38 < 32; ++i_38) {
-      float broadcast_var_14 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_29;
-      if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_38 & 1)])) {
-        float2 __22;
-          float2 v__27 = *(float2*)(acc_o + (i_38 * 2));
-          float2 v__28 = make_float2(l_sum[(i_38 & 1)], l_sum[(i_38 & 1)]);
-          __22.x = (v__27.x/v__28.x);
-          __22.y = (v__27.y/v__28.y);
-        condval_29 = __22;
+    for (int i_30 = 0; i_30 < 32; ++i_30) {
+      float broadcast_var_13 = 0x0p+0f/*0.000000e+00*/;
+      float2 condval_30;
+      if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_30 & 1)])) {
+        float2 __15;
+          float2 v__18 = *(float2*)(acc_o + (i_30 * 2));
+          float2 v__19 = make_float2(l_sum[(i_30 & 1)], l_sum[(i_30 & 1)]);
+          __15.x = (v__18.x/v__19.x);
+          __15.y = (v__18.y/v__19.y);
+        condval_30 = __15;
       } else {
-        condval_29 = make_float2(broadcast_var_14, broadcast_var_14);
+        condval_30 = make_float2(broadcast_var_13, broadcast_var_13);
       }
-      *(float2*)(acc_o + (i_38 * 2)) = condval_29;
+      *(float2*)(acc_o + (i_30 * 2)) = condval_30;
     }
     if (groups == 16) {
       if (((((int)threadIdx.x) >> 5) - n_tok) < 0) {
         #pragma unroll
-        for (int i_39 = 0; i_39 < 32; ++i_39) {
-          if ((((((int)blockIdx.z) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+        for (int i_31 = 0; i_31 < 32; ++i_31) {
+          if ((((((int)blockIdx.z) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
             if (0 <= ((((int)threadIdx.x) >> 5) + row0)) {
               if (((((int)threadIdx.x) >> 5) + row0) < part_rows) {
-                *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_39) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_39 * 2));
+                *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_31 * 2));
               }
             }
           }
@@ -856,11 +754,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       if (groups == 8) {
         if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
           #pragma unroll
-          for (int i_40 = 0; i_40 < 32; ++i_40) {
-            if (((((((int)threadIdx.x) >> 5) * 2) + (i_40 & 1)) - n_tok) < 0) {
-              if (0 <= ((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_40 & 1))) {
-                if (((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_40 & 1)) < part_rows) {
-                  *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)row0)) + (((int64_t)i_40) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_40) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_40 * 2));
+          for (int i_32 = 0; i_32 < 32; ++i_32) {
+            if (((((((int)threadIdx.x) >> 5) * 2) + (i_32 & 1)) - n_tok) < 0) {
+              if (0 <= ((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_32 & 1))) {
+                if (((((((int)threadIdx.x) >> 5) * 2) + row0) + (i_32 & 1)) < part_rows) {
+                  *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)row0)) + (((int64_t)i_32) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_32) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_32 * 2));
                 }
               }
             }
@@ -870,11 +768,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         if (groups == 4) {
           if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
             #pragma unroll
-            for (int i_41 = 0; i_41 < 32; ++i_41) {
-              if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_41 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - n_tok) < 0) {
-                if (0 <= (((((((int)threadIdx.x) >> 5) * 4) + ((i_41 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0)) {
-                  if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_41 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0) < part_rows) {
-                    *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_41) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_41) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_41 * 2));
+            for (int i_33 = 0; i_33 < 32; ++i_33) {
+              if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_33 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - n_tok) < 0) {
+                if (0 <= (((((((int)threadIdx.x) >> 5) * 4) + ((i_33 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0)) {
+                  if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_33 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + row0) < part_rows) {
+                    *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_33) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_33 * 2));
                   }
                 }
               }
@@ -884,11 +782,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
           if (groups == 2) {
             if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
               #pragma unroll
-              for (int i_42 = 0; i_42 < 32; ++i_42) {
-                if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_42 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - n_tok) < 0) {
-                  if (0 <= (((((((int)threadIdx.x) >> 5) * 8) + ((i_42 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0)) {
-                    if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_42 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0) < part_rows) {
-                      *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_42) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_42) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_42 * 2));
+              for (int i_34 = 0; i_34 < 32; ++i_34) {
+                if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_34 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - n_tok) < 0) {
+                  if (0 <= (((((((int)threadIdx.x) >> 5) * 8) + ((i_34 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0)) {
+                    if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_34 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + row0) < part_rows) {
+                      *(float2*)(O_part + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_34) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_34 * 2));
                     }
                   }
                 }
@@ -898,11 +796,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
             if (groups == 1) {
               if (((int)blockIdx.z) < heads) {
                 #pragma unroll
-                for (int i_43 = 0; i_43 < 32; ++i_43) {
-                  if (((((((int)threadIdx.x) >> 5) * 16) + ((i_43 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
-                    if (0 <= (((((((int)threadIdx.x) >> 5) * 16) + ((i_43 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0)) {
-                      if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_43 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0) < part_rows) {
-                        *(float2*)(O_part + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_43) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_43) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_43 * 2));
+                for (int i_35 = 0; i_35 < 32; ++i_35) {
+                  if (((((((int)threadIdx.x) >> 5) * 16) + ((i_35 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
+                    if (0 <= (((((((int)threadIdx.x) >> 5) * 16) + ((i_35 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0)) {
+                      if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_35 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + row0) < part_rows) {
+                        *(float2*)(O_part + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_35) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_35) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_35 * 2));
                       }
                     }
                   }
@@ -910,25 +808,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
               }
             } else {
               #pragma unroll
-              for (int i_44 = 0; i_44 < 32; ++i_44) {
-                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_44 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
-                  int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_44 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              for (int i_36 = 0; i_36 < 32; ++i_36) {
+                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
+                  int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups)))) {
-                    int rmod_21 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_44 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_21 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rmod_21 : (rmod_21 + groups))) < heads) {
-                      int rmod_22 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_44 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                      int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_44 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                      int rmod_22 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rdiv_12 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                       if (0 <= (row0 + ((((0 <= groups) && (0 <= rmod_22)) || ((groups < 0) && (rmod_22 <= 0))) ? rdiv_12 : (rdiv_12 - 1)))) {
-                        int rmod_23 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_44 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                        int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_44 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                        int rmod_23 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rdiv_13 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                         if ((row0 + ((((0 <= groups) && (0 <= rmod_23)) || ((groups < 0) && (rmod_23 <= 0))) ? rdiv_13 : (rdiv_13 - 1))) < part_rows) {
-                          int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_44) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_25 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_44) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_44) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          int64_t rmod_26 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_44) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_27 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_44) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_44) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_26)) || ((((int64_t)groups) < (int64_t)0) && (rmod_26 <= (int64_t)0))) ? rmod_26 : (rmod_26 + ((int64_t)groups))) * (int64_t)128)) + (((((int64_t)row0) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)groups) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_44) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_44 * 2));
+                          int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_25 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_14 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          int64_t rmod_26 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_27 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          *(float2*)(O_part + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_26)) || ((((int64_t)groups) < (int64_t)0) && (rmod_26 <= (int64_t)0))) ? rmod_26 : (rmod_26 + ((int64_t)groups))) * (int64_t)128)) + (((((int64_t)row0) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)groups) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_36) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(float2*)(acc_o + (i_36 * 2));
                         }
                       }
                     }
@@ -942,31 +840,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     }
     if ((((int)threadIdx.x) % 4) == 0) {
       #pragma unroll
-      for (int i_45 = 0; i_45 < 2; ++i_45) {
-        if (((((((int)threadIdx.x) >> 5) * 16) + (i_45 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
-          int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + (i_45 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-          int rdiv_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_45 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+      for (int i_37 = 0; i_37 < 2; ++i_37) {
+        if (((((((int)threadIdx.x) >> 5) * 16) + (i_37 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups)) {
+          int rmod_28 = (((((((int)threadIdx.x) >> 5) * 16) + (i_37 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+          int rdiv_16 = (((((((int)threadIdx.x) >> 5) * 16) + (i_37 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
           if (0 <= (row0 + ((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_16 : (rdiv_16 - 1)))) {
-            int rmod_29 = (((((((int)threadIdx.x) >> 5) * 16) + (i_45 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_45 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+            int rmod_29 = (((((((int)threadIdx.x) >> 5) * 16) + (i_37 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+            int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + (i_37 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
             if ((row0 + ((((0 <= groups) && (0 <= rmod_29)) || ((groups < 0) && (rmod_29 <= 0))) ? rdiv_17 : (rdiv_17 - 1))) < part_rows) {
-              int rmod_30 = (((((((int)threadIdx.x) >> 5) * 16) + (i_45 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+              int rmod_30 = (((((((int)threadIdx.x) >> 5) * 16) + (i_37 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rmod_30 : (rmod_30 + groups)))) {
-                int rmod_31 = (((((((int)threadIdx.x) >> 5) * 16) + (i_45 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                int rmod_31 = (((((((int)threadIdx.x) >> 5) * 16) + (i_37 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_31)) || ((groups < 0) && (rmod_31 <= 0))) ? rmod_31 : (rmod_31 + groups))) < heads) {
-                  float condval_30;
-                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_45])) {
-                    condval_30 = (((m_cur[i_45] * scale_log2) + log2f(l_sum[i_45])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  float condval_31;
+                  if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_37])) {
+                    condval_31 = (((m_cur[i_37] * scale_log2) + log2f(l_sum[i_37])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_30 = -CUDART_INF_F;
+                    condval_31 = -CUDART_INF_F;
                   }
-                  int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_45) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_33 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_45) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_18 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_45) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  int64_t rmod_34 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_45) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rmod_35 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_45) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                  int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_45) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_30;
+                  int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_37) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_33 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_37) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_18 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_37) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  int64_t rmod_34 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_37) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rmod_35 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_37) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                  int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_37) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_31;
                 }
               }
             }
@@ -995,9 +893,9 @@ extern "C" const char* infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_last_error
 extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 60416);
+    cudaError_t result_infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 67616);
     if (result_infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 60416, cudaGetErrorString(result_infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 67616, cudaGetErrorString(result_infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel));
         return -1;
     }
 
@@ -1005,6 +903,48 @@ extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_init() {
 }
 
 extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, int* __restrict__ topk_idx, int* __restrict__ cu_seqlens_q, int* __restrict__ block_table, int* __restrict__ cache_seqlens, float* __restrict__ O_part, float* __restrict__ LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int topk, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream) {
+
+	CUtensorMap K_desc;
+	CUtensorMapDataType K_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t K_desc_tensorRank= 3;
+	void *K_desc_globalAddress= K;
+	cuuint64_t K_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t K_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t K_desc_boxDim[3]= {64,64,1};
+	cuuint32_t K_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave K_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle K_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion K_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill K_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult K_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &K_desc, K_desc_type, K_desc_tensorRank, K_desc_globalAddress, K_desc_globalDim, K_desc_globalStride + 1, K_desc_boxDim, K_desc_elementStrides, K_desc_interleave, K_desc_swizzle, K_desc_l2Promotion, K_desc_oobFill);
+
+	if (K_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor K_desc");
+		return -1;
+	}
+
+	CUtensorMap V_desc;
+	CUtensorMapDataType V_desc_type= (CUtensorMapDataType)9;
+	cuuint32_t V_desc_tensorRank= 3;
+	void *V_desc_globalAddress= V;
+	cuuint64_t V_desc_globalDim[3]= {128,total_k,heads_k};
+	cuuint64_t V_desc_globalStride[3]= {2,(int64_t)heads_k * 256,256};
+	cuuint32_t V_desc_boxDim[3]= {64,64,1};
+	cuuint32_t V_desc_elementStrides[3]= {1,1,1};
+	CUtensorMapInterleave V_desc_interleave= (CUtensorMapInterleave)0;
+	CUtensorMapSwizzle V_desc_swizzle= (CUtensorMapSwizzle)3;
+	CUtensorMapL2promotion V_desc_l2Promotion= (CUtensorMapL2promotion)2;
+	CUtensorMapFloatOOBfill V_desc_oobFill= (CUtensorMapFloatOOBfill)0;
+
+	CUresult V_desc_result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+    &V_desc, V_desc_type, V_desc_tensorRank, V_desc_globalAddress, V_desc_globalDim, V_desc_globalStride + 1, V_desc_boxDim, V_desc_elementStrides, V_desc_interleave, V_desc_swizzle, V_desc_l2Promotion, V_desc_oobFill);
+
+	if (V_desc_result != CUDA_SUCCESS) {
+		snprintf(error_buf, ERROR_BUF_SIZE, "Error: Failed to initialize the TMA descriptor V_desc");
+		return -1;
+	}
 
 	{
 		cudaLaunchConfig_t config;
@@ -1016,8 +956,8 @@ extern "C" int infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_call(bfloat16_t* _
 		config.stream = stream;
 		config.gridDim = dim3(max_tiles * splits, batch, heads_k);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 60416;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel, K, LSE_part, O_part, Q, V, block_table, cache_seqlens, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, num_pages, page_size, pages_per_seq, part_rows, scale_log2, splits, table_len, tile_tokens, topk, total_k, total_q);
+		config.dynamicSmemBytes = 67616;
+		cudaLaunchKernelEx(&config, infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel, K, K_desc, LSE_part, O_part, Q, V, V_desc, block_table, cache_seqlens, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, num_pages, page_size, pages_per_seq, part_rows, scale_log2, splits, table_len, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_decode_kvcache_bf16_d128_sm90a_kernel");
 
