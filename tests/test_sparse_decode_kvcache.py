@@ -1,12 +1,14 @@
 """sparse_decode_kvcache (sparse_decode over a padded or paged KV cache) and the compat
 infllmv2_attn_with_kvcache over it: kernels against the reference and against sparse_decode."""
 
+import math
+
 import pytest
 import torch
 
 import infllmv2
 from infllmv2 import _lib, reference
-from infllmv2.compat import infllmv2_attn_with_kvcache
+from infllmv2.compat import _rotate, infllmv2_attn_with_kvcache
 from infllmv2.ops import (sort_topk_idx, sparse_decode_kvcache_launch, sparse_decode_kvcache_workspace_floats,
                           sparse_decode_launch, sparse_decode_workspace_floats)
 from infllmv2.testing import (assert_close_to_reference, assert_sparse_forward_close, cu_seqlens, kv_cache_of,
@@ -210,6 +212,134 @@ def test_compat_with_kvcache_appends_and_attends(layout, new):
     assert torch.equal(lse, want_lse.view(2 * G, batch, new).permute(1, 0, 2))
 
 
+def _rope_angles(capacity, half, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(capacity, half, generator=g, dtype=torch.float64) * 2 * math.pi
+
+
+def _rope_oracle(x, angle, pos, interleaved):
+    """x (B, S, H, D) with each feature pair (a, b) of its first rotary_dim features taken as
+    a + ib and multiplied by e^(i angle[pos]): pairs (2i, 2i + 1) interleaved, else (i, i + half)."""
+    half = angle.shape[1]
+    xr = x[..., :2 * half].double().cpu()
+    a, b = (xr[..., 0::2], xr[..., 1::2]) if interleaved else (xr[..., :half], xr[..., half:])
+    turn = angle[pos.cpu()]
+    z = torch.complex(a, b) * torch.polar(torch.ones_like(turn), turn).unsqueeze(2)
+    rot = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+    return torch.cat((rot.to(x.dtype).to(x.device), x[..., 2 * half:]), -1)
+
+
+def _rotary_case(layout, new, G, D, dtype, device, seed):
+    before = [700, 64, 1, 130] if device == "cuda" else [100, 5, 64]
+    lk = [n + new for n in before]
+    batch = len(lk)
+    c = _case([new] * batch, lk, G, D, dtype, layout, topk=8, local_blocks=2, seed=seed, device=device)
+    capacity = c["kc"].shape[1] * (1 if c["table"] is None else c["table"].shape[1])
+    pos = torch.tensor(before).view(batch, 1) + torch.arange(new)
+    return c, before, lk, capacity, pos
+
+
+@pytest.mark.parametrize("layout", ["padded", "paged64"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("half", [4, 8])
+def test_cpu_compat_with_kvcache_rotary_is_flash_attentions(layout, interleaved, half):
+    # the rotation against an independent one (complex multiplication): the call with tables
+    # equals the call on keys and queries rotated beforehand, and the cache holds rotated keys
+    new = 2
+    c, before, lk, capacity, pos = _rotary_case(layout, new, 2, 16, torch.float64, "cpu", seed=half)
+    angle = _rope_angles(capacity, half, seed=1)
+    batch = len(lk)
+    q4 = c["q"].view(batch, new, 4, 16)
+    kc, vc, k_new, v_new, extra = _before_append(c, lk, new)
+    out = infllmv2_attn_with_kvcache(q4, kc, vc, k_new, v_new, rotary_cos=angle.cos(), rotary_sin=angle.sin(),
+                                     cache_seqlens=torch.tensor(before), causal=True, topk_idx=c["idx"],
+                                     rotary_interleaved=interleaved, **extra)
+    kc2, vc2, _, _, _ = _before_append(c, lk, new)
+    want = infllmv2_attn_with_kvcache(_rope_oracle(q4, angle, pos, interleaved), kc2, vc2,
+                                      _rope_oracle(k_new, angle, pos, interleaved), v_new,
+                                      cache_seqlens=torch.tensor(before), causal=True, topk_idx=c["idx"], **extra)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(kc.nan_to_num(7.0), kc2.nan_to_num(7.0), rtol=1e-12, atol=1e-12)
+    assert torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0))
+    # the features past rotary_dim, and keys already cached, are untouched
+    assert torch.equal(kc[..., 2 * half:].nan_to_num(7.0), kc2[..., 2 * half:].nan_to_num(7.0))
+    # one query a sequence without causal sits at cache_seqlens, as with causal
+    q1 = c["q"].view(batch, new, 4, 16)[:, -1:]
+    kc3, vc3, _, _, _ = _before_append(c, lk, new)
+    plain = infllmv2_attn_with_kvcache(q1, kc3, vc3, k_new[:, :1], v_new[:, :1], rotary_cos=angle.cos(),
+                                       rotary_sin=angle.sin(), cache_seqlens=torch.tensor(before), causal=False,
+                                       rotary_interleaved=interleaved, topk_idx=c["idx"][:, new - 1 :: new], **extra)
+    kc4, vc4, _, _, _ = _before_append(c, lk, new)
+    at = pos[:, :1]
+    want1 = infllmv2_attn_with_kvcache(_rope_oracle(q1, angle, at, interleaved), kc4, vc4,
+                                       _rope_oracle(k_new[:, :1], angle, at, interleaved), v_new[:, :1],
+                                       cache_seqlens=torch.tensor(before), causal=False,
+                                       topk_idx=c["idx"][:, new - 1 :: new], **extra)
+    torch.testing.assert_close(plain, want1, rtol=1e-12, atol=1e-12)
+
+
+def test_cpu_compat_rotary_bad_inputs_name_the_argument():
+    c, before, lk, capacity, pos = _rotary_case("paged64", 1, 2, 16, torch.float32, "cpu", seed=0)
+    kc, vc, k_new, v_new, extra = _before_append(c, lk, 1)
+    q4 = c["q"].view(len(lk), 1, 4, 16)
+    cos = torch.ones(capacity, 8)
+
+    def call(**kw):
+        args = dict(k=k_new, v=v_new, rotary_cos=cos, rotary_sin=cos, cache_seqlens=torch.tensor(before),
+                    topk_idx=c["idx"], **extra)
+        args.update(kw)
+        return infllmv2_attn_with_kvcache(q4, kc, vc, **args)
+
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must be given together"):
+        call(rotary_sin=None)
+    with pytest.raises(ValueError, match=r"rotary_sin must be a floating-point tensor of shape \(seqlen_ro"):
+        call(rotary_sin=torch.ones(capacity, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"rotary_sin must have rotary_cos's shape \(%d, 8\)" % capacity):
+        call(rotary_sin=torch.ones(capacity, 4))
+    with pytest.raises(ValueError, match="2 <= rotary_dim <= head_dim=16, got 9"):
+        call(rotary_cos=torch.ones(capacity, 9), rotary_sin=torch.ones(capacity, 9))
+    with pytest.raises(ValueError, match=f"a row for every position of the cache, at least {capacity}, got 10"):
+        call(rotary_cos=cos[:10], rotary_sin=cos[:10])
+    with pytest.raises(ValueError, match="need the new tokens' k and v"):
+        call(k=None, v=None)
+    with pytest.raises(ValueError, match="cache_leftpad must be None"):
+        call(cache_leftpad=torch.zeros(len(lk), dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["batch_idx", "paged64"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("half", [32, 64])
+def test_compat_with_kvcache_rotary(layout, interleaved, half):
+    # the rotation rounds once to bf16 from the exact one, and the call with tables is bitwise
+    # the call on inputs rotated beforehand (the kernels are deterministic)
+    new, G, D = 2, 16, 128
+    c, before, lk, capacity, pos = _rotary_case(layout, new, G, D, torch.bfloat16, "cuda", seed=half)
+    angle = _rope_angles(capacity, half, seed=2)
+    cos, sin = angle.cos().to("cuda", torch.bfloat16), angle.sin().to("cuda", torch.bfloat16)
+    batch = len(lk)
+    q4 = c["q"].view(batch, new, 2 * G, D)
+    kc, vc, k_new, v_new, extra = _before_append(c, lk, new)
+    lens = torch.tensor(before, dtype=torch.int32, device="cuda")
+    out, lse = infllmv2_attn_with_kvcache(q4, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                          cache_seqlens=lens, causal=True, topk_idx=c["idx"],
+                                          rotary_interleaved=interleaved, return_softmax_lse=True, **extra)
+    tables = torch.atan2(sin.double().cpu(), cos.double().cpu())  # the angles the bf16 tables hold
+    for got, x in ((_rotate(q4, cos, sin, pos.cuda(), interleaved), q4),
+                   (_rotate(k_new, cos, sin, pos.cuda(), interleaved), k_new)):
+        exact = _rope_oracle(x.double(), tables, pos, interleaved)
+        r = (cos.double() ** 2 + sin.double() ** 2).sqrt()[pos.cuda()]  # bf16 tables are not unit length
+        exact[..., :2 * half] *= (r.repeat_interleave(2, -1) if interleaved else torch.cat((r, r), -1)).unsqueeze(2)
+        assert ((got.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-6).all()
+    kc2, vc2, _, _, _ = _before_append(c, lk, new)
+    want, want_lse = infllmv2_attn_with_kvcache(_rotate(q4, cos, sin, pos.cuda(), interleaved), kc2, vc2,
+                                                _rotate(k_new, cos, sin, pos.cuda(), interleaved), v_new,
+                                                cache_seqlens=lens, causal=True, topk_idx=c["idx"],
+                                                return_softmax_lse=True, **extra)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert torch.equal(kc.nan_to_num(7.0), kc2.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), vc2.nan_to_num(7.0))
+
+
 @pytest.mark.gpu
 def test_compat_with_kvcache_dense_and_no_host_sync():
     # no selection: dense attention over each sequence's keys
@@ -240,8 +370,8 @@ def test_cuda_bad_inputs_name_the_argument():
         call(q, kc, vc, lens, cu_q, idx, table.view(-1))
     with pytest.raises(ValueError, match=r"topk_idx must have shape \(heads_k=2, total_q=1, K\), got \(2, 0, 4\)"):
         call(q, kc, vc, lens, cu_q, idx[:, :0], table)
-    with pytest.raises(ValueError, match="rotary_cos must be None"):
-        infllmv2_attn_with_kvcache(q.view(1, 1, 8, 128), kc, vc, rotary_cos=torch.ones(1))
+    with pytest.raises(ValueError, match="alibi_slopes must be None"):
+        infllmv2_attn_with_kvcache(q.view(1, 1, 8, 128), kc, vc, alibi_slopes=torch.ones(8))
     with pytest.raises(ValueError, match="causal=False needs one query"):
         infllmv2_attn_with_kvcache(q.view(1, 1, 8, 128).expand(1, 2, 8, 128), kc, vc, block_table=table)
 

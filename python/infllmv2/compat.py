@@ -15,7 +15,7 @@ Mapping:
 - ``infllmv2_attn_varlen_func`` -> ``ops.sparse_attn_varlen`` with ``topk_idx`` (autograd),
   ``ops.dense_attn_varlen`` without.
 - ``infllmv2_attn_with_kvcache`` -> ``ops.sparse_decode_kvcache`` (padded or paged cache,
-  in-place append of new keys and values; no rotary, forward only).
+  in-place append of new keys and values, FlashAttention's rotary embedding; forward only).
 
 Accepted only at their defaults (anything else is a ``ValueError`` naming the argument):
 ``dropout_p=0``, ``window_size=(-1, -1)``, ``softcap=0``, ``alibi_slopes=None``,
@@ -250,7 +250,56 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return out, lse, None
 
 
-_KVCACHE_UNSUPPORTED = ("rotary_cos", "rotary_sin", "cache_leftpad", "alibi_slopes")
+_KVCACHE_UNSUPPORTED = ("cache_leftpad", "alibi_slopes")
+
+
+def _check_rotary(rotary_cos, rotary_sin, q, k, capacity):
+    """The rotary tables of infllmv2_attn_with_kvcache, as FlashAttention takes them: both or
+    neither, ``(seqlen_ro, rotary_dim / 2)`` floating point on q's device, ``rotary_dim`` even and
+    at most the head dim, a row for every position of the cache, and new keys to rotate."""
+    if rotary_cos is None and rotary_sin is None:
+        return False
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together, or neither")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor of shape (seqlen_ro, rotary_dim / 2), got "
+                             + (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                                else type(t).__name__))
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, got "
+                         f"{tuple(rotary_sin.shape)}")
+    seqlen_ro, half = rotary_cos.shape
+    if half < 1 or 2 * half > q.shape[3]:
+        raise ValueError(f"rotary_cos/rotary_sin must have rotary_dim / 2 columns with 2 <= rotary_dim <= head_dim="
+                         f"{q.shape[3]}, got {half}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos/rotary_sin must have a row for every position of the cache, at least "
+                         f"{capacity}, got {seqlen_ro}")
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin need the new tokens' k and v: the queries are rotated at the "
+                         "positions after cache_seqlens, where the new keys go")
+    return True
+
+
+def _rotate(x, cos, sin, pos, interleaved):
+    """x (B, S, H, D) with its first rotary_dim features rotated by the rows ``pos (B, S)`` of the
+    tables: pairs (2i, 2i + 1) if interleaved, else (i, i + rotary_dim / 2) (GPT-NeoX), computed
+    in fp32 (or x's wider dtype) and rounded once to x's dtype."""
+    half = cos.shape[1]
+    wide = torch.promote_types(x.dtype, torch.float32)
+    c = cos.to(wide)[pos].unsqueeze(2)
+    s = sin.to(wide)[pos].unsqueeze(2)
+    xr = x[..., :2 * half].to(wide)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
 def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -272,15 +321,22 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
     (caches of at most 8192 keys a sequence). Returns ``out (B, Sq, Hq, D)``, and with
     ``return_softmax_lse`` also ``softmax_lse`` fp32 ``(B, Hq, Sq)``, FlashAttention's layout.
 
-    Not supported (a ``ValueError`` naming the argument): rotary embedding (apply it to q and k
-    first), ``cache_leftpad``, ``alibi_slopes``, ``window_size`` other than ``(-1, -1)``,
+    ``rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2)``, with ``k`` and ``v``, rotate, as
+    FlashAttention does, the first ``rotary_dim`` features of the new keys (before they are
+    written) at positions ``cache_seqlens[b] + i`` and of the queries at the same positions with
+    ``causal`` (else all at ``cache_seqlens[b]``), pairing features ``(2i, 2i + 1)`` with
+    ``rotary_interleaved`` and ``(i, i + rotary_dim / 2)`` without; in fp32, rounded once to the
+    inputs' dtype. ``seqlen_ro`` must cover the cache's capacity.
+
+    Not supported (a ``ValueError`` naming the argument): ``cache_leftpad``, ``alibi_slopes``,
+    ``window_size`` other than ``(-1, -1)``,
     ``softcap``, and ``causal=False`` with ``Sq > 1`` (the kernels mask causally at token
     granularity; one query a sequence sees its whole cache either way). ``cache_seqlens`` plus
     ``Sn`` beyond the capacity is the caller's error, as in FlashAttention: such keys are
     written to the last row of the capacity and the lengths clamped to it (no access outside
     the cache). ``num_splits`` 0 lets the library pick, else at most 64.
     """
-    for name, value in zip(_KVCACHE_UNSUPPORTED, (rotary_cos, rotary_sin, cache_leftpad, alibi_slopes)):
+    for name, value in zip(_KVCACHE_UNSUPPORTED, (cache_leftpad, alibi_slopes)):
         if value is not None:
             raise ValueError(f"{name} must be None in infllmv2.compat.infllmv2_attn_with_kvcache (not supported)")
     _check_defaults(0.0, window_size, softcap, None, None)
@@ -311,6 +367,7 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         lens = ops._index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (the new tokens' keys and values), or neither")
+    rotary = _check_rotary(rotary_cos, rotary_sin, q, k, capacity)
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != k_cache.shape[2:]:
@@ -322,6 +379,12 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         if isinstance(table, torch.Tensor) and (table.dim() != 2 or table.shape[0] != batch):
             raise ValueError(f"block_table must have shape (batch={batch}, pages_per_seq), got {tuple(table.shape)}")
         pos = (lens.view(batch, 1) + torch.arange(k.shape[1], device=q.device, dtype=torch.int32)).clamp_(max=capacity - 1)
+        if rotary:
+            # positions as FlashAttention's: the new keys' own, and the queries' the same with
+            # causal (they are the sequences' last tokens), else all at cache_seqlens
+            q_pos = (lens.view(batch, 1) + torch.arange(seqlen_q, device=q.device, dtype=torch.int32) * int(causal))
+            q = _rotate(q, rotary_cos, rotary_sin, q_pos.clamp_(0, capacity - 1).long(), rotary_interleaved)
+            k = _rotate(k, rotary_cos, rotary_sin, pos.clamp(min=0).long(), rotary_interleaved)
         if isinstance(table, torch.Tensor):
             page = table.to(device=q.device, dtype=torch.long).gather(1, (pos // page_size).long())
         else:
