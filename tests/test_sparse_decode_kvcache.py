@@ -353,6 +353,48 @@ def test_compat_with_kvcache_dense_and_no_host_sync():
     assert_close_to_reference(out.view_as(c["q"]), lowp, ref32, what="compat dense")
 
 
+def _long_dense_case(layout, new, G, D, dtype, device):
+    before = [8500, 100, 0, 3000]
+    lk = [n + new for n in before]
+    c = _case([new] * len(lk), lk, G, D, dtype, layout, seed=6, device=device)
+    assert c["kc"].shape[1] * (1 if c["table"] is None else c["table"].shape[1]) > 8192  # chunked
+    return c, before, lk
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("new", [1, 3])
+def test_cpu_compat_dense_over_a_long_cache(layout, new):
+    # no selection and a capacity past 128 blocks: chunks of 128 blocks merged by their LSE,
+    # which must be dense attention over each sequence's keys (the reference's, in fp64)
+    c, before, lk = _long_dense_case(layout, new, 2, 16, torch.float64, "cpu")
+    batch = len(lk)
+    kc, vc, k_new, v_new, extra = _before_append(c, lk, new)
+    out, lse = infllmv2_attn_with_kvcache(c["q"].view(batch, new, 4, 16), kc, vc, k_new, v_new,
+                                          cache_seqlens=torch.tensor(before), causal=True, return_softmax_lse=True,
+                                          **extra)
+    want, want_lse = reference.dense_attn_varlen(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"])
+    # the chunks' LSEs are fp32 (the contract's), so the merge weighs them to about 1e-6
+    torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse.view(4, batch, new).permute(1, 0, 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["padded", "paged256"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compat_dense_over_a_long_cache(layout, dtype):
+    c, before, lk = _long_dense_case(layout, 1, 16, 128, dtype, "cuda")
+    batch = len(lk)
+    kc, vc, k_new, v_new, extra = _before_append(c, lk, 1)
+    lens = torch.tensor(before, dtype=torch.int32, device="cuda")
+    with no_host_sync():
+        out, lse = infllmv2_attn_with_kvcache(c["q"].view(batch, 1, 32, 128), kc, vc, k_new, v_new,
+                                              cache_seqlens=lens, return_softmax_lse=True, **extra)
+    ref32, lse32 = reference.dense_attn_varlen(c["q"].float(), c["k"].float(), c["v"].float(), c["cu_q"], c["cu_k"])
+    lowp = reference.dense_attn_varlen(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"])[0]
+    assert_close_to_reference(out.view_as(c["q"]), lowp, ref32, what=f"compat dense {layout} {dtype}")
+    torch.testing.assert_close(lse, lse32.view(32, batch, 1).permute(1, 0, 2), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.gpu
 def test_cuda_bad_inputs_name_the_argument():
     c = _case([1], [640], 4, 128, torch.bfloat16, "paged64", topk=4)
