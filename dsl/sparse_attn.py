@@ -430,19 +430,11 @@ def load_first_kv(K, V, k0, hk, ublk_s, n_it, K_s, V_s, full, cluster_mask=None,
     union still loads, and waits for, one block: the sequence's first); cluster_mask multicasts
     them to a cluster pair. ``key_row`` as in walk_tile_union."""
     first = T.if_then_else(n_it > 0, ublk_s[0], 0)
-    if key_row is None:
-        T.tma_copy(K[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], K_s, barrier=full[0],
-                   cluster_mask=cluster_mask)
-        T.mbarrier_arrive(full[0])
-        T.tma_copy(V[k0 + first * BLOCK_N : k0 + (first + 1) * BLOCK_N, hk, :], V_s, barrier=full[1],
-                   cluster_mask=cluster_mask)
-        T.mbarrier_arrive(full[1])
-    else:
-        r0 = key_row(0, first)
-        T.tma_copy(K[r0 : r0 + BLOCK_N, hk, :], K_s, barrier=full[0], cluster_mask=cluster_mask)
-        T.mbarrier_arrive(full[0])
-        T.tma_copy(V[r0 : r0 + BLOCK_N, hk, :], V_s, barrier=full[1], cluster_mask=cluster_mask)
-        T.mbarrier_arrive(full[1])
+    r0 = k0 + first * BLOCK_N if key_row is None else key_row(0, first)
+    T.tma_copy(K[r0 : r0 + BLOCK_N, hk, :], K_s, barrier=full[0], cluster_mask=cluster_mask)
+    T.mbarrier_arrive(full[0])
+    T.tma_copy(V[r0 : r0 + BLOCK_N, hk, :], V_s, barrier=full[1], cluster_mask=cluster_mask)
+    T.mbarrier_arrive(full[1])
 
 
 @T.macro
@@ -460,25 +452,18 @@ def walk_tile_union_tma(K, V, k0, hk, Q_r, K_s, V_s, full, ublk_s, umask_s, n_it
     for it in T.serial(n_it):
         blk = ublk_s[it]
         nxt = ublk_s[T.min(it + 1, n_it - 1)]
+        r_nxt = k0 + nxt * BLOCK_N if key_row is None else key_row(T.min(it + 1, n_it - 1), nxt)
         mask_scores(acc_s, umask_s[it], n_tok, blk, p0, rtok)
         T.mbarrier_wait_parity(full[0], it % 2)
         T.gemm(Q_r, K_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.sync_threads()  # every warp's part of S has read K_s
-        if key_row is None:
-            T.tma_copy(K[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], K_s, barrier=full[0])
-        else:
-            r_nxt = key_row(T.min(it + 1, n_it - 1), nxt)
-            T.tma_copy(K[r_nxt : r_nxt + BLOCK_N, hk, :], K_s, barrier=full[0])
+        T.tma_copy(K[r_nxt : r_nxt + BLOCK_N, hk, :], K_s, barrier=full[0])
         T.mbarrier_arrive(full[0])
         softmax_step(acc_s, acc_s_cast, acc_o, m_prev, m_cur, m_safe, r_scale, r_sum, l_sum, scale_log2)
         T.mbarrier_wait_parity(full[1], it % 2)
         T.gemm(acc_s_cast, V_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
         T.sync_threads()  # every warp's part of P V has read V_s
-        if key_row is None:
-            T.tma_copy(V[k0 + nxt * BLOCK_N : k0 + (nxt + 1) * BLOCK_N, hk, :], V_s, barrier=full[1])
-        else:
-            r_nxt = key_row(T.min(it + 1, n_it - 1), nxt)
-            T.tma_copy(V[r_nxt : r_nxt + BLOCK_N, hk, :], V_s, barrier=full[1])
+        T.tma_copy(V[r_nxt : r_nxt + BLOCK_N, hk, :], V_s, barrier=full[1])
         T.mbarrier_arrive(full[1])
     T.mbarrier_wait_parity(full[0], n_it % 2)
     T.mbarrier_wait_parity(full[1], n_it % 2)

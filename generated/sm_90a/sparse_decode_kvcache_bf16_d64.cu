@@ -397,6 +397,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     for (int it = 0; it < n_it_1; ++it) {
       __syncthreads();
       int blk = ((int*)idx_s)[it];
+      int condval_22;
+      if ((((it + 1) < n_full) || (n_it_1 <= n_full))) {
+        condval_22 = ((int*)rows_s)[min((it + 1), (n_it_1 - 1))];
+      } else {
+        condval_22 = 0;
+      }
+      int r_nxt = condval_22;
       int um = ((int*)keep_s)[it];
       if ((um == ((1 << n_tok) - 1)) && (((blk * 64) + 63) <= p0)) {
         #pragma unroll
@@ -407,13 +414,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_9 = 0; i_9 < 32; ++i_9) {
-          float condval_22;
+          float condval_23;
           if (((((um >> rtok[((i_9 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) <= (p0 + rtok[((i_9 & 3) >> 1)])))) {
-            condval_22 = 0x0p+0f/*0.000000e+00*/;
+            condval_23 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_22 = -CUDART_INF_F;
+            condval_23 = -CUDART_INF_F;
           }
-          acc_s[i_9] = condval_22;
+          acc_s[i_9] = condval_23;
         }
       }
       full[0].wait((it & 1));
@@ -432,14 +439,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         tl::warpgroup_wait<0>();
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_s + 0), 32);
       }
-      __syncthreads();
-      int condval_23;
-      if ((((it + 1) < n_full) || (n_it_1 <= n_full))) {
-        condval_23 = ((int*)rows_s)[min((it + 1), (n_it_1 - 1))];
-      } else {
-        condval_23 = 0;
-      }
-      int r_nxt = condval_23;
       __syncthreads();
       if (tl::tl_shuffle_elect<128>()) {
         full[0].expect_transaction(8192);
@@ -537,17 +536,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
         tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(acc_s_cast + 0), 16);
       }
       __syncthreads();
-      int condval_25;
-      if ((((it + 1) < n_full) || (n_it_1 <= n_full))) {
-        condval_25 = ((int*)rows_s)[min((it + 1), (n_it_1 - 1))];
-      } else {
-        condval_25 = 0;
-      }
-      int r_nxt_1 = condval_25;
-      __syncthreads();
       if (tl::tl_shuffle_elect<128>()) {
         full[1].expect_transaction(8192);
-        tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[0])), 0, r_nxt_1, ((int)blockIdx.z));
+        tl::tma_load(V_desc, full[1], (&(((bfloat16_t*)V_s)[0])), 0, r_nxt, ((int)blockIdx.z));
       }
       full[1].arrive();
     }
@@ -563,24 +554,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       #pragma unroll
       for (int i_16 = 0; i_16 < 4; ++i_16) {
         bfloat16_t broadcast_var_10 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_26;
+        uint4 condval_25;
         if (((((((blk_1 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) < len_k) && (0 <= (((i_16 * 16) + (((int)threadIdx.x) >> 3)) + r0_1))) && ((((i_16 * 16) + (((int)threadIdx.x) >> 3)) + r0_1) < total_k))) {
-          condval_26 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_16) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_1)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+          condval_25 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_16) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_1)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
         } else {
-          condval_26 = make_uint4(__pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10));
+          condval_25 = make_uint4(__pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10), __pack_nv_bfloat162(broadcast_var_10, broadcast_var_10));
         }
-        *(uint4*)(((bfloat16_t*)K_s) + (((((i_16 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_26;
+        *(uint4*)(((bfloat16_t*)K_s) + (((((i_16 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_25;
       }
       #pragma unroll
       for (int i_17 = 0; i_17 < 4; ++i_17) {
         bfloat16_t broadcast_var_11 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_27;
+        uint4 condval_26;
         if (((((((blk_1 * 64) + (i_17 * 16)) + (((int)threadIdx.x) >> 3)) < len_k) && (0 <= (((i_17 * 16) + (((int)threadIdx.x) >> 3)) + r0_1))) && ((((i_17 * 16) + (((int)threadIdx.x) >> 3)) + r0_1) < total_k))) {
-          condval_27 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_17) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_1)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+          condval_26 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_17) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_1)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
         } else {
-          condval_27 = make_uint4(__pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11));
+          condval_26 = make_uint4(__pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11));
         }
-        *(uint4*)(((bfloat16_t*)V_s) + (((((i_17 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_27;
+        *(uint4*)(((bfloat16_t*)V_s) + (((((i_17 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_26;
       }
       __syncthreads();
       int um_1 = ((int*)keep_s)[((int64_t)it_1)];
@@ -593,13 +584,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_19 = 0; i_19 < 32; ++i_19) {
-          float condval_28;
+          float condval_27;
           if (((((um_1 >> rtok[((i_19 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) <= (p0 + rtok[((i_19 & 3) >> 1)])))) {
-            condval_28 = 0x0p+0f/*0.000000e+00*/;
+            condval_27 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_28 = -CUDART_INF_F;
+            condval_27 = -CUDART_INF_F;
           }
-          acc_s[i_19] = condval_28;
+          acc_s[i_19] = condval_27;
         }
       }
       {
@@ -631,13 +622,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_21 = 0; i_21 < 2; ++i_21) {
-        float condval_29;
+        float condval_28;
         if ((m_cur[i_21] == -CUDART_INF_F)) {
-          condval_29 = 0x0p+0f/*0.000000e+00*/;
+          condval_28 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_29 = m_cur[i_21];
+          condval_28 = m_cur[i_21];
         }
-        m_safe[i_21] = condval_29;
+        m_safe[i_21] = condval_28;
         r_scale[i_21] = exp2f(((m_prev[i_21] - m_safe[i_21]) * scale_log2));
       }
       #pragma unroll
@@ -712,18 +703,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     #pragma unroll
     for (int i_26 = 0; i_26 < 16; ++i_26) {
       float broadcast_var_13 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_30;
+      float2 condval_29;
       if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_26 & 1)])) {
         float2 __15;
           float2 v__18 = *(float2*)(acc_o + (i_26 * 2));
           float2 v__19 = make_float2(l_sum[(i_26 & 1)], l_sum[(i_26 & 1)]);
           __15.x = (v__18.x/v__19.x);
           __15.y = (v__18.y/v__19.y);
-        condval_30 = __15;
+        condval_29 = __15;
       } else {
-        condval_30 = make_float2(broadcast_var_13, broadcast_var_13);
+        condval_29 = make_float2(broadcast_var_13, broadcast_var_13);
       }
-      *(float2*)(acc_o + (i_26 * 2)) = condval_30;
+      *(float2*)(acc_o + (i_26 * 2)) = condval_29;
     }
     if (groups == 16) {
       if (((((int)threadIdx.x) >> 5) - n_tok) < 0) {
@@ -840,11 +831,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rmod_30 : (rmod_30 + groups)))) {
                 int rmod_31 = (((((((int)threadIdx.x) >> 5) * 16) + (i_33 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_31)) || ((groups < 0) && (rmod_31 <= 0))) ? rmod_31 : (rmod_31 + groups))) < heads) {
-                  float condval_31;
+                  float condval_30;
                   if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_33])) {
-                    condval_31 = (((m_cur[i_33] * scale_log2) + log2f(l_sum[i_33])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                    condval_30 = (((m_cur[i_33] * scale_log2) + log2f(l_sum[i_33])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_31 = -CUDART_INF_F;
+                    condval_30 = -CUDART_INF_F;
                   }
                   int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_33) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_33 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_33) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -852,7 +843,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
                   int64_t rmod_34 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_33) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_35 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_33) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_33) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_31;
+                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_30;
                 }
               }
             }
