@@ -377,11 +377,11 @@ def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
 
         def call(**over):
             a = dict(ws_size=size, max_k=max(lengths), nk=nk.data_ptr() if approx_lse else None, new=max(lengths),
-                     punct=None, lam=0.5)
+                     punct=None, lam=0.5, v=vc.data_ptr(), lens=lens.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr())
             a.update(over)
             return lib.infllmv2_attention_kvcache(
-                q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None if table is None else table.data_ptr(),
-                lens.data_ptr(), cu_q.data_ptr(), a["punct"], a["lam"], ck.data_ptr(), a["nk"], out.data_ptr(), lse.data_ptr(),
+                q.data_ptr(), kc.data_ptr(), a["v"], None if table is None else table.data_ptr(),
+                a["lens"], cu_q.data_ptr(), a["punct"], a["lam"], ck.data_ptr(), a["nk"], a["out"], a["lse"],
                 ws.data_ptr(), a["ws_size"], 3, 3, 1, a["max_k"], kc.shape[0], kc.shape[1], pps, ck.shape[1],
                 nk.shape[1], a["new"], hk * G, hk, D, _lib.DTYPE_BF16, 0.0, ctypes.byref(c), _stream(q.device))
 
@@ -406,6 +406,16 @@ def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
         pc_host = pc.cpu()
         assert call(punct=pc_host.data_ptr()) == _lib.ERR_INVALID_ARGUMENT
         assert "punct_cache" in lib.infllmv2_last_error().decode()
+        # every pointer is checked before the first launch: a bad one leaves the compressed caches
+        # as they were (the ops it chains checked theirs one op at a time, after the cache update)
+        ck.fill_(float("nan"))
+        host = torch.empty(64, dtype=torch.int32)
+        for name, over in (("v_cache", "v"), ("cache_seqlens", "lens"), ("out", "out"), ("lse", "lse")):
+            assert call(**{over: host.data_ptr()}) == _lib.ERR_INVALID_ARGUMENT, name
+            text = lib.infllmv2_last_error().decode()
+            assert f"infllmv2_attention_kvcache: {name} must be device memory" in text, text
+        torch.cuda.synchronize()
+        assert torch.isnan(ck).all()
 
 
 @pytest.mark.gpu

@@ -441,6 +441,19 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
   if ((st = current_device(kCacheOp, &dev)) != INFLLMV2_OK) return st;
   if ((st = check_device_pointer(kCacheOp, "workspace", workspace, dev)) != INFLLMV2_OK) return st;
   if ((st = check_aligned(kCacheOp, {{"workspace", workspace}})) != INFLLMV2_OK) return st;
+  // every pointer the ops below take, once (their own checks are skipped in the scope)
+  if ((st = check_device_pointers(kCacheOp, dev, {{"k_cache", k_cache}, {"v_cache", v_cache},
+                                                  {"cache_seqlens", cache_seqlens}, {"cu_seqlens_q", cu_seqlens_q},
+                                                  {"ck_cache", ck_cache}})) != INFLLMV2_OK)
+    return st;
+  if (total_q > 0 && (st = check_device_pointers(kCacheOp, dev, {{"q", q}, {"out", out}, {"lse", lse}})) != INFLLMV2_OK)
+    return st;
+  if (c.approx_lse && (st = check_device_pointer(kCacheOp, "nk_cache", nk_cache, dev)) != INFLLMV2_OK) return st;
+  if (block_table != nullptr && (st = check_device_pointer(kCacheOp, "block_table", block_table, dev)) != INFLLMV2_OK)
+    return st;
+  if (punct_cache != nullptr && (st = check_device_pointer(kCacheOp, "punct_cache", punct_cache, dev)) != INFLLMV2_OK)
+    return st;
+  PointersChecked checked;
 
   // the compressed caches brought up to date for the new keys, on either side of the switch, so
   // that a later step past dense_len finds them complete

@@ -97,29 +97,63 @@ std::string compiled_archs() {
   return out.empty() ? "none" : out;
 }
 
-infllmv2_status current_device(const char* op, Device* dev) {
-  cudaError_t err = cudaGetDevice(&dev->index);
+namespace {
+
+// A device's fixed properties, read once: every call asks for them, and a decoding step makes
+// several calls, each a few driver queries (about 0.5 us each) otherwise. Entries are written
+// whole under g_mutex and published by `ready`.
+struct DeviceProps {
+  std::atomic<bool> ready{false};
+  int cc = 0, smem_optin = 0, sms = 0;
+};
+constexpr int kMaxCachedDevices = 64;
+DeviceProps g_props[kMaxCachedDevices];
+
+cudaError_t read_props(int index, int* cc, int* smem_optin, int* sms) {
+  if (index >= 0 && index < kMaxCachedDevices && g_props[index].ready.load(std::memory_order_acquire)) {
+    *cc = g_props[index].cc, *smem_optin = g_props[index].smem_optin, *sms = g_props[index].sms;
+    return cudaSuccess;
+  }
   int major = 0, minor = 0;
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev->index);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev->index);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&dev->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev->index);
+  cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, index);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, index);
+  if (err != cudaSuccess) return err;
+  *cc = 10 * major + minor;
+  if (index >= 0 && index < kMaxCachedDevices) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    DeviceProps& p = g_props[index];
+    if (!p.ready.load(std::memory_order_relaxed)) {
+      p.cc = *cc, p.smem_optin = *smem_optin, p.sms = *sms;
+      p.ready.store(true, std::memory_order_release);
+    }
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+infllmv2_status current_device(const char* op, Device* dev) {
+  int sms = 0;
+  cudaError_t err = cudaGetDevice(&dev->index);
+  if (err == cudaSuccess) err = read_props(dev->index, &dev->cc, &dev->smem_optin, &sms);
   if (err != cudaSuccess) {
     cudaGetLastError();  // do not leave a sticky-looking error for the caller's next check
     return fail(INFLLMV2_ERR_CUDA, "%s: no usable CUDA device: %s (%s)", op, cudaGetErrorString(err),
                 cudaGetErrorName(err));
   }
-  dev->cc = 10 * major + minor;
   return INFLLMV2_OK;
 }
 
 infllmv2_status device_sms(const char* op, int* sms) {
   Device dev;
-  infllmv2_status st = current_device(op, &dev);
-  if (st != INFLLMV2_OK) return st;
-  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev.index) != cudaSuccess) {
+  cudaError_t err = cudaGetDevice(&dev.index);
+  if (err == cudaSuccess) err = read_props(dev.index, &dev.cc, &dev.smem_optin, sms);
+  if (err != cudaSuccess) {
     cudaGetLastError();
-    return fail(INFLLMV2_ERR_CUDA, "%s: could not read the multiprocessor count of device %d", op, dev.index);
+    return fail(INFLLMV2_ERR_CUDA, "%s: could not read the multiprocessor count of the current device: %s", op,
+                cudaGetErrorString(err));
   }
   return INFLLMV2_OK;
 }
@@ -135,8 +169,16 @@ int resolve_splits(int32_t num_splits, int64_t ctas, int64_t useful, int sms, in
   return (int)std::max<int64_t>(1, std::min<int64_t>(s, max_splits));
 }
 
+namespace {
+thread_local int t_pointers_checked = 0;  // > 0 inside a PointersChecked scope
+}  // namespace
+
+PointersChecked::PointersChecked() { ++t_pointers_checked; }
+PointersChecked::~PointersChecked() { --t_pointers_checked; }
+
 infllmv2_status check_device_pointer(const char* op, const char* name, const void* ptr, const Device& dev) {
   if (ptr == nullptr) return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: %s is NULL", op, name);
+  if (t_pointers_checked > 0) return INFLLMV2_OK;
   cudaPointerAttributes attr;
   cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
   if (err != cudaSuccess) {
