@@ -9,6 +9,7 @@ the dispatcher, whose host time exceeds a decoding step's kernels (``_ForwardOnl
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 import math
@@ -27,8 +28,23 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
+# torch's own raw-stream query (what its compiled kernels use): current_stream(device) builds a
+# Stream object and resolves the device, about 3 us a call against 0.1, and a decoding step's
+# host time is what an eager decoding loop waits for.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_SAME_DEVICE = contextlib.nullcontext()
+
+
 def _stream(device: torch.device) -> int:
+    if _raw_stream is not None and device.index is not None:
+        return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _on(device: torch.device):
+    """``torch.cuda.device(device)``, or nothing when it is current already (the usual case, and
+    entering the device context costs about 2 us a call)."""
+    return _SAME_DEVICE if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
 # Tracing (torch.compile's, make_fx) and fake tensors need the op itself; a plain eager call does
@@ -101,7 +117,7 @@ def _mask_ptr(punct_mask: Optional[torch.Tensor]):
 
 def compress_keys_launch(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, out, max_nc, kernel_size, kernel_stride):
     """Runs the CUDA kernel into ``out`` (already allocated, ``(total_c, Hk, D)``)."""
-    with torch.cuda.device(k.device):
+    with _on(k.device):
         status = _lib.lib().infllmv2_compress_keys(
             _ptr(k), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c), _mask_ptr(punct_mask), float(phsa_lambda), _ptr(out),
             cu_seqlens_k.numel() - 1, k.shape[0], out.shape[0], max_nc, k.shape[1], k.shape[2],
@@ -178,7 +194,7 @@ def compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, 
                                  punct_cache=None, phsa_lambda=0.5):
     """Runs the kernel: cache_seqlens and block_table int32 (or None), checked."""
     pages_per_seq = 0 if block_table is None else block_table.shape[1]
-    with torch.cuda.device(k_cache.device):
+    with _on(k_cache.device):
         status = _lib.lib().infllmv2_compress_keys_kvcache(
             _ptr(k_cache), _ptr(block_table), _ptr(cache_seqlens), _mask_ptr(punct_cache), float(phsa_lambda),
             _ptr(ck_cache), cache_seqlens.numel(), k_cache.shape[0], k_cache.shape[1], pages_per_seq, ck_cache.shape[1],
@@ -306,7 +322,7 @@ def _scale_or_zero(softmax_scale):
 
 def sparse_attn_fwd_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, out, lse):
     """Runs the forward kernel into ``out`` and ``lse`` (already allocated); topk_idx rows sorted."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_sparse_attn_fwd(
             _ptr(q), _ptr(k), _ptr(v), _ptr(topk_idx), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(out), _ptr(lse),
             cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, q.shape[1], k.shape[1], q.shape[2],
@@ -334,7 +350,7 @@ def dense_attn_bwd_workspace_floats(q) -> int:
 def sparse_attn_bwd_launch(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale, dq, dk, dv, workspace):
     """Runs the backward kernels into ``dq``, ``dk``, ``dv`` (already allocated) with an fp32 workspace."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_sparse_attn_bwd(
             _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(topk_idx), _ptr(cu_seqlens_q),
             _ptr(cu_seqlens_k), _ptr(dq), _ptr(dk), _ptr(dv), _ptr(workspace), workspace.numel() * 4,
@@ -553,7 +569,7 @@ def sparse_decode_splits(q, k, topk_idx, cu_seqlens_q, max_seqlen_q, num_splits=
 
 
 def _decode_splits(q, heads_k, topk_idx, cu_seqlens_q, max_seqlen_q, num_splits):
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         splits = _lib.lib().infllmv2_sparse_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, q.shape[1], heads_k,
                                                           topk_idx.shape[2], num_splits)
     return _splits_or_raise("infllmv2_sparse_decode_splits", splits)
@@ -568,7 +584,7 @@ def sparse_decode_workspace_floats(q, splits) -> int:
 def sparse_decode_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, splits, out, lse,
                          workspace):
     """Runs the split forward into ``out`` and ``lse`` (already allocated); topk_idx rows sorted."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_sparse_decode(
             _ptr(q), _ptr(k), _ptr(v), _ptr(topk_idx), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(out), _ptr(lse),
             _ptr(workspace), 0 if workspace is None else workspace.numel() * 4, cu_seqlens_q.numel() - 1, q.shape[0],
@@ -657,7 +673,7 @@ def sparse_decode_kvcache_launch(q, k_cache, v_cache, topk_idx, cu_seqlens_q, ca
     """Runs the split forward over the cache into ``out`` and ``lse`` (already allocated);
     topk_idx rows sorted, cache_seqlens and block_table int32."""
     pages_per_seq = 0 if block_table is None else block_table.shape[1]
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_sparse_decode_kvcache(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(topk_idx),
             _ptr(cu_seqlens_q), _ptr(out), _ptr(lse), _ptr(workspace), 0 if workspace is None else workspace.numel() * 4,
@@ -815,7 +831,7 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
 def dense_attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, out,
                           lse):
     """Runs the dense forward kernel into ``out`` and ``lse`` (already allocated)."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_dense_attn_fwd(
             _ptr(q), _ptr(k), _ptr(v), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(out), _ptr(lse),
             cu_seqlens_q.numel() - 1, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1],
@@ -827,7 +843,7 @@ def dense_attn_fwd_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def dense_attn_bwd_launch(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                           softmax_scale, dq, dk, dv, workspace):
     """Runs the dense backward kernels into ``dq``, ``dk``, ``dv`` (already allocated)."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_dense_attn_bwd(
             _ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(dout), _ptr(lse), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k),
             _ptr(dq), _ptr(dk), _ptr(dv), _ptr(workspace), workspace.numel() * 4, cu_seqlens_q.numel() - 1,
@@ -982,7 +998,7 @@ def _check_scoring_args(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, norm_ke
 def select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out, init_blocks,
                          local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k):
     """Runs the fused selection kernel into ``out`` (int32 ``(Hk, total_q, K)``, already allocated)."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_select_blocks(
             _ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
             _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
@@ -996,7 +1012,7 @@ def select_blocks_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlen
 def group_scores_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_norm, out,
                         norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q):
     """Runs the scores kernel into ``out`` (fp32 ``(Hk, total_q, width)``, already allocated)."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = _lib.lib().infllmv2_group_scores(
             _ptr(q), _ptr(ck), _ptr(norm_keys), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c),
             _ptr(cu_seqlens_norm), _ptr(out), cu_seqlens_q.numel() - 1, q.shape[0], ck.shape[0],
@@ -1009,7 +1025,7 @@ def group_scores_launch(q, ck, norm_keys, cu_seqlens_q, cu_seqlens_k, cu_seqlens
 
 def max_pool_blocks_launch(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, out, init_blocks, local_blocks, max_seqlen_q):
     """Runs the pooling kernel on fp32 ``S`` into ``out`` (fp32 ``(Hk, total_q, n_blocks)``)."""
-    with torch.cuda.device(S.device):
+    with _on(S.device):
         status = _lib.lib().infllmv2_max_pool_blocks(
             _ptr(S), _ptr(cu_seqlens_q), _ptr(cu_seqlens_k), _ptr(cu_seqlens_c), _ptr(out), cu_seqlens_q.numel() - 1,
             S.shape[1], S.shape[2], out.shape[2], max_seqlen_q, S.shape[0], init_blocks, local_blocks,
@@ -1040,7 +1056,7 @@ def _select_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk
             _ptr(out), _ptr(workspace), size, batch, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, q.shape[1],
             k.shape[1], q.shape[2], topk, init_blocks, local_blocks, int(approx_lse), norm_kernel_size,
             norm_kernel_stride, _KERNEL_DTYPES[q.dtype], softmax_scale]
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         if splits is None:
             status = lib.infllmv2_select_blocks_from_keys(*args, _stream(q.device))
         else:
@@ -1072,7 +1088,7 @@ _MAX_SELECT_SPLITS = 64
 
 def select_decode_splits(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_splits=0) -> int:
     """The splits select_decode runs on q's device (``num_splits`` 0: its own choice)."""
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         splits = _lib.lib().infllmv2_select_decode_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k,
                                                           q.shape[1], k.shape[1], num_splits)
     return _splits_or_raise("infllmv2_select_decode_splits", splits)
@@ -1190,7 +1206,7 @@ def select_decode_kvcache_launch(q, ck_cache, nk_cache, cache_seqlens, cu_seqlen
     size = lib.infllmv2_select_decode_kvcache_workspace_size(batch, q.shape[0], max_seqlen_q, capacity, q.shape[1],
                                                              ck_cache.shape[2], splits)
     workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = lib.infllmv2_select_decode_kvcache(
             _ptr(q), _ptr(ck_cache), _ptr(nk_cache), _ptr(cache_seqlens), _ptr(cu_seqlens_q), _ptr(out),
             _ptr(workspace), size, batch, q.shape[0], max_seqlen_q, capacity, ck_cache.shape[1],
@@ -1355,6 +1371,9 @@ def max_pool_blocks(S, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32,
 # --------------------------------------------------------------------------------------------
 
 
+_step_workspace_sizes: dict = {}
+
+
 def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table, out,
                              lse, new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale, punct_cache=None,
                              phsa_lambda=0.5):
@@ -1364,11 +1383,19 @@ def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, c
     batch = cu_seqlens_q.numel() - 1
     pages_per_seq = 0 if block_table is None else block_table.shape[1]
     args = (batch, q.shape[0], max_seqlen_q, max_seqlen_k, k_cache.shape[0], k_cache.shape[1], pages_per_seq)
-    size = lib.infllmv2_attention_kvcache_workspace_size(*args, q.shape[1], k_cache.shape[2], q.shape[2],
-                                                         ctypes.byref(c))
+    key = (*args, q.shape[1], k_cache.shape[2], q.shape[2], *config, q.device.index)
+    size = _step_workspace_sizes.get(key)
+    if size is None:
+        # a decoding loop asks the same question every step (and the answer, which depends on the
+        # device's SM count through the split counts, never changes for it)
+        size = lib.infllmv2_attention_kvcache_workspace_size(*args, q.shape[1], k_cache.shape[2], q.shape[2],
+                                                             ctypes.byref(c))
+        if len(_step_workspace_sizes) >= 1024:
+            _step_workspace_sizes.clear()
+        _step_workspace_sizes[key] = size
     # 0 is an argument error, which the call below reports
     workspace = torch.empty(max(size, 256), dtype=torch.uint8, device=q.device)
-    with torch.cuda.device(q.device):
+    with _on(q.device):
         status = lib.infllmv2_attention_kvcache(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(cu_seqlens_q),
             _mask_ptr(punct_cache), float(phsa_lambda), _ptr(ck_cache), _ptr(nk_cache), _ptr(out), _ptr(lse),
