@@ -210,7 +210,12 @@ def program(kernel, arch, dtype=None, head_dim=None, tokens=None, boxes=0):
 UW = 2048  # blocks per window of the tile union's bitmap (8 KB of shared memory)
 
 
-def _make_tile_union(topk, threads, T_MAX, uw=UW):
+def _bitmap_windows(qblk0, n_tok, uw):
+    """How many windows of uw blocks the tile union's bitmap takes for a tile's visible blocks."""
+    return T.ceildiv((qblk0 + n_tok - 1) // BLOCK_N + 1, uw)
+
+
+def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False):
     """A macro: the union of the selected blocks of tokens t0 .. t0+n_tok-1 of a tile.
 
     Writes ublk_s[0 .. n) (the blocks, in the order of the entries that first list them) and
@@ -221,7 +226,12 @@ def _make_tile_union(topk, threads, T_MAX, uw=UW):
     block, uw blocks at a time), so finding who else picked a block is one read. (A binary
     search per entry in every other token's row cost T^2 K log K steps a tile: measured on an
     H100 at 32K x 8, 11.6 of the forward's 51.3 ms at G = 16 and 46.3 of 86.5 ms at G = 4,
-    whose tiles have 16 tokens.)"""
+    whose tiles have 16 tokens.)
+
+    ``lone_token_path`` (decoding's tiles, mostly of one token): a tile of one token skips the
+    bitmap (its row is the union, every kept entry its own), and the scatter visits only the
+    entries of the tile's tokens. Both loops hold block barriers that TileLang's planner puts in
+    every iteration; a decoding split spends microseconds in them."""
     TK = T_MAX * K_MAX
 
     @T.macro
@@ -240,12 +250,13 @@ def _make_tile_union(topk, threads, T_MAX, uw=UW):
             for e in T.serial(TK // threads):
                 i = e * threads + tx
                 v = idx_s[i]
-                my_mask[e] = 0
+                my_mask[e] = T.if_then_else(n_tok == 1, 1, 0) if lone_token_path else 0
                 # rows ascend, so a repeat sits right after its first copy
                 my_keep[e] = T.if_then_else(
                     v >= 0 and v <= (qblk0 + i // K_MAX) // BLOCK_N and (i % K_MAX == 0 or idx_s[i - 1] != v), 1, 0
                 )
-        for w in T.serial(T.ceildiv((qblk0 + n_tok - 1) // BLOCK_N + 1, uw)):
+        for w in T.serial(T.if_then_else(n_tok == 1, 0, _bitmap_windows(qblk0, n_tok, uw)) if lone_token_path
+                          else _bitmap_windows(qblk0, n_tok, uw)):
             if tx < threads:
                 for e in T.serial(uw // threads):
                     bm_s[e * threads + tx] = 0
@@ -275,7 +286,7 @@ def _make_tile_union(topk, threads, T_MAX, uw=UW):
         T.cumsum(src=keep_s, dst=keep_s, dim=0)
         T.sync_threads()
         if tx < threads:
-            for e in T.serial(TK // threads):
+            for e in T.serial(T.ceildiv(n_tok * K_MAX, threads) if lone_token_path else TK // threads):
                 i = e * threads + tx
                 if keep_s[i] > T.if_then_else(i > 0, keep_s[i - 1], 0):
                     ublk_s[keep_s[i] - 1] = idx_s[i]

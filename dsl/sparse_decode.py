@@ -112,7 +112,7 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
         n_it = n_union[0] // splits + T.if_then_else(split < n_union[0] % splits, 1, 0)
         lo = split * (n_union[0] // splits) + T.min(split, n_union[0] % splits)
         if cache_row is None:
-            for e in T.serial(T_MAX * K_MAX // threads):
+            for e in T.serial(T.ceildiv(n_it, threads)):
                 i = e * threads + tx
                 if i < n_it:
                     idx_s[i] = ublk_s[lo + i]
@@ -123,12 +123,12 @@ def _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 
             if tx == 0:
                 part_at[0] = n_it
             T.sync_threads()
-            for e in T.serial(T_MAX * K_MAX // threads):
+            for e in T.serial(T.ceildiv(n_it, threads)):
                 i = e * threads + tx
                 if i < n_it and len_k % BLOCK_N != 0 and ublk_s[lo + i] == len_k // BLOCK_N:
                     part_at[0] = i
             T.sync_threads()
-            for e in T.serial(T_MAX * K_MAX // threads):
+            for e in T.serial(T.ceildiv(n_it, threads)):
                 i = e * threads + tx
                 src = T.if_then_else(i < part_at[0], i, T.if_then_else(i == n_it - 1, part_at[0], i + 1))
                 if i < n_it:
@@ -172,7 +172,7 @@ def _fwd(dtype, D, tma):
     del sig["O"], sig["LSE"]
     part_rows = T.dynamic("part_rows")  # splits x total_q
     heads = sig["Q"].shape[1]
-    tile_union = _make_tile_union(topk, threads, T_MAX)
+    tile_union = _make_tile_union(topk, threads, T_MAX, lone_token_path=True)
 
     @T.prim_func
     def sparse_decode_fwd(
@@ -225,7 +225,7 @@ def _kvcache(dtype, D, tma):
     table_len = T.dynamic("table_len")
     heads = sig["Q"].shape[1]
     batch_dim = T.dynamic("batch")
-    tile_union = _make_tile_union(topk, threads, T_MAX)
+    tile_union = _make_tile_union(topk, threads, T_MAX, lone_token_path=True)
 
     @T.prim_func
     def sparse_decode_kvcache(

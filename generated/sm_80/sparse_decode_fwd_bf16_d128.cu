@@ -196,16 +196,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     __syncthreads();
     for (int e_1 = 0; e_1 < 4; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
-      my_mask[e_1] = 0;
       int condval_12;
-      if ((((0 <= v) && (v <= ((e_1 + p0) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+      if ((n_tok == 1)) {
         condval_12 = 1;
       } else {
         condval_12 = 0;
       }
-      my_keep[e_1] = condval_12;
+      my_mask[e_1] = condval_12;
+      int condval_13;
+      if ((((0 <= v) && (v <= ((e_1 + p0) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+        condval_13 = 1;
+      } else {
+        condval_13 = 0;
+      }
+      my_keep[e_1] = condval_13;
     }
-    for (int w = 0; w < ((((p0 + n_tok) - 1) >> 17) + 1); ++w) {
+    int condval_14;
+    if ((n_tok == 1)) {
+      condval_14 = 0;
+    } else {
+      condval_14 = ((((p0 + n_tok) - 1) >> 17) + 1);
+    }
+    for (int w = 0; w < condval_14; ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
       }
@@ -225,36 +237,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 4; ++e_5) {
-      int condval_13;
+      int condval_15;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_13 = 1;
+        condval_15 = 1;
       } else {
-        condval_13 = 0;
+        condval_15 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_15;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 512);
     __syncthreads();
-    for (int e_6 = 0; e_6 < 4; ++e_6) {
+    for (int e_6 = 0; e_6 < n_tok; ++e_6) {
       __syncthreads();
-      int condval_14;
+      int condval_16;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_14 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_16 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_14 = 0;
+        condval_16 = 0;
       }
-      if (condval_14 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
-        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
+      if (condval_16 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
+        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))];
       }
       __syncthreads();
-      int condval_15;
+      int condval_17;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_15 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_17 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_15 = 0;
+        condval_17 = 0;
       }
-      if (condval_15 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_17 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -268,39 +280,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     int rmod_10 = (((int*)n_union)[0] % splits);
     int rdiv_5 = (((int*)n_union)[0] / splits);
     int rmod_11 = (((int*)n_union)[0] % splits);
-    int condval_16;
+    int condval_18;
     if ((split < ((((0 <= splits) && (0 <= rmod_11)) || ((splits < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + splits)))) {
-      condval_16 = 1;
+      condval_18 = 1;
     } else {
-      condval_16 = 0;
+      condval_18 = 0;
     }
-    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_16);
+    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_18);
     int rmod_12 = (((int*)n_union)[0] % splits);
     int rmod_13 = (((int*)n_union)[0] % splits);
     int rdiv_6 = (((int*)n_union)[0] / splits);
     lo = (min(split, ((((0 <= splits) && (0 <= rmod_12)) || ((splits < 0) && (rmod_12 <= 0))) ? rmod_12 : (rmod_12 + splits))) + (split * ((((0 <= splits) && (0 <= rmod_13)) || ((splits < 0) && (rmod_13 <= 0))) ? rdiv_6 : (rdiv_6 - 1))));
-    for (int e_7 = 0; e_7 < 4; ++e_7) {
+    for (int e_7 = 0; e_7 < ((n_it + 127) >> 7); ++e_7) {
       __syncthreads();
       if (((e_7 * 128) + ((int)threadIdx.x)) < n_it) {
-        ((int*)idx_s)[((e_7 * 128) + ((int)threadIdx.x))] = ((int*)ublk_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
+        ((int*)idx_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((int*)ublk_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
       }
       __syncthreads();
       if (((e_7 * 128) + ((int)threadIdx.x)) < n_it) {
-        ((int*)keep_s)[((e_7 * 128) + ((int)threadIdx.x))] = ((int*)umask_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
+        ((int*)keep_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((int*)umask_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
       }
     }
     __syncthreads();
     #pragma unroll
     for (int i_6 = 0; i_6 < 2; ++i_6) {
-      int condval_17;
+      int condval_19;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups))) {
         int rmod_14 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_7 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_17 = ((((0 <= groups) && (0 <= rmod_14)) || ((groups < 0) && (rmod_14 <= 0))) ? rdiv_7 : (rdiv_7 - 1));
+        condval_19 = ((((0 <= groups) && (0 <= rmod_14)) || ((groups < 0) && (rmod_14 <= 0))) ? rdiv_7 : (rdiv_7 - 1));
       } else {
-        condval_17 = 31;
+        condval_19 = 31;
       }
-      rtok[i_6] = condval_17;
+      rtok[i_6] = condval_19;
     }
     #pragma unroll
     for (int i_7 = 0; i_7 < 16; ++i_7) {
@@ -344,13 +356,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          float condval_18;
+          float condval_20;
           if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (p0 + rtok[((i_11 & 3) >> 1)])))) {
-            condval_18 = 0x0p+0f/*0.000000e+00*/;
+            condval_20 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_18 = -CUDART_INF_F;
+            condval_20 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_18;
+          acc_s[i_11] = condval_20;
         }
       }
       tl::cp_async_wait<1>();
@@ -390,13 +402,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       }
       #pragma unroll
       for (int i_15 = 0; i_15 < 2; ++i_15) {
-        float condval_19;
+        float condval_21;
         if ((m_cur[i_15] == -CUDART_INF_F)) {
-          condval_19 = 0x0p+0f/*0.000000e+00*/;
+          condval_21 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_19 = m_cur[i_15];
+          condval_21 = m_cur[i_15];
         }
-        m_safe[i_15] = condval_19;
+        m_safe[i_15] = condval_21;
         r_scale[i_15] = exp2f(((m_prev[i_15] - m_safe[i_15]) * scale_log2));
       }
       #pragma unroll
@@ -487,13 +499,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       } else {
         #pragma unroll
         for (int i_23 = 0; i_23 < 32; ++i_23) {
-          float condval_20;
+          float condval_22;
           if (((((um_1 >> rtok[((i_23 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) <= (p0 + rtok[((i_23 & 3) >> 1)])))) {
-            condval_20 = 0x0p+0f/*0.000000e+00*/;
+            condval_22 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_20 = -CUDART_INF_F;
+            condval_22 = -CUDART_INF_F;
           }
-          acc_s[i_23] = condval_20;
+          acc_s[i_23] = condval_22;
         }
       }
     }
@@ -528,13 +540,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       }
       #pragma unroll
       for (int i_26 = 0; i_26 < 2; ++i_26) {
-        float condval_21;
+        float condval_23;
         if ((m_cur[i_26] == -CUDART_INF_F)) {
-          condval_21 = 0x0p+0f/*0.000000e+00*/;
+          condval_23 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_21 = m_cur[i_26];
+          condval_23 = m_cur[i_26];
         }
-        m_safe[i_26] = condval_21;
+        m_safe[i_26] = condval_23;
         r_scale[i_26] = exp2f(((m_prev[i_26] - m_safe[i_26]) * scale_log2));
       }
       #pragma unroll
@@ -611,18 +623,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     #pragma unroll
     for (int i_32 = 0; i_32 < 32; ++i_32) {
       float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_22;
+      float2 condval_24;
       if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_32 & 1)])) {
         float2 __15;
           float2 v__18 = *(float2*)(acc_o + (i_32 * 2));
           float2 v__19 = make_float2(l_sum[(i_32 & 1)], l_sum[(i_32 & 1)]);
           __15.x = (v__18.x/v__19.x);
           __15.y = (v__18.y/v__19.y);
-        condval_22 = __15;
+        condval_24 = __15;
       } else {
-        condval_22 = make_float2(broadcast_var_11, broadcast_var_11);
+        condval_24 = make_float2(broadcast_var_11, broadcast_var_11);
       }
-      *(float2*)(acc_o + (i_32 * 2)) = condval_22;
+      *(float2*)(acc_o + (i_32 * 2)) = condval_24;
     }
     if (groups == 16) {
       if (((((int)threadIdx.x) >> 5) - n_tok) < 0) {
@@ -739,11 +751,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rmod_25 : (rmod_25 + groups)))) {
                 int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))) < heads) {
-                  float condval_23;
+                  float condval_25;
                   if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_39])) {
-                    condval_23 = (((m_cur[i_39] * scale_log2) + log2f(l_sum[i_39])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                    condval_25 = (((m_cur[i_39] * scale_log2) + log2f(l_sum[i_39])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_23 = -CUDART_INF_F;
+                    condval_25 = -CUDART_INF_F;
                   }
                   int64_t rmod_27 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -751,7 +763,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
                   int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_29)) || ((((int64_t)groups) < (int64_t)0) && (rmod_29 <= (int64_t)0))) ? rmod_29 : (rmod_29 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))] = condval_23;
+                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_29)) || ((((int64_t)groups) < (int64_t)0) && (rmod_29 <= (int64_t)0))) ? rmod_29 : (rmod_29 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))] = condval_25;
                 }
               }
             }

@@ -189,16 +189,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     __syncthreads();
     for (int e_1 = 0; e_1 < 4; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
-      my_mask[e_1] = 0;
       int condval_10;
-      if ((((0 <= v) && (v <= ((e_1 + p0) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+      if ((n_tok == 1)) {
         condval_10 = 1;
       } else {
         condval_10 = 0;
       }
-      my_keep[e_1] = condval_10;
+      my_mask[e_1] = condval_10;
+      int condval_11;
+      if ((((0 <= v) && (v <= ((e_1 + p0) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+        condval_11 = 1;
+      } else {
+        condval_11 = 0;
+      }
+      my_keep[e_1] = condval_11;
     }
-    for (int w = 0; w < ((((p0 + n_tok) - 1) >> 17) + 1); ++w) {
+    int condval_12;
+    if ((n_tok == 1)) {
+      condval_12 = 0;
+    } else {
+      condval_12 = ((((p0 + n_tok) - 1) >> 17) + 1);
+    }
+    for (int w = 0; w < condval_12; ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
       }
@@ -218,36 +230,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 4; ++e_5) {
-      int condval_11;
+      int condval_13;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_11 = 1;
+        condval_13 = 1;
       } else {
-        condval_11 = 0;
+        condval_13 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_11;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 512);
     __syncthreads();
-    for (int e_6 = 0; e_6 < 4; ++e_6) {
+    for (int e_6 = 0; e_6 < n_tok; ++e_6) {
       __syncthreads();
-      int condval_12;
+      int condval_14;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_12 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_14 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_12 = 0;
+        condval_14 = 0;
       }
-      if (condval_12 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
-        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
+      if (condval_14 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
+        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))];
       }
       __syncthreads();
-      int condval_13;
+      int condval_15;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_13 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_15 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_13 = 0;
+        condval_15 = 0;
       }
-      if (condval_13 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_15 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -261,13 +273,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     int rmod_10 = (((int*)n_union)[0] % splits);
     int rdiv_5 = (((int*)n_union)[0] / splits);
     int rmod_11 = (((int*)n_union)[0] % splits);
-    int condval_14;
+    int condval_16;
     if ((split < ((((0 <= splits) && (0 <= rmod_11)) || ((splits < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + splits)))) {
-      condval_14 = 1;
+      condval_16 = 1;
     } else {
-      condval_14 = 0;
+      condval_16 = 0;
     }
-    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_14);
+    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_16);
     int rmod_12 = (((int*)n_union)[0] % splits);
     int rmod_13 = (((int*)n_union)[0] % splits);
     int rdiv_6 = (((int*)n_union)[0] / splits);
@@ -279,80 +291,80 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       ((int*)part_at)[0] = n_it;
     }
     __syncthreads();
-    for (int e_7 = 0; e_7 < 4; ++e_7) {
+    for (int e_7 = 0; e_7 < ((n_it + 127) >> 7); ++e_7) {
       __syncthreads();
       if (((((e_7 * 128) + ((int)threadIdx.x)) < n_it) && (0 < (len_k & 63))) && (((int*)ublk_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))] == (len_k >> 6))) {
         ((int*)part_at)[0] = ((e_7 * 128) + ((int)threadIdx.x));
       }
     }
     __syncthreads();
-    for (int e_8 = 0; e_8 < 4; ++e_8) {
-      int condval_15;
+    for (int e_8 = 0; e_8 < ((n_it + 127) >> 7); ++e_8) {
+      int condval_17;
       if ((((e_8 * 128) + ((int)threadIdx.x)) < ((int*)part_at)[0])) {
-        condval_15 = ((e_8 * 128) + ((int)threadIdx.x));
+        condval_17 = ((e_8 * 128) + ((int)threadIdx.x));
       } else {
-        int condval_16;
+        int condval_18;
         if ((((e_8 * 128) + ((int)threadIdx.x)) == (n_it - 1))) {
-          condval_16 = ((int*)part_at)[0];
+          condval_18 = ((int*)part_at)[0];
         } else {
-          condval_16 = (((e_8 * 128) + ((int)threadIdx.x)) + 1);
+          condval_18 = (((e_8 * 128) + ((int)threadIdx.x)) + 1);
         }
-        condval_15 = condval_16;
+        condval_17 = condval_18;
       }
-      int src = condval_15;
+      int src = condval_17;
       __syncthreads();
       if (((e_8 * 128) + ((int)threadIdx.x)) < n_it) {
-        ((int*)idx_s)[((e_8 * 128) + ((int)threadIdx.x))] = ((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))];
-      }
-      __syncthreads();
-      if (((e_8 * 128) + ((int)threadIdx.x)) < n_it) {
-        ((int*)keep_s)[((e_8 * 128) + ((int)threadIdx.x))] = ((int*)umask_s)[(((int64_t)lo) + ((int64_t)src))];
+        ((int*)idx_s)[((((int64_t)e_8) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))];
       }
       __syncthreads();
       if (((e_8 * 128) + ((int)threadIdx.x)) < n_it) {
-        int condval_17;
+        ((int*)keep_s)[((((int64_t)e_8) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((int*)umask_s)[(((int64_t)lo) + ((int64_t)src))];
+      }
+      __syncthreads();
+      if (((e_8 * 128) + ((int)threadIdx.x)) < n_it) {
+        int condval_19;
         if ((0 < pages_per_seq)) {
           int rmod_14 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) % page_size);
           int rdiv_7 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) / page_size);
           int rmod_15 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) % page_size);
           int rdiv_8 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) / page_size);
-          int condval_18;
+          int condval_20;
           if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_14)) || ((page_size < 0) && (rmod_14 <= 0))) ? rdiv_7 : (rdiv_7 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_15)) || ((page_size < 0) && (rmod_15 <= 0))) ? rdiv_8 : (rdiv_8 - 1))) < table_len))) {
             int64_t rmod_16 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) % ((int64_t)page_size));
             int64_t rdiv_9 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) / ((int64_t)page_size));
             int64_t rmod_17 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) % ((int64_t)page_size));
             int64_t rdiv_10 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) / ((int64_t)page_size));
-            condval_18 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_10 : (rdiv_10 - (int64_t)1)))];
+            condval_20 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_10 : (rdiv_10 - (int64_t)1)))];
           } else {
-            condval_18 = 0;
+            condval_20 = 0;
           }
-          condval_17 = min(max(condval_18, 0), (num_pages - 1));
+          condval_19 = min(max(condval_20, 0), (num_pages - 1));
         } else {
-          condval_17 = ((int)blockIdx.y);
+          condval_19 = ((int)blockIdx.y);
         }
         int rmod_18 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) % page_size);
-        ((int*)rows_s)[((e_8 * 128) + ((int)threadIdx.x))] = ((condval_17 * page_size) + ((((0 <= page_size) && (0 <= rmod_18)) || ((page_size < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + page_size)));
+        ((int*)rows_s)[((((int64_t)e_8) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((condval_19 * page_size) + ((((0 <= page_size) && (0 <= rmod_18)) || ((page_size < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + page_size)));
       }
     }
-    int condval_19;
+    int condval_21;
     if ((((int*)part_at)[0] < n_it)) {
-      condval_19 = 1;
+      condval_21 = 1;
     } else {
-      condval_19 = 0;
+      condval_21 = 0;
     }
-    n_full = (n_it - condval_19);
+    n_full = (n_it - condval_21);
     __syncthreads();
     #pragma unroll
     for (int i_6 = 0; i_6 < 2; ++i_6) {
-      int condval_20;
+      int condval_22;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups))) {
         int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_11 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_20 = ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_11 : (rdiv_11 - 1));
+        condval_22 = ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_11 : (rdiv_11 - 1));
       } else {
-        condval_20 = 31;
+        condval_22 = 31;
       }
-      rtok[i_6] = condval_20;
+      rtok[i_6] = condval_22;
     }
     #pragma unroll
     for (int i_7 = 0; i_7 < 16; ++i_7) {
@@ -397,13 +409,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          float condval_21;
+          float condval_23;
           if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (p0 + rtok[((i_11 & 3) >> 1)])))) {
-            condval_21 = 0x0p+0f/*0.000000e+00*/;
+            condval_23 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_21 = -CUDART_INF_F;
+            condval_23 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_21;
+          acc_s[i_11] = condval_23;
         }
       }
       tl::cp_async_wait<1>();
@@ -443,13 +455,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_15 = 0; i_15 < 2; ++i_15) {
-        float condval_22;
+        float condval_24;
         if ((m_cur[i_15] == -CUDART_INF_F)) {
-          condval_22 = 0x0p+0f/*0.000000e+00*/;
+          condval_24 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_22 = m_cur[i_15];
+          condval_24 = m_cur[i_15];
         }
-        m_safe[i_15] = condval_22;
+        m_safe[i_15] = condval_24;
         r_scale[i_15] = exp2f(((m_prev[i_15] - m_safe[i_15]) * scale_log2));
       }
       #pragma unroll
@@ -540,13 +552,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_23 = 0; i_23 < 32; ++i_23) {
-          float condval_23;
+          float condval_25;
           if (((((um_1 >> rtok[((i_23 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) <= (p0 + rtok[((i_23 & 3) >> 1)])))) {
-            condval_23 = 0x0p+0f/*0.000000e+00*/;
+            condval_25 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_23 = -CUDART_INF_F;
+            condval_25 = -CUDART_INF_F;
           }
-          acc_s[i_23] = condval_23;
+          acc_s[i_23] = condval_25;
         }
       }
     }
@@ -581,13 +593,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_26 = 0; i_26 < 2; ++i_26) {
-        float condval_24;
+        float condval_26;
         if ((m_cur[i_26] == -CUDART_INF_F)) {
-          condval_24 = 0x0p+0f/*0.000000e+00*/;
+          condval_26 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_24 = m_cur[i_26];
+          condval_26 = m_cur[i_26];
         }
-        m_safe[i_26] = condval_24;
+        m_safe[i_26] = condval_26;
         r_scale[i_26] = exp2f(((m_prev[i_26] - m_safe[i_26]) * scale_log2));
       }
       #pragma unroll
@@ -667,24 +679,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       #pragma unroll
       for (int i_32 = 0; i_32 < 8; ++i_32) {
         half_t broadcast_var_11 = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_25;
+        uint4 condval_27;
         if (((((((blk_2 * 64) + (i_32 * 8)) + (((int)threadIdx.x) >> 4)) < len_k) && (0 <= (((i_32 * 8) + (((int)threadIdx.x) >> 4)) + r0_4))) && ((((i_32 * 8) + (((int)threadIdx.x) >> 4)) + r0_4) < total_k))) {
-          condval_25 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_32) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+          condval_27 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_32) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
         } else {
-          condval_25 = make_uint4(__pack_half2(broadcast_var_11, broadcast_var_11), __pack_half2(broadcast_var_11, broadcast_var_11), __pack_half2(broadcast_var_11, broadcast_var_11), __pack_half2(broadcast_var_11, broadcast_var_11));
+          condval_27 = make_uint4(__pack_half2(broadcast_var_11, broadcast_var_11), __pack_half2(broadcast_var_11, broadcast_var_11), __pack_half2(broadcast_var_11, broadcast_var_11), __pack_half2(broadcast_var_11, broadcast_var_11));
         }
-        *(uint4*)(((half_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_32 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_25;
+        *(uint4*)(((half_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_32 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_27;
       }
       #pragma unroll
       for (int i_33 = 0; i_33 < 8; ++i_33) {
         half_t broadcast_var_12 = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_26;
+        uint4 condval_28;
         if (((((((blk_2 * 64) + (i_33 * 8)) + (((int)threadIdx.x) >> 4)) < len_k) && (0 <= (((i_33 * 8) + (((int)threadIdx.x) >> 4)) + r0_4))) && ((((i_33 * 8) + (((int)threadIdx.x) >> 4)) + r0_4) < total_k))) {
-          condval_26 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_33) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+          condval_28 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((((((int64_t)i_33) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
         } else {
-          condval_26 = make_uint4(__pack_half2(broadcast_var_12, broadcast_var_12), __pack_half2(broadcast_var_12, broadcast_var_12), __pack_half2(broadcast_var_12, broadcast_var_12), __pack_half2(broadcast_var_12, broadcast_var_12));
+          condval_28 = make_uint4(__pack_half2(broadcast_var_12, broadcast_var_12), __pack_half2(broadcast_var_12, broadcast_var_12), __pack_half2(broadcast_var_12, broadcast_var_12), __pack_half2(broadcast_var_12, broadcast_var_12));
         }
-        *(uint4*)(((half_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_33 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_26;
+        *(uint4*)(((half_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_33 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_28;
       }
       __syncthreads();
       int um_2 = ((int*)keep_s)[((int64_t)it_1)];
@@ -697,13 +709,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_35 = 0; i_35 < 32; ++i_35) {
-          float condval_27;
+          float condval_29;
           if (((((um_2 >> rtok[((i_35 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_35 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_35 & 1)) <= (p0 + rtok[((i_35 & 3) >> 1)])))) {
-            condval_27 = 0x0p+0f/*0.000000e+00*/;
+            condval_29 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_27 = -CUDART_INF_F;
+            condval_29 = -CUDART_INF_F;
           }
-          acc_s[i_35] = condval_27;
+          acc_s[i_35] = condval_29;
         }
       }
       {
@@ -734,13 +746,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_38 = 0; i_38 < 2; ++i_38) {
-        float condval_28;
+        float condval_30;
         if ((m_cur[i_38] == -CUDART_INF_F)) {
-          condval_28 = 0x0p+0f/*0.000000e+00*/;
+          condval_30 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_28 = m_cur[i_38];
+          condval_30 = m_cur[i_38];
         }
-        m_safe[i_38] = condval_28;
+        m_safe[i_38] = condval_30;
         r_scale[i_38] = exp2f(((m_prev[i_38] - m_safe[i_38]) * scale_log2));
       }
       #pragma unroll
@@ -813,18 +825,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     #pragma unroll
     for (int i_44 = 0; i_44 < 32; ++i_44) {
       float broadcast_var_14 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_29;
+      float2 condval_31;
       if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_44 & 1)])) {
         float2 __22;
           float2 v__27 = *(float2*)(acc_o + (i_44 * 2));
           float2 v__28 = make_float2(l_sum[(i_44 & 1)], l_sum[(i_44 & 1)]);
           __22.x = (v__27.x/v__28.x);
           __22.y = (v__27.y/v__28.y);
-        condval_29 = __22;
+        condval_31 = __22;
       } else {
-        condval_29 = make_float2(broadcast_var_14, broadcast_var_14);
+        condval_31 = make_float2(broadcast_var_14, broadcast_var_14);
       }
-      *(float2*)(acc_o + (i_44 * 2)) = condval_29;
+      *(float2*)(acc_o + (i_44 * 2)) = condval_31;
     }
     if (groups == 16) {
       if (((((int)threadIdx.x) >> 5) - n_tok) < 0) {
@@ -941,11 +953,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rmod_30 : (rmod_30 + groups)))) {
                 int rmod_31 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_31)) || ((groups < 0) && (rmod_31 <= 0))) ? rmod_31 : (rmod_31 + groups))) < heads) {
-                  float condval_30;
+                  float condval_32;
                   if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_51])) {
-                    condval_30 = (((m_cur[i_51] * scale_log2) + log2f(l_sum[i_51])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                    condval_32 = (((m_cur[i_51] * scale_log2) + log2f(l_sum[i_51])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_30 = -CUDART_INF_F;
+                    condval_32 = -CUDART_INF_F;
                   }
                   int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_33 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -953,7 +965,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
                   int64_t rmod_34 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_35 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_30;
+                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_32;
                 }
               }
             }

@@ -209,17 +209,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     __syncthreads();
     for (int e_1 = 0; e_1 < 4; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
-      my_mask[e_1] = 0;
       int condval_12;
-      if ((((0 <= v) && (v <= ((e_1 + p0) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+      if ((n_tok == 1)) {
         condval_12 = 1;
       } else {
         condval_12 = 0;
       }
-      my_keep[e_1] = condval_12;
+      my_mask[e_1] = condval_12;
+      int condval_13;
+      if ((((0 <= v) && (v <= ((e_1 + p0) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
+        condval_13 = 1;
+      } else {
+        condval_13 = 0;
+      }
+      my_keep[e_1] = condval_13;
     }
     __syncthreads();
-    for (int w = 0; w < ((((p0 + n_tok) - 1) >> 17) + 1); ++w) {
+    int condval_14;
+    if ((n_tok == 1)) {
+      condval_14 = 0;
+    } else {
+      condval_14 = ((((p0 + n_tok) - 1) >> 17) + 1);
+    }
+    for (int w = 0; w < condval_14; ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
       }
@@ -239,36 +251,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 4; ++e_5) {
-      int condval_13;
+      int condval_15;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_13 = 1;
+        condval_15 = 1;
       } else {
-        condval_13 = 0;
+        condval_15 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_15;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 512);
     __syncthreads();
-    for (int e_6 = 0; e_6 < 4; ++e_6) {
+    for (int e_6 = 0; e_6 < n_tok; ++e_6) {
       __syncthreads();
-      int condval_14;
+      int condval_16;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_14 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_16 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_14 = 0;
+        condval_16 = 0;
       }
-      if (condval_14 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
-        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
+      if (condval_16 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
+        ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))];
       }
       __syncthreads();
-      int condval_15;
+      int condval_17;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_15 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_17 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_15 = 0;
+        condval_17 = 0;
       }
-      if (condval_15 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_17 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -280,39 +292,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     int rmod_10 = (((int*)n_union)[0] % splits);
     int rdiv_5 = (((int*)n_union)[0] / splits);
     int rmod_11 = (((int*)n_union)[0] % splits);
-    int condval_16;
+    int condval_18;
     if ((split < ((((0 <= splits) && (0 <= rmod_11)) || ((splits < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + splits)))) {
-      condval_16 = 1;
+      condval_18 = 1;
     } else {
-      condval_16 = 0;
+      condval_18 = 0;
     }
-    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_16);
+    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_18);
     int rmod_12 = (((int*)n_union)[0] % splits);
     int rmod_13 = (((int*)n_union)[0] % splits);
     int rdiv_6 = (((int*)n_union)[0] / splits);
     lo = (min(split, ((((0 <= splits) && (0 <= rmod_12)) || ((splits < 0) && (rmod_12 <= 0))) ? rmod_12 : (rmod_12 + splits))) + (split * ((((0 <= splits) && (0 <= rmod_13)) || ((splits < 0) && (rmod_13 <= 0))) ? rdiv_6 : (rdiv_6 - 1))));
-    for (int e_7 = 0; e_7 < 4; ++e_7) {
+    for (int e_7 = 0; e_7 < ((n_it + 127) >> 7); ++e_7) {
       __syncthreads();
       if (((e_7 * 128) + ((int)threadIdx.x)) < n_it) {
-        ((int*)idx_s)[((e_7 * 128) + ((int)threadIdx.x))] = ((int*)ublk_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
+        ((int*)idx_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((int*)ublk_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
       }
       __syncthreads();
       if (((e_7 * 128) + ((int)threadIdx.x)) < n_it) {
-        ((int*)keep_s)[((e_7 * 128) + ((int)threadIdx.x))] = ((int*)umask_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
+        ((int*)keep_s)[((((int64_t)e_7) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((int*)umask_s)[(((((int64_t)e_7) * (int64_t)128) + ((int64_t)lo)) + ((int64_t)((int)threadIdx.x)))];
       }
     }
     __syncthreads();
     #pragma unroll
     for (int i_6 = 0; i_6 < 2; ++i_6) {
-      int condval_17;
+      int condval_19;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups))) {
         int rmod_14 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_7 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_17 = ((((0 <= groups) && (0 <= rmod_14)) || ((groups < 0) && (rmod_14 <= 0))) ? rdiv_7 : (rdiv_7 - 1));
+        condval_19 = ((((0 <= groups) && (0 <= rmod_14)) || ((groups < 0) && (rmod_14 <= 0))) ? rdiv_7 : (rdiv_7 - 1));
       } else {
-        condval_17 = 31;
+        condval_19 = 31;
       }
-      rtok[i_6] = condval_17;
+      rtok[i_6] = condval_19;
     }
     #pragma unroll
     for (int i_7 = 0; i_7 < 16; ++i_7) {
@@ -324,13 +336,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     float broadcast_var_8 = -CUDART_INF_F;
     *(float2*)(m_cur + 0) = make_float2(broadcast_var_8, broadcast_var_8);
     int n_it_1 = n_it;
-    int condval_18;
+    int condval_20;
     if ((0 < n_it_1)) {
-      condval_18 = ((int*)idx_s)[0];
+      condval_20 = ((int*)idx_s)[0];
     } else {
-      condval_18 = 0;
+      condval_20 = 0;
     }
-    int first = condval_18;
+    int first = condval_20;
     __syncthreads();
     if (tl::tl_shuffle_elect<128>()) {
       full[0].expect_transaction(16384);
@@ -365,13 +377,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          float condval_19;
+          float condval_21;
           if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (p0 + rtok[((i_11 & 3) >> 1)])))) {
-            condval_19 = 0x0p+0f/*0.000000e+00*/;
+            condval_21 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_19 = -CUDART_INF_F;
+            condval_21 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_19;
+          acc_s[i_11] = condval_21;
         }
       }
       full[0].wait((it & 1));
@@ -412,13 +424,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
       }
       #pragma unroll
       for (int i_14 = 0; i_14 < 2; ++i_14) {
-        float condval_20;
+        float condval_22;
         if ((m_cur[i_14] == -CUDART_INF_F)) {
-          condval_20 = 0x0p+0f/*0.000000e+00*/;
+          condval_22 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_20 = m_cur[i_14];
+          condval_22 = m_cur[i_14];
         }
-        m_safe[i_14] = condval_20;
+        m_safe[i_14] = condval_22;
         r_scale[i_14] = exp2f(((m_prev[i_14] - m_safe[i_14]) * scale_log2));
       }
       #pragma unroll
@@ -505,18 +517,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
     #pragma unroll
     for (int i_20 = 0; i_20 < 32; ++i_20) {
       float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_21;
+      float2 condval_23;
       if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_20 & 1)])) {
         float2 __8;
           float2 v__9 = *(float2*)(acc_o + (i_20 * 2));
           float2 v__10 = make_float2(l_sum[(i_20 & 1)], l_sum[(i_20 & 1)]);
           __8.x = (v__9.x/v__10.x);
           __8.y = (v__9.y/v__10.y);
-        condval_21 = __8;
+        condval_23 = __8;
       } else {
-        condval_21 = make_float2(broadcast_var_10, broadcast_var_10);
+        condval_23 = make_float2(broadcast_var_10, broadcast_var_10);
       }
-      *(float2*)(acc_o + (i_20 * 2)) = condval_21;
+      *(float2*)(acc_o + (i_20 * 2)) = condval_23;
     }
     if (groups == 16) {
       if (((((int)threadIdx.x) >> 5) - n_tok) < 0) {
@@ -633,11 +645,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_25)) || ((groups < 0) && (rmod_25 <= 0))) ? rmod_25 : (rmod_25 + groups)))) {
                 int rmod_26 = (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_26)) || ((groups < 0) && (rmod_26 <= 0))) ? rmod_26 : (rmod_26 + groups))) < heads) {
-                  float condval_22;
+                  float condval_24;
                   if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_27])) {
-                    condval_22 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                    condval_24 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_22 = -CUDART_INF_F;
+                    condval_24 = -CUDART_INF_F;
                   }
                   int64_t rmod_27 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_28 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -645,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_
                   int64_t rmod_29 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_30 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rdiv_15 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_29)) || ((((int64_t)groups) < (int64_t)0) && (rmod_29 <= (int64_t)0))) ? rmod_29 : (rmod_29 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))] = condval_22;
+                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_29)) || ((((int64_t)groups) < (int64_t)0) && (rmod_29 <= (int64_t)0))) ? rmod_29 : (rmod_29 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_30)) || ((((int64_t)groups) < (int64_t)0) && (rmod_30 <= (int64_t)0))) ? rdiv_15 : (rdiv_15 - (int64_t)1)))] = condval_24;
                 }
               }
             }
