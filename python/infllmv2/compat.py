@@ -351,8 +351,9 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
     ``cache_seqlens[b] + Sn`` keys. The queries are each sequence's last ``Sq`` tokens.
     ``topk_idx`` int ``(Hk, B * Sq, K)`` of 64-token block indices (-1 unused, any order) runs
     ``ops.sparse_decode_kvcache``; None runs dense attention, as the selection of every block
-    (a cache of more than 8192 keys a sequence in chunks of 8192, one call, merged by their LSE). Returns ``out (B, Sq, Hq, D)``, and with
-    ``return_softmax_lse`` also ``softmax_lse`` fp32 ``(B, Hq, Sq)``, FlashAttention's layout.
+    (a cache of more than 8192 keys a sequence in chunks of 8192, one call, merged by their
+    LSE). Returns ``out (B, Sq, Hq, D)``, and with ``return_softmax_lse`` also ``softmax_lse``
+    fp32 ``(B, Hq, Sq)``, FlashAttention's layout.
 
     ``rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2)``, with ``k`` and ``v``, rotate, as
     FlashAttention does, the first ``rotary_dim`` features of the new keys (before they are
@@ -427,8 +428,8 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         v_cache[page, row] = v.to(v_cache.dtype)
         lens = lens + k.shape[1]
     if topk_idx is None and -(-capacity // ops._KERNEL_BLOCK) > ops._KERNEL_MAX_TOPK:
-        return _dense_over_long_cache(q, k_cache, v_cache, lens, table, softmax_scale, _as_int(num_splits, "num_splits"),
-                                      return_softmax_lse)
+        return _dense_over_long_cache(q, k_cache, v_cache, lens, table, softmax_scale,
+                                      _as_int(num_splits, "num_splits"), return_softmax_lse)
     if topk_idx is None:
         topk_idx = ops.every_block_selection(heads_k, batch * seqlen_q, capacity, q.device)
     cu_q = _equal_cu_seqlens(batch, seqlen_q, q.device)
