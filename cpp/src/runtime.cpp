@@ -135,9 +135,8 @@ cudaError_t read_props(int index, int* cc, int* smem_optin, int* sms) {
 }  // namespace
 
 infllmv2_status current_device(const char* op, Device* dev) {
-  int sms = 0;
   cudaError_t err = cudaGetDevice(&dev->index);
-  if (err == cudaSuccess) err = read_props(dev->index, &dev->cc, &dev->smem_optin, &sms);
+  if (err == cudaSuccess) err = read_props(dev->index, &dev->cc, &dev->smem_optin, &dev->sms);
   if (err != cudaSuccess) {
     cudaGetLastError();  // do not leave a sticky-looking error for the caller's next check
     return fail(INFLLMV2_ERR_CUDA, "%s: no usable CUDA device: %s (%s)", op, cudaGetErrorString(err),
@@ -148,14 +147,9 @@ infllmv2_status current_device(const char* op, Device* dev) {
 
 infllmv2_status device_sms(const char* op, int* sms) {
   Device dev;
-  cudaError_t err = cudaGetDevice(&dev.index);
-  if (err == cudaSuccess) err = read_props(dev.index, &dev.cc, &dev.smem_optin, sms);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return fail(INFLLMV2_ERR_CUDA, "%s: could not read the multiprocessor count of the current device: %s", op,
-                cudaGetErrorString(err));
-  }
-  return INFLLMV2_OK;
+  infllmv2_status st = current_device(op, &dev);
+  if (st == INFLLMV2_OK) *sms = dev.sms;
+  return st;
 }
 
 int resolve_splits(int32_t num_splits, int64_t ctas, int64_t useful, int sms, int max_splits) {

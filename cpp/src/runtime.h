@@ -42,6 +42,7 @@ struct Device {
   int index = 0;
   int cc = 0;          // compute capability as 10*major + minor
   int smem_optin = 0;  // max dynamic shared memory per block
+  int sms = 0;         // multiprocessors
 };
 infllmv2_status current_device(const char* op, Device* dev);
 
