@@ -253,7 +253,7 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 _KVCACHE_UNSUPPORTED = ("cache_leftpad", "alibi_slopes")
 
 
-def _dense_over_long_cache(q, k_cache, v_cache, lens, table, softmax_scale, num_splits, return_lse):
+def _dense_over_long_cache(q, k_cache, v_cache, lens, table, capacity, softmax_scale, num_splits, return_lse):
     """Dense attention over a cache whose capacity has more blocks than a selection row may hold
     (the kernels' K <= 128): each sequence's capacity cut into chunks of 128 blocks, each chunk a
     virtual sequence of one sparse_decode_kvcache call (the same pages and length, its row the
@@ -262,7 +262,6 @@ def _dense_over_long_cache(q, k_cache, v_cache, lens, table, softmax_scale, num_
     output is rounded to q's dtype before the merge, one rounding more than a single call."""
     batch, seqlen_q, heads, head_dim = q.shape
     heads_k = k_cache.shape[2]
-    capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
     per = ops._KERNEL_MAX_TOPK
     n_blocks = -(-capacity // ops._KERNEL_BLOCK)
     n = -(-n_blocks // per)
@@ -428,7 +427,7 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         v_cache[page, row] = v.to(v_cache.dtype)
         lens = lens + k.shape[1]
     if topk_idx is None and -(-capacity // ops._KERNEL_BLOCK) > ops._KERNEL_MAX_TOPK:
-        return _dense_over_long_cache(q, k_cache, v_cache, lens, table, softmax_scale,
+        return _dense_over_long_cache(q, k_cache, v_cache, lens, table, capacity, softmax_scale,
                                       _as_int(num_splits, "num_splits"), return_softmax_lse)
     if topk_idx is None:
         topk_idx = ops.every_block_selection(heads_k, batch * seqlen_q, capacity, q.device)
