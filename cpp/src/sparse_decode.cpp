@@ -4,8 +4,10 @@
 
 #include "registry.h"
 #include "runtime.h"
+#include "split_decode.h"
 
 using namespace infllmv2;
+using namespace infllmv2::split_decode;
 
 namespace {
 
@@ -14,37 +16,12 @@ constexpr int kMaxSplits = 64;  // dsl/sparse_decode.py MAX_SPLITS
 // A split walks at least this many blocks of its tile's union: fewer would spend more on the
 // union prologue and the partial results than they save.
 constexpr int kMinBlocksPerSplit = 4;
-constexpr int kTileRows = 64;   // dsl BLOCK_M: a tile is min(64 / G, kTileTokens) tokens x G heads
-constexpr int kTileTokens = 4;  // dsl T_MAX, checked against the unit at launch
-constexpr int kBlock = 64;      // keys a selected block (dsl BLOCK_N): a page must not split one
 
 // The split rule is resolve_splits' (runtime.h) with at least kMinBlocksPerSplit blocks a split.
 // 1 means the call is infllmv2_sparse_attn_fwd's, with no workspace. (H100, one token a
 // sequence, K = 96, G = 16, CUDA graphs: batch 1, 8, 32 ran fastest at 24-32, 16 and 4 splits,
 // what this picks, within 5%: 24, 16, 4; rounding up instead had picked 17 and 5, 11% and 4%
 // slower; benchmarks/NOTES.md.)
-
-// Workspace: O partials fp32 (splits x total_q, heads, head_dim), then at a 256-byte boundary
-// the LSE partials fp32 (heads, splits x total_q).
-size_t o_part_bytes(int splits, int64_t total_q, int32_t heads, int32_t head_dim) {
-  return (size_t)splits * (size_t)total_q * (size_t)heads * (size_t)head_dim * sizeof(float);
-}
-size_t partial_bytes(int splits, int64_t total_q, int32_t heads, int32_t head_dim) {
-  return align256(o_part_bytes(splits, total_q, heads, head_dim)) +
-         (size_t)splits * (size_t)total_q * (size_t)heads * sizeof(float);
-}
-size_t decode_bytes(int splits, int64_t total_q, int32_t heads, int32_t head_dim) {
-  return splits <= 1 ? 0 : partial_bytes(splits, total_q, heads, head_dim);
-}
-
-int64_t ctas_of(int32_t batch, int32_t max_seqlen_q, int32_t heads, int32_t heads_k) {
-  if (heads_k <= 0 || heads % heads_k != 0) return 0;
-  const int groups = heads / heads_k;
-  if (groups < 1 || groups > 64) return 0;
-  const int T = tile_tokens(kTileRows, kTileTokens, groups);
-  return (int64_t)((max_seqlen_q + T - 1) / T) * batch * heads_k;
-}
-
 }  // namespace
 
 extern "C" INFLLMV2_API int32_t infllmv2_sparse_decode_splits(int32_t batch, int32_t max_seqlen_q, int32_t heads,
@@ -81,64 +58,6 @@ infllmv2_status check_split_args(const char* op, infllmv2_dtype dtype, int32_t h
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: splits * total_q must be at most %d, got %lld", op, INT32_MAX,
                 (long long)(splits * total_q));
   return INFLLMV2_OK;
-}
-
-infllmv2_status check_workspace(const char* op, const char* size_fn, size_t workspace_size, size_t need) {
-  if (workspace_size < need)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: workspace_size is %zu bytes, %s() asks for %zu", op,
-                workspace_size, size_fn, need);
-  return INFLLMV2_OK;
-}
-
-struct Partials {
-  float* o;
-  float* lse;
-  int rows;  // splits x total_q
-};
-
-// What a split call launches: its forward unit (of `units`: fwd or kvcache), the combine unit,
-// the grid and the partial buffers in the workspace.
-template <class Unit>
-struct SplitCall {
-  const Unit* fwd = nullptr;
-  const infllmv2_sparse_decode_combine_unit* comb = nullptr;
-  int groups = 0, tokens = 0, tiles = 0;
-  Partials part{};
-};
-
-template <class Unit, size_t N>
-infllmv2_status prepare_split_call(const char* op, const Unit (&units)[N], const Device& dev, infllmv2_dtype dtype,
-                                   int32_t head_dim, int32_t splits, int32_t heads, int32_t heads_k,
-                                   int32_t max_seqlen_q, int64_t total_q, void* workspace, SplitCall<Unit>* call) {
-  const std::string desc = config_desc(dtype, head_dim);
-  auto match = [&](const auto& u) { return u.dtype == dtype && u.head_dim == head_dim; };
-  infllmv2_status st;
-  if ((st = pick_unit(op, units, dev, match, desc, &call->fwd)) != INFLLMV2_OK ||
-      (st = pick_unit(op, infllmv2_sparse_decode_combine_units, dev, match, desc, &call->comb)) != INFLLMV2_OK)
-    return st;
-  const Unit* fwd = call->fwd;
-  if (fwd->max_splits < splits)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s runs at most %d splits, got %d", op, fwd->name, fwd->max_splits,
-                splits);
-  if (fwd->block_m != kTileRows || fwd->t_max != kTileTokens)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: %s has tiles of %d rows and %d tokens, this library expects %d, %d", op,
-                fwd->name, fwd->block_m, fwd->t_max, kTileRows, kTileTokens);
-  call->groups = heads / heads_k;
-  call->tokens = tile_tokens(fwd->block_m, fwd->t_max, call->groups);
-  call->tiles = (max_seqlen_q + call->tokens - 1) / call->tokens;
-  call->part = {static_cast<float*>(workspace),
-                reinterpret_cast<float*>(static_cast<char*>(workspace) +
-                                         align256(o_part_bytes(splits, total_q, heads, head_dim))),
-                (int)(splits * total_q)};
-  return INFLLMV2_OK;
-}
-
-infllmv2_status run_combine(const char* op, const infllmv2_sparse_decode_combine_unit* comb, const Partials& part,
-                            const int32_t* cu_seqlens_q, void* out, float* lse, int32_t batch, int32_t splits,
-                            int32_t heads, int64_t total_q, cudaStream_t stream) {
-  int rc = comb->call(part.o, part.lse, const_cast<int32_t*>(cu_seqlens_q), out, lse, batch, splits, part.rows, heads,
-                      batch + 1, (int)total_q, stream);
-  return launch_result(op, comb->name, rc, comb->last_error);
 }
 
 }  // namespace
