@@ -13,15 +13,13 @@ synchronisation. The offsets kernel is also an entry point of its own
                        lengths, are read), cu_seqlens_c[b] = b * cap_c and cu_seqlens_n[b] = b *
                        cap_n (sequence b's compressed keys are rows b * cap .. of its padded
                        compressed cache; the visibility rule keeps every read below n(L)).
-  every_block          topk_idx[row, j] = j for j < cols: every block selected, dense attention
-                       as a selection (infllmv2_attention_kvcache's dense path); cols <= 128.
 """
 
 import tilelang.language as T
 
 OP = "attention"
 
-KERNELS = ("compressed_offsets", "cache_offsets", "every_block")
+KERNELS = ("compressed_offsets", "cache_offsets")
 VARIANTS = [{"kernel": kernel} for kernel in KERNELS]
 
 
@@ -30,8 +28,7 @@ def variant_name(kernel):
 
 
 def program(kernel, arch):
-    return {"compressed_offsets": _compressed_offsets, "cache_offsets": _cache_offsets,
-            "every_block": _every_block}[kernel]()
+    return {"compressed_offsets": _compressed_offsets, "cache_offsets": _cache_offsets}[kernel]()
 
 
 def _compressed_offsets():
@@ -91,20 +88,3 @@ def _cache_offsets():
                     cu_seqlens_n[b + 1] = (b + 1) * cap_n
 
     return attention_cache_offsets
-
-
-EVERY_BLOCK_COLS = 128  # a thread a column: stage 2 takes at most 128 blocks a row
-
-
-def _every_block():
-    rows = T.dynamic("rows")
-    cols = T.dynamic("cols")
-
-    @T.prim_func
-    def attention_every_block(topk_idx: T.Tensor([rows, cols], "int32")):
-        with T.Kernel(rows, threads=EVERY_BLOCK_COLS) as bx:
-            tx = T.get_thread_binding()
-            if tx < cols:
-                topk_idx[bx, tx] = tx
-
-    return attention_every_block

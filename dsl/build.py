@@ -33,7 +33,7 @@ import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-OPS = ["dsl.compress_keys", "dsl.compress_keys_kvcache", "dsl.sparse_attn", "dsl.sparse_decode", "dsl.select_blocks", "dsl.select_decode", "dsl.dense_attn", "dsl.attention"]
+OPS = ["dsl.compress_keys", "dsl.compress_keys_kvcache", "dsl.sparse_attn", "dsl.sparse_decode", "dsl.select_blocks", "dsl.select_decode", "dsl.dense_attn", "dsl.dense_decode", "dsl.attention"]
 ARCHS = ["sm_80", "sm_89", "sm_90a"]
 TILELANG_VERSION = "0.1.15"
 

@@ -71,40 +71,6 @@ static const infllmv2_attention_compressed_offsets_unit infllmv2_attention_compr
   {nullptr, nullptr, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- attention_every_block: call(topk_idx, rows, cols, stream)
-typedef int (*infllmv2_attention_every_block_call_fn)(void* topk_idx, int rows, int cols, cudaStream_t stream);
-struct infllmv2_attention_every_block_unit {
-  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
-  int (*init)(); infllmv2_attention_every_block_call_fn call; const char* (*last_error)();
-};
-#if INFLLMV2_HAS_SM_80
-extern "C" int infllmv2_attention_every_block_sm80_init();
-extern "C" int infllmv2_attention_every_block_sm80_call(void* topk_idx, int rows, int cols, cudaStream_t stream);
-extern "C" const char* infllmv2_attention_every_block_sm80_last_error();
-#endif
-#if INFLLMV2_HAS_SM_89
-extern "C" int infllmv2_attention_every_block_sm89_init();
-extern "C" int infllmv2_attention_every_block_sm89_call(void* topk_idx, int rows, int cols, cudaStream_t stream);
-extern "C" const char* infllmv2_attention_every_block_sm89_last_error();
-#endif
-#if INFLLMV2_HAS_SM_90A
-extern "C" int infllmv2_attention_every_block_sm90a_init();
-extern "C" int infllmv2_attention_every_block_sm90a_call(void* topk_idx, int rows, int cols, cudaStream_t stream);
-extern "C" const char* infllmv2_attention_every_block_sm90a_last_error();
-#endif
-static const infllmv2_attention_every_block_unit infllmv2_attention_every_block_units[] = {
-#if INFLLMV2_HAS_SM_80
-  {"attention_every_block", "sm_80", 80, 0, 128, infllmv2_attention_every_block_sm80_init, infllmv2_attention_every_block_sm80_call, infllmv2_attention_every_block_sm80_last_error},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"attention_every_block", "sm_89", 89, 0, 128, infllmv2_attention_every_block_sm89_init, infllmv2_attention_every_block_sm89_call, infllmv2_attention_every_block_sm89_last_error},
-#endif
-#if INFLLMV2_HAS_SM_90A
-  {"attention_every_block", "sm_90a", 90, 0, 128, infllmv2_attention_every_block_sm90a_init, infllmv2_attention_every_block_sm90a_call, infllmv2_attention_every_block_sm90a_last_error},
-#endif
-  {nullptr, nullptr, 0, 0, 0, nullptr, nullptr, nullptr},
-};
-
 // ---- compress_keys: call(K, cu_seqlens_k, cu_seqlens_c, C, batch, max_nc, window, stride, part, total_k, heads_k, batch_plus_one, total_c, stream)
 typedef int (*infllmv2_compress_keys_call_fn)(void* K, void* cu_seqlens_k, void* cu_seqlens_c, void* C, int batch, int max_nc, int window, int stride, int part, int total_k, int heads_k, int batch_plus_one, int total_c, cudaStream_t stream);
 struct infllmv2_compress_keys_unit {
@@ -981,6 +947,117 @@ static const infllmv2_dense_attn_fwd_unit infllmv2_dense_attn_fwd_units[] = {
   {"dense_attn_fwd_fp16_d64", "sm_90a", 90, 81920, 384, 1, 64, 128, 128, infllmv2_dense_attn_fwd_fp16_d64_sm90a_init, infllmv2_dense_attn_fwd_fp16_d64_sm90a_call, infllmv2_dense_attn_fwd_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
+};
+
+// ---- dense_decode_kvcache: call(Q, K, V, cu_seqlens_q, block_table, cache_seqlens, O_part, LSE_part, max_tiles, groups, tile_tokens, scale_log2, splits, page_size, pages_per_seq, num_pages, total_q, heads, total_k, heads_k, batch_plus_one, table_len, batch, part_rows, stream)
+typedef int (*infllmv2_dense_decode_kvcache_call_fn)(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+struct infllmv2_dense_decode_kvcache_unit {
+  const char* name; const char* arch; int sm; int dynamic_smem; int threads;
+  int dtype;
+  int head_dim;
+  int block_m;
+  int max_splits;
+  int t_max;
+  int (*init)(); infllmv2_dense_decode_kvcache_call_fn call; const char* (*last_error)();
+};
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d128_sm80_init();
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_bf16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d128_sm89_init();
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_bf16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d128_sm90a_init();
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_bf16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d64_sm80_init();
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_bf16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d64_sm89_init();
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_bf16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d64_sm90a_init();
+extern "C" int infllmv2_dense_decode_kvcache_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_bf16_d64_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d128_sm80_init();
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d128_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_fp16_d128_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d128_sm89_init();
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d128_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_fp16_d128_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d128_sm90a_init();
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_fp16_d128_sm90a_last_error();
+#endif
+#if INFLLMV2_HAS_SM_80
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d64_sm80_init();
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d64_sm80_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_fp16_d64_sm80_last_error();
+#endif
+#if INFLLMV2_HAS_SM_89
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d64_sm89_init();
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d64_sm89_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_fp16_d64_sm89_last_error();
+#endif
+#if INFLLMV2_HAS_SM_90A
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d64_sm90a_init();
+extern "C" int infllmv2_dense_decode_kvcache_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* cu_seqlens_q, void* block_table, void* cache_seqlens, void* O_part, void* LSE_part, int max_tiles, int groups, int tile_tokens, float scale_log2, int splits, int page_size, int pages_per_seq, int num_pages, int total_q, int heads, int total_k, int heads_k, int batch_plus_one, int table_len, int batch, int part_rows, cudaStream_t stream);
+extern "C" const char* infllmv2_dense_decode_kvcache_fp16_d64_sm90a_last_error();
+#endif
+static const infllmv2_dense_decode_kvcache_unit infllmv2_dense_decode_kvcache_units[] = {
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache_bf16_d128", "sm_80", 80, 53248, 128, 0, 128, 64, 128, 4, infllmv2_dense_decode_kvcache_bf16_d128_sm80_init, infllmv2_dense_decode_kvcache_bf16_d128_sm80_call, infllmv2_dense_decode_kvcache_bf16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache_bf16_d128", "sm_89", 89, 53248, 128, 0, 128, 64, 128, 4, infllmv2_dense_decode_kvcache_bf16_d128_sm89_init, infllmv2_dense_decode_kvcache_bf16_d128_sm89_call, infllmv2_dense_decode_kvcache_bf16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache_bf16_d128", "sm_90a", 90, 53248, 128, 0, 128, 64, 128, 4, infllmv2_dense_decode_kvcache_bf16_d128_sm90a_init, infllmv2_dense_decode_kvcache_bf16_d128_sm90a_call, infllmv2_dense_decode_kvcache_bf16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache_bf16_d64", "sm_80", 80, 28672, 128, 0, 64, 64, 128, 4, infllmv2_dense_decode_kvcache_bf16_d64_sm80_init, infllmv2_dense_decode_kvcache_bf16_d64_sm80_call, infllmv2_dense_decode_kvcache_bf16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache_bf16_d64", "sm_89", 89, 28672, 128, 0, 64, 64, 128, 4, infllmv2_dense_decode_kvcache_bf16_d64_sm89_init, infllmv2_dense_decode_kvcache_bf16_d64_sm89_call, infllmv2_dense_decode_kvcache_bf16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache_bf16_d64", "sm_90a", 90, 28672, 128, 0, 64, 64, 128, 4, infllmv2_dense_decode_kvcache_bf16_d64_sm90a_init, infllmv2_dense_decode_kvcache_bf16_d64_sm90a_call, infllmv2_dense_decode_kvcache_bf16_d64_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache_fp16_d128", "sm_80", 80, 53248, 128, 1, 128, 64, 128, 4, infllmv2_dense_decode_kvcache_fp16_d128_sm80_init, infllmv2_dense_decode_kvcache_fp16_d128_sm80_call, infllmv2_dense_decode_kvcache_fp16_d128_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache_fp16_d128", "sm_89", 89, 53248, 128, 1, 128, 64, 128, 4, infllmv2_dense_decode_kvcache_fp16_d128_sm89_init, infllmv2_dense_decode_kvcache_fp16_d128_sm89_call, infllmv2_dense_decode_kvcache_fp16_d128_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache_fp16_d128", "sm_90a", 90, 53248, 128, 1, 128, 64, 128, 4, infllmv2_dense_decode_kvcache_fp16_d128_sm90a_init, infllmv2_dense_decode_kvcache_fp16_d128_sm90a_call, infllmv2_dense_decode_kvcache_fp16_d128_sm90a_last_error},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache_fp16_d64", "sm_80", 80, 28672, 128, 1, 64, 64, 128, 4, infllmv2_dense_decode_kvcache_fp16_d64_sm80_init, infllmv2_dense_decode_kvcache_fp16_d64_sm80_call, infllmv2_dense_decode_kvcache_fp16_d64_sm80_last_error},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache_fp16_d64", "sm_89", 89, 28672, 128, 1, 64, 64, 128, 4, infllmv2_dense_decode_kvcache_fp16_d64_sm89_init, infllmv2_dense_decode_kvcache_fp16_d64_sm89_call, infllmv2_dense_decode_kvcache_fp16_d64_sm89_last_error},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache_fp16_d64", "sm_90a", 90, 28672, 128, 1, 64, 64, 128, 4, infllmv2_dense_decode_kvcache_fp16_d64_sm90a_init, infllmv2_dense_decode_kvcache_fp16_d64_sm90a_call, infllmv2_dense_decode_kvcache_fp16_d64_sm90a_last_error},
+#endif
+  {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
 // ---- group_scores: call(Q, CK, NK, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, cu_seqlens_n, S, batch, max_tiles, groups, tile_tokens, norm_window, norm_stride, approx, scale_log2, total_q, heads, total_c, heads_k, total_n, batch_plus_one, width, stream)
@@ -2597,15 +2674,6 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"attention_compressed_offsets", "attention_compressed_offsets", "sm_90a", 0, 32},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"attention_every_block", "attention_every_block", "sm_80", 0, 128},
-#endif
-#if INFLLMV2_HAS_SM_89
-  {"attention_every_block", "attention_every_block", "sm_89", 0, 128},
-#endif
-#if INFLLMV2_HAS_SM_90A
-  {"attention_every_block", "attention_every_block", "sm_90a", 0, 128},
-#endif
-#if INFLLMV2_HAS_SM_80
   {"compress_keys", "compress_keys_bf16_d128", "sm_80", 16384, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
@@ -2892,6 +2960,42 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"dense_attn_fwd", "dense_attn_fwd_fp16_d64", "sm_90a", 81920, 384},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache", "dense_decode_kvcache_bf16_d128", "sm_80", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache", "dense_decode_kvcache_bf16_d128", "sm_89", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache", "dense_decode_kvcache_bf16_d128", "sm_90a", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache", "dense_decode_kvcache_bf16_d64", "sm_80", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache", "dense_decode_kvcache_bf16_d64", "sm_89", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache", "dense_decode_kvcache_bf16_d64", "sm_90a", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache", "dense_decode_kvcache_fp16_d128", "sm_80", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache", "dense_decode_kvcache_fp16_d128", "sm_89", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache", "dense_decode_kvcache_fp16_d128", "sm_90a", 53248, 128},
+#endif
+#if INFLLMV2_HAS_SM_80
+  {"dense_decode_kvcache", "dense_decode_kvcache_fp16_d64", "sm_80", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_89
+  {"dense_decode_kvcache", "dense_decode_kvcache_fp16_d64", "sm_89", 28672, 128},
+#endif
+#if INFLLMV2_HAS_SM_90A
+  {"dense_decode_kvcache", "dense_decode_kvcache_fp16_d64", "sm_90a", 28672, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"group_scores", "group_scores_bf16_d128", "sm_80", 20480, 128},

@@ -25,7 +25,8 @@ from infllmv2.testing import cu_seqlens, realistic_topk
 # forward's cluster pair; 4 and 1: the 16-token units and the gather dK/dV; 32: two boxes)
 PIPELINE = {"attention_g16": (32, 2, 128), "attention_g4": (8, 2, 128), "attention_g32": (32, 1, 128),
             "attention_g1_d64": (2, 2, 64)}
-FAMILIES = (*PIPELINE, "sparse_attn_pieces", "dense_attn", "decode_g16", "decode_g4", "attention_kvcache")
+FAMILIES = (*PIPELINE, "sparse_attn_pieces", "dense_attn", "decode_g16", "decode_g4", "attention_kvcache",
+            "dense_decode_kvcache")
 
 
 def _qkv(lengths, hq, hk, head_dim=128, dtype=torch.bfloat16):
@@ -81,6 +82,21 @@ def run(family):
             q = torch.randn(2, hk * 16, head_dim, device="cuda", dtype=torch.bfloat16)
             infllmv2.attention_kvcache(q, kc, vc, now, cu_seqlens([1, 1], "cuda"), ck, nk, new or max(lens), table,
                                        cfg, max_seqlen_q=1, max_seqlen_k=max(lens) + new)
+    elif family == "dense_decode_kvcache":
+        # paged (pages in reverse order) and padded caches, partial last blocks, one and three
+        # tokens a sequence, fewer and more splits than blocks
+        page, pages, hk, head_dim = 64, 12, 2, 128
+        kc = torch.randn(2 * pages, page, hk, head_dim, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = torch.arange(2 * pages, device="cuda", dtype=torch.int32).flip(0).reshape(2, pages).contiguous()
+        lens = torch.tensor([700, 130], dtype=torch.int32, device="cuda")
+        for tokens, splits in ((1, 3), (3, 40)):
+            q = torch.randn(2 * tokens, hk * 16, head_dim, device="cuda", dtype=torch.bfloat16)
+            cu_q = cu_seqlens([tokens, tokens], "cuda")
+            infllmv2.dense_decode_kvcache(q, kc, vc, lens, cu_q, table, max_seqlen_q=tokens, num_splits=splits)
+            infllmv2.dense_decode_kvcache(q, kc.view(2, pages * page, hk, head_dim),
+                                          vc.view(2, pages * page, hk, head_dim), lens, cu_q, max_seqlen_q=tokens,
+                                          num_splits=splits)
     else:
         raise SystemExit(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
     torch.cuda.synchronize()

@@ -30,14 +30,15 @@ from sanitize_calls import FAMILIES  # noqa: E402
 # instrumented at a time, the forward's, and 1 of 30 with setmaxnreg removed), with no hazard in
 # the runs that finish and no hang in hundreds of plain calls, so a native case would be flaky
 # (benchmarks/NOTES.md, "Session 43" and "Session 44").
-RACECHECK = ("attention_g16", "attention_g4", "decode_g16", "attention_kvcache")
+RACECHECK = ("attention_g16", "attention_g4", "decode_g16", "attention_kvcache", "dense_decode_kvcache")
 CASES = (
     [pytest.param("memcheck", f, None, id=f"memcheck-{f}") for f in FAMILIES]
     + [pytest.param("synccheck", f, None, id=f"synccheck-{f}") for f in FAMILIES]
     + [pytest.param("racecheck", f, None, id=f"racecheck-{f}") for f in RACECHECK]
     + [pytest.param("initcheck", f, None, id=f"initcheck-{f}") for f in FAMILIES]
     + [pytest.param(tool, f, arch, id=f"{tool}-{f}-{arch}") for arch in ("sm_80", "sm_89")
-       for tool in ("memcheck", "racecheck") for f in ("attention_g16", "dense_attn", "attention_kvcache")]
+       for tool in ("memcheck", "racecheck")
+       for f in ("attention_g16", "dense_attn", "attention_kvcache", "dense_decode_kvcache")]
 )
 
 

@@ -326,8 +326,8 @@ def test_cuda_attention_kvcache_phsa(layout, approx_lse):
 def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
     """infllmv2_attention_kvcache, the step in one C call (both compressed caches in one launch),
     raw through ctypes and through infllmv2.attention_kvcache, against the ops it chains called one
-    by one (compress_keys_kvcache for each level, every_block_selection or select_decode_kvcache,
-    sparse_decode_kvcache; the same split counts): bitwise out, lse and compressed caches, on the
+    by one (compress_keys_kvcache for each level, then dense_decode_kvcache, or select_decode_kvcache
+    and sparse_decode_kvcache; the same split counts): bitwise out, lse and compressed caches, on the
     sparse and the dense path; and its argument errors."""
     import ctypes
 
@@ -357,11 +357,12 @@ def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
         if approx_lse:
             infllmv2.compress_keys_kvcache(kc, lens, nk, max(lengths), table, 128, 64)
         if max(lengths) < dense_len:
-            idx = infllmv2.ops.every_block_selection(hk, 3, min(cap, max(lengths)), "cuda")
+            want, want_lse = infllmv2.dense_decode_kvcache(q, kc, vc, lens, cu_q, table, 1, max(lengths),
+                                                           return_lse=True)
         else:
             idx = infllmv2.select_decode_kvcache(q, ck, nk if approx_lse else None, lens, cu_q, cap,
                                                  topk=cfg.num_selected, local_blocks=cfg.local_blocks)
-        want, want_lse = infllmv2.sparse_decode_kvcache(q, kc, vc, lens, cu_q, idx, table, 1, return_lse=True)
+            want, want_lse = infllmv2.sparse_decode_kvcache(q, kc, vc, lens, cu_q, idx, table, 1, return_lse=True)
         got, got_lse = infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, *caches[2], max(lengths), table, cfg,
                                                   max_seqlen_q=1, max_seqlen_k=max(lengths), return_lse=True)
         assert torch.equal(got, want) and torch.equal(got_lse, want_lse), f"dense_len {dense_len}"

@@ -357,15 +357,16 @@ def _long_dense_case(layout, new, G, D, dtype, device):
     before = [8500, 100, 0, 3000]
     lk = [n + new for n in before]
     c = _case([new] * len(lk), lk, G, D, dtype, layout, seed=6, device=device)
-    assert c["kc"].shape[1] * (1 if c["table"] is None else c["table"].shape[1]) > 8192  # chunked
+    # past the 128 blocks a selection row may hold
+    assert c["kc"].shape[1] * (1 if c["table"] is None else c["table"].shape[1]) > 8192
     return c, before, lk
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("new", [1, 3])
 def test_cpu_compat_dense_over_a_long_cache(layout, new):
-    # no selection and a capacity past 128 blocks: chunks of 128 blocks merged by their LSE,
-    # which must be dense attention over each sequence's keys (the reference's, in fp64)
+    # no selection and a capacity past 128 blocks: dense attention over each sequence's keys
+    # after the append (the reference's, in fp64)
     c, before, lk = _long_dense_case(layout, new, 2, 16, torch.float64, "cpu")
     batch = len(lk)
     kc, vc, k_new, v_new, extra = _before_append(c, lk, new)
@@ -373,7 +374,6 @@ def test_cpu_compat_dense_over_a_long_cache(layout, new):
                                           cache_seqlens=torch.tensor(before), causal=True, return_softmax_lse=True,
                                           **extra)
     want, want_lse = reference.dense_attn_varlen(c["q"], c["k"], c["v"], c["cu_q"], c["cu_k"])
-    # the chunks' LSEs are fp32 (the contract's), so the merge weighs them to about 1e-6
     torch.testing.assert_close(out.view_as(want), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, want_lse.view(4, batch, new).permute(1, 0, 2), rtol=1e-6, atol=1e-6)
 

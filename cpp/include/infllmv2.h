@@ -326,6 +326,43 @@ INFLLMV2_API size_t infllmv2_sparse_decode_kvcache_workspace_size(int64_t total_
                                                                   int32_t head_dim, int32_t splits);
 
 /*
+ * infllmv2_dense_decode_kvcache: dense causal attention (every key a query sees, bottom-right
+ * aligned) of one or a few queries a sequence over a KV cache, split over the keys: what
+ * infllmv2_sparse_decode_kvcache computes when every block is selected, for caches of any
+ * length (no topk_idx, so no 128-block limit). The cache layouts, q, cu_seqlens_q,
+ * cache_seqlens, out, lse and their checks are infllmv2_sparse_decode_kvcache's. The kernel
+ * reads cache_seqlens on the device and cuts the key blocks each query tile sees into `splits`
+ * contiguous ranges; a query with no visible key (a sequence with fewer cached keys than
+ * queries) gets out = 0, lse = -inf.
+ *   [in]  splits       1 .. 128, from infllmv2_dense_decode_kvcache_splits()
+ *   [in]  workspace    at least infllmv2_dense_decode_kvcache_workspace_size() bytes, 16-byte
+ *                      aligned (needed with 1 split too)
+ *   Deterministic (sums in a fixed order). No host synchronisation: usable inside CUDA graphs.
+ *   Forward only.
+ */
+INFLLMV2_API infllmv2_status infllmv2_dense_decode_kvcache(
+    const void* q, const void* k_cache, const void* v_cache, const int32_t* block_table,
+    const int32_t* cache_seqlens, const int32_t* cu_seqlens_q, void* out, float* lse, void* workspace,
+    size_t workspace_size, int32_t batch, int64_t total_q, int32_t max_seqlen_q, int64_t num_pages,
+    int32_t page_size, int32_t pages_per_seq, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t splits,
+    infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
+
+/* The splits infllmv2_dense_decode_kvcache should run on the current device: num_splits itself
+ * (at most 128) when > 0; when 0, as infllmv2_sparse_decode_splits picks them, each split
+ * keeping at least 4 of the ceil(max_seqlen_k / 64) key blocks, at most 64. max_seqlen_k is the longest
+ * cache length the call may see (the capacity when the lengths are not known on the host): it
+ * sizes the split count only, the kernel reads the lengths. 0 on a bad argument (num_splits < 0,
+ * max_seqlen_k < 0) or when no device can be queried. */
+INFLLMV2_API int32_t infllmv2_dense_decode_kvcache_splits(int32_t batch, int32_t max_seqlen_q, int32_t heads,
+                                                          int32_t heads_k, int32_t max_seqlen_k,
+                                                          int32_t num_splits);
+
+/* Bytes of device workspace infllmv2_dense_decode_kvcache needs: fp32 partial outputs and LSEs
+ * as infllmv2_sparse_decode_kvcache's, for splits >= 1. 0 for a non-positive size. */
+INFLLMV2_API size_t infllmv2_dense_decode_kvcache_workspace_size(int64_t total_q, int32_t heads,
+                                                                 int32_t head_dim, int32_t splits);
+
+/*
  * infllmv2_dense_attn_fwd: dense GQA attention, the short-input side of the dense-sparse switch.
  *
  *   As infllmv2_sparse_attn_fwd with every key of the sequence selected: over keys t with
@@ -642,11 +679,12 @@ INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
  *      kernel_stride) and, with config approx_lse, nk_cache (norm_kernel_size / _stride) up to
  *      date for the last new_keys keys of each sequence (the first call after filling a cache:
  *      new_keys = its length);
- *   2. max_seqlen_k < config dense_len: every block selected (dense attention; at most 128
- *      blocks, 8192 keys); else infllmv2_select_decode_kvcache picks topk + window_size /
- *      block_size blocks a token;
- *   3. infllmv2_sparse_decode_kvcache writes out and lse.
- * Split counts are the library's (infllmv2_select_decode_splits, infllmv2_sparse_decode_splits).
+ *   2. max_seqlen_k < config dense_len: infllmv2_dense_decode_kvcache writes out and lse
+ *      (dense attention, any dense_len); else
+ *   3. infllmv2_select_decode_kvcache picks topk + window_size / block_size blocks a token and
+ *      infllmv2_sparse_decode_kvcache writes out and lse.
+ * Split counts are the library's (infllmv2_select_decode_splits, infllmv2_sparse_decode_splits,
+ * infllmv2_dense_decode_kvcache_splits).
  *   [in]  q, k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_q, out, lse, num_pages,
  *         page_size, pages_per_seq  as for infllmv2_sparse_decode_kvcache (the new tokens'
  *         keys and values in the cache already, cache_seqlens counting them)

@@ -336,9 +336,11 @@ namespace {
 
 constexpr const char* kCacheOp = "infllmv2_attention_kvcache";
 
-// The decoding step's workspace: the selection (heads_k, total_q, cols) int32, then the split
-// selection's (sparse path), then stage 2's partials. The split counts are the library's, as
-// infllmv2_select_decode_splits and infllmv2_sparse_decode_splits pick them on this device.
+// The decoding step's workspace. Sparse path: the selection (heads_k, total_q, cols) int32, the
+// split selection's, then stage 2's partials. Dense path (every key, through
+// infllmv2_dense_decode_kvcache): its partials only. The split counts are the library's, as
+// infllmv2_select_decode_splits, infllmv2_sparse_decode_splits and
+// infllmv2_dense_decode_kvcache_splits pick them on this device.
 struct CacheLayout {
   bool dense = false;
   int cols = 0;
@@ -350,25 +352,24 @@ infllmv2_status cache_step_layout(const char* op, int32_t batch, int64_t total_q
                                   int32_t max_seqlen_k, int32_t capacity, int32_t heads, int32_t heads_k,
                                   int32_t head_dim, const infllmv2_sparse_config& c, CacheLayout* l) {
   l->dense = max_seqlen_k < c.dense_len;
-  // the dense path selects every block of the longest sequence
-  const int32_t keys = std::min(capacity, std::max(max_seqlen_k, 1));
-  l->cols = l->dense ? (keys + kBlock - 1) / kBlock : selected(c);
-  if (l->cols > kMaxK)
-    return fail(INFLLMV2_ERR_UNSUPPORTED,
-                "%s: the dense path (max_seqlen_k %d below config dense_len %d) selects every block, at most %d (%d "
-                "keys a sequence), got %d",
-                op, max_seqlen_k, c.dense_len, kMaxK, kMaxK * kBlock, l->cols);
-  if (!l->dense &&
-      (l->select_splits = infllmv2_select_decode_splits(batch, max_seqlen_q, capacity, heads, heads_k, 0)) < 1)
+  size_t at = 0;
+  if (l->dense) {
+    if ((l->decode_splits = infllmv2_dense_decode_kvcache_splits(batch, max_seqlen_q, heads, heads_k,
+                                                                 std::min(max_seqlen_k, capacity), 0)) < 1)
+      return fail(INFLLMV2_ERR_CUDA, "%s: no split count for dense attention: %s", op, infllmv2_last_error());
+    l->idx = l->select = l->decode = at;
+    l->total = align256(infllmv2_dense_decode_kvcache_workspace_size(total_q, heads, head_dim, l->decode_splits));
+    return INFLLMV2_OK;
+  }
+  l->cols = selected(c);
+  if ((l->select_splits = infllmv2_select_decode_splits(batch, max_seqlen_q, capacity, heads, heads_k, 0)) < 1)
     return fail(INFLLMV2_ERR_CUDA, "%s: no split count for the selection: %s", op, infllmv2_last_error());
   if ((l->decode_splits = infllmv2_sparse_decode_splits(batch, max_seqlen_q, heads, heads_k, l->cols, 0)) < 1)
     return fail(INFLLMV2_ERR_CUDA, "%s: no split count for stage 2: %s", op, infllmv2_last_error());
-  size_t at = 0;
   l->idx = at, at += align256((size_t)heads_k * (size_t)total_q * (size_t)l->cols * sizeof(int32_t));
   l->select = at;
-  if (!l->dense)
-    at += align256(infllmv2_select_decode_kvcache_workspace_size(batch, total_q, max_seqlen_q, capacity, heads,
-                                                                 heads_k, l->select_splits));
+  at += align256(infllmv2_select_decode_kvcache_workspace_size(batch, total_q, max_seqlen_q, capacity, heads, heads_k,
+                                                               l->select_splits));
   l->decode = at, at += align256(infllmv2_sparse_decode_kvcache_workspace_size(total_q, heads, head_dim,
                                                                               l->decode_splits));
   l->total = at;
@@ -468,26 +469,18 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_attention_kvcache(
                                     num_pages, page_size, pages_per_seq, new_keys, heads_k, head_dim, dtype,
                                     stream)) != INFLLMV2_OK)
     return st;
+  if (l.dense)
+    return infllmv2_dense_decode_kvcache(q, k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_q, out, lse,
+                                         at<void>(workspace, l.decode), l.total - l.decode, batch, total_q,
+                                         max_seqlen_q, num_pages, page_size, pages_per_seq, heads, heads_k, head_dim,
+                                         l.decode_splits, dtype, softmax_scale, stream);
   int32_t* idx = at<int32_t>(workspace, l.idx);
-  if (l.dense) {
-    const infllmv2_attention_every_block_unit* unit = nullptr;
-    if ((st = pick_unit(kCacheOp, infllmv2_attention_every_block_units, dev,
-                        [](const infllmv2_attention_every_block_unit&) { return true; }, "every-block selection",
-                        &unit)) != INFLLMV2_OK)
-      return st;
-    const int64_t rows = (int64_t)heads_k * total_q;
-    if (rows > 0) {
-      int rc = unit->call(idx, (int)rows, l.cols, stream);
-      if ((st = launch_result(kCacheOp, unit->name, rc, unit->last_error)) != INFLLMV2_OK) return st;
-    }
-  } else if ((st = infllmv2_select_decode_kvcache(
-                  q, ck_cache, c.approx_lse ? nk_cache : nullptr, cache_seqlens, cu_seqlens_q, idx,
-                  at<void>(workspace, l.select), l.decode - l.select, batch, total_q, max_seqlen_q, capacity,
-                  capacity_c, capacity_n, heads, heads_k, head_dim, l.cols, c.init_blocks, c.window_size / c.block_size,
-                  c.norm_kernel_size, c.norm_kernel_stride, dtype, softmax_scale, l.select_splits, stream)) !=
-             INFLLMV2_OK) {
+  if ((st = infllmv2_select_decode_kvcache(
+           q, ck_cache, c.approx_lse ? nk_cache : nullptr, cache_seqlens, cu_seqlens_q, idx,
+           at<void>(workspace, l.select), l.decode - l.select, batch, total_q, max_seqlen_q, capacity, capacity_c,
+           capacity_n, heads, heads_k, head_dim, l.cols, c.init_blocks, c.window_size / c.block_size,
+           c.norm_kernel_size, c.norm_kernel_stride, dtype, softmax_scale, l.select_splits, stream)) != INFLLMV2_OK)
     return st;
-  }
   return infllmv2_sparse_decode_kvcache(q, k_cache, v_cache, block_table, cache_seqlens, idx, cu_seqlens_q, out, lse,
                                         at<void>(workspace, l.decode), l.total - l.decode, batch, total_q,
                                         max_seqlen_q, num_pages, page_size, pages_per_seq, heads, heads_k, head_dim,

@@ -14,7 +14,8 @@ from ._lib import (
     selected_arch,
     set_arch_override,
 )
-from .ops import (compress_keys, compress_keys_kvcache, compressed_capacity, dense_attn_varlen, group_scores,
+from .ops import (compress_keys, compress_keys_kvcache, compressed_capacity, dense_attn_varlen, dense_decode_kvcache,
+                  group_scores,
                   max_pool_blocks, select_blocks, select_decode, select_decode_kvcache, sparse_attn_varlen, sparse_decode,
                   sparse_decode_kvcache)
 from .attention import SparseConfig, attention, attention_kvcache, attention_padded
@@ -35,6 +36,7 @@ __all__ = [
     "InfLLMv2Attention",
     "phsa",
     "dense_attn_varlen",
+    "dense_decode_kvcache",
     "compress_keys",
     "compress_keys_kvcache",
     "compressed_capacity",

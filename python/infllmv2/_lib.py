@@ -99,6 +99,13 @@ _SIGNATURES = {
         [_c.c_void_p] * 10 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int64] + [_c.c_int32] * 7
         + [_c.c_int, _c.c_float, _c.c_void_p],
     ),
+    "infllmv2_dense_decode_kvcache_splits": (_c.c_int32, [_c.c_int32] * 6),
+    "infllmv2_dense_decode_kvcache_workspace_size": (_c.c_size_t, [_c.c_int64, _c.c_int32, _c.c_int32, _c.c_int32]),
+    "infllmv2_dense_decode_kvcache": (
+        _c.c_int,
+        [_c.c_void_p] * 9 + [_c.c_size_t, _c.c_int32, _c.c_int64, _c.c_int32, _c.c_int64] + [_c.c_int32] * 6
+        + [_c.c_int, _c.c_float, _c.c_void_p],
+    ),
     "infllmv2_select_decode_splits": (_c.c_int32, [_c.c_int32] * 6),
     "infllmv2_select_decode_workspace_size": (
         _c.c_size_t, [_c.c_int32, _c.c_int64, _c.c_int64] + [_c.c_int32] * 8,

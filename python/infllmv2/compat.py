@@ -253,38 +253,6 @@ def infllmv2_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 _KVCACHE_UNSUPPORTED = ("cache_leftpad", "alibi_slopes")
 
 
-def _dense_over_long_cache(q, k_cache, v_cache, lens, table, capacity, softmax_scale, num_splits, return_lse):
-    """Dense attention over a cache whose capacity has more blocks than a selection row may hold
-    (the kernels' K <= 128): each sequence's capacity cut into chunks of 128 blocks, each chunk a
-    virtual sequence of one sparse_decode_kvcache call (the same pages and length, its row the
-    chunk's blocks: blocks past the length are dropped by the kernel, so chunks past it cost an
-    empty tile), then the chunks' outputs merged by their LSE in fp32. No host read. Each chunk's
-    output is rounded to q's dtype before the merge, one rounding more than a single call."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    heads_k = k_cache.shape[2]
-    per = ops._KERNEL_MAX_TOPK
-    n_blocks = -(-capacity // ops._KERNEL_BLOCK)
-    n = -(-n_blocks // per)
-    dev = q.device
-    blocks = torch.arange(n * per, dtype=torch.int32, device=dev).view(1, n, 1, per)
-    blocks = torch.where(blocks < n_blocks, blocks, -1).expand(batch, n, seqlen_q, per).reshape(-1, per)
-    # a padded cache's sequence b is its page b: as a table, every chunk of b reads page b
-    pages = table if table is not None else torch.arange(batch, dtype=torch.int32, device=dev).view(batch, 1)
-    out, lse = ops.sparse_decode_kvcache(
-        q.repeat_interleave(n, dim=0).reshape(batch * n * seqlen_q, heads, head_dim), k_cache, v_cache,
-        lens.repeat_interleave(n), _equal_cu_seqlens(batch * n, seqlen_q, dev), blocks.expand(heads_k, -1, -1),
-        pages.repeat_interleave(n, dim=0), max_seqlen_q=seqlen_q, softmax_scale=softmax_scale, num_splits=num_splits,
-        return_lse=True)
-    lse = lse.view(heads, batch, n, seqlen_q)
-    total = torch.logsumexp(lse, dim=2)  # -inf where no chunk saw a key
-    weight = torch.exp(lse - total.unsqueeze(2)).nan_to_num(0.0).permute(1, 2, 3, 0).unsqueeze(-1)
-    wide = torch.promote_types(q.dtype, torch.float32)
-    merged = (out.view(batch, n, seqlen_q, heads, head_dim).to(wide) * weight.to(wide)).sum(1).to(q.dtype)
-    if not return_lse:
-        return merged
-    return merged, total.permute(1, 0, 2)
-
-
 def _check_rotary(rotary_cos, rotary_sin, q, k, capacity):
     """The rotary tables of infllmv2_attn_with_kvcache, as FlashAttention takes them: both or
     neither, ``(seqlen_ro, rotary_dim / 2)`` floating point on q's device, ``rotary_dim`` even and
@@ -349,9 +317,8 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
     ``cache_seqlens[b] ..`` (on the device, no host read), and attention then covers
     ``cache_seqlens[b] + Sn`` keys. The queries are each sequence's last ``Sq`` tokens.
     ``topk_idx`` int ``(Hk, B * Sq, K)`` of 64-token block indices (-1 unused, any order) runs
-    ``ops.sparse_decode_kvcache``; None runs dense attention, as the selection of every block
-    (a cache of more than 8192 keys a sequence in chunks of 8192, one call, merged by their
-    LSE). Returns ``out (B, Sq, Hq, D)``, and with ``return_softmax_lse`` also ``softmax_lse``
+    ``ops.sparse_decode_kvcache``; None runs dense attention (``ops.dense_decode_kvcache``, any
+    capacity). Returns ``out (B, Sq, Hq, D)``, and with ``return_softmax_lse`` also ``softmax_lse``
     fp32 ``(B, Hq, Sq)``, FlashAttention's layout.
 
     ``rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2)``, with ``k`` and ``v``, rotate, as
@@ -367,7 +334,7 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
     granularity; one query a sequence sees its whole cache either way). ``cache_seqlens`` plus
     ``Sn`` beyond the capacity is the caller's error, as in FlashAttention: such keys are
     written to the last row of the capacity and the lengths clamped to it (no access outside
-    the cache). ``num_splits`` 0 lets the library pick, else at most 64.
+    the cache). ``num_splits`` 0 lets the library pick, else at most 64 (128 without ``topk_idx``).
     """
     for name, value in zip(_KVCACHE_UNSUPPORTED, (cache_leftpad, alibi_slopes)):
         if value is not None:
@@ -426,15 +393,16 @@ def infllmv2_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=N
         k_cache[page, row] = k.to(k_cache.dtype)
         v_cache[page, row] = v.to(v_cache.dtype)
         lens = lens + k.shape[1]
-    if topk_idx is None and -(-capacity // ops._KERNEL_BLOCK) > ops._KERNEL_MAX_TOPK:
-        return _dense_over_long_cache(q, k_cache, v_cache, lens, table, capacity, softmax_scale,
-                                      _as_int(num_splits, "num_splits"), return_softmax_lse)
-    if topk_idx is None:
-        topk_idx = ops.every_block_selection(heads_k, batch * seqlen_q, capacity, q.device)
     cu_q = _equal_cu_seqlens(batch, seqlen_q, q.device)
-    out, lse = ops.sparse_decode_kvcache(q.reshape(batch * seqlen_q, heads, head_dim), k_cache, v_cache, lens, cu_q,
-                                         topk_idx, table, max_seqlen_q=seqlen_q, softmax_scale=softmax_scale,
-                                         num_splits=_as_int(num_splits, "num_splits"), return_lse=True)
+    q_rows = q.reshape(batch * seqlen_q, heads, head_dim)
+    if topk_idx is None:
+        out, lse = ops.dense_decode_kvcache(q_rows, k_cache, v_cache, lens, cu_q, table, max_seqlen_q=seqlen_q,
+                                            softmax_scale=softmax_scale, num_splits=_as_int(num_splits, "num_splits"),
+                                            return_lse=True)
+    else:
+        out, lse = ops.sparse_decode_kvcache(q_rows, k_cache, v_cache, lens, cu_q, topk_idx, table,
+                                             max_seqlen_q=seqlen_q, softmax_scale=softmax_scale,
+                                             num_splits=_as_int(num_splits, "num_splits"), return_lse=True)
     out = out.view(batch, seqlen_q, heads, head_dim)
     if not return_softmax_lse:
         return out

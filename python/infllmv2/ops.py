@@ -784,6 +784,24 @@ def every_block_selection(heads_k, rows, capacity, device):
     return torch.arange(n_blocks, dtype=torch.int32, device=device).expand(heads_k, rows, n_blocks)
 
 
+def _check_decode_kvcache(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table):
+    """The checks both split ops over a KV cache make of q, the cache and its layout (the kernels'
+    own on CUDA); returns cache_seqlens and block_table as int32."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a tensor of shape (total_q, Hq, D)")
+    _check_kv_cache(q, k_cache, v_cache)
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
+    batch = cu_seqlens_q.numel() - 1
+    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    block_table = _check_block_table(block_table, k_cache, batch)
+    if _needs_grad(q, k_cache, v_cache):
+        raise ValueError(f"{op} is forward only, but q or the cache requires grad: call it under torch.no_grad()")
+    if q.is_cuda:
+        _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
+        _check_kernel_pages(block_table, k_cache)
+    return cache_seqlens, block_table
+
+
 def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx, block_table=None,
                           max_seqlen_q=None, softmax_scale=None, num_splits=0, block_size=64, return_lse=False):
     """``sparse_decode`` with the keys and values in a KV cache, padded or paged.
@@ -799,27 +817,110 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     only (no host synchronisation when ``max_seqlen_q`` is given; lengths past a sequence's
     capacity are clamped to it); on CPU, the reference.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError("q must be a tensor of shape (total_q, Hq, D)")
-    _check_kv_cache(q, k_cache, v_cache)
-    _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
-    batch = cu_seqlens_q.numel() - 1
-    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
-    block_table = _check_block_table(block_table, k_cache, batch)
+    cache_seqlens, block_table = _check_decode_kvcache("sparse_decode_kvcache", q, k_cache, v_cache, cache_seqlens,
+                                                       cu_seqlens_q, block_table)
     _check_selection(topk_idx, q, k_cache.shape[2], block_size)
-    if _needs_grad(q, k_cache, v_cache):
-        raise ValueError("sparse_decode_kvcache is forward only, but q or the cache requires grad: call it under "
-                         "torch.no_grad()")
     _check_num_splits(num_splits)
     if q.is_cuda:
-        _check_kernel_attention(q, (("k_cache", k_cache), ("v_cache", v_cache)), k_cache.shape[2])
-        _check_kernel_pages(block_table, k_cache)
         max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
         out, lse = _sparse_decode_kvcache_op(q, k_cache, v_cache, sort_topk_idx(topk_idx), cu_seqlens_q, cache_seqlens,
                                              block_table, max_seqlen_q, _scale_or_zero(softmax_scale), num_splits)
     else:
         out, lse = reference.sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk_idx,
                                                    block_table, softmax_scale, block_size)
+    return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------------------------
+# dense_decode_kvcache: dense causal attention of few queries over a KV cache, split-KV
+# --------------------------------------------------------------------------------------------
+
+_MAX_DENSE_DECODE_SPLITS = 128
+
+
+def dense_decode_kvcache_splits(q, heads_k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_splits):
+    with _on(q.device):
+        splits = _lib.lib().infllmv2_dense_decode_kvcache_splits(cu_seqlens_q.numel() - 1, max_seqlen_q, q.shape[1],
+                                                                 heads_k, max_seqlen_k, num_splits)
+    return _splits_or_raise("infllmv2_dense_decode_kvcache_splits", splits)
+
+
+def dense_decode_kvcache_workspace_floats(q, splits) -> int:
+    """fp32 elements of workspace dense_decode_kvcache needs with this q and splits."""
+    return _floats(_lib.lib().infllmv2_dense_decode_kvcache_workspace_size(q.shape[0], q.shape[1], q.shape[2], splits))
+
+
+def dense_decode_kvcache_launch(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table, max_seqlen_q,
+                                softmax_scale, splits, out, lse, workspace):
+    """Runs the split kernel over the cache into ``out`` and ``lse`` (already allocated);
+    cache_seqlens and block_table int32."""
+    pages_per_seq = 0 if block_table is None else block_table.shape[1]
+    with _on(q.device):
+        status = _lib.lib().infllmv2_dense_decode_kvcache(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), _ptr(cache_seqlens), _ptr(cu_seqlens_q),
+            _ptr(out), _ptr(lse), _ptr(workspace), 0 if workspace is None else workspace.numel() * 4,
+            cu_seqlens_q.numel() - 1, q.shape[0], max_seqlen_q, k_cache.shape[0], k_cache.shape[1], pages_per_seq,
+            q.shape[1], k_cache.shape[2], q.shape[2], splits, _KERNEL_DTYPES[q.dtype], softmax_scale,
+            _stream(q.device),
+        )
+    _lib.check(status)
+
+
+@_forward_only_op("infllmv2::dense_decode_kvcache", mutates_args=())
+def _dense_decode_kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+    softmax_scale: float, num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not q.is_cuda:
+        out, lse = reference.dense_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                                                  softmax_scale or None)
+        return out.clone(), lse.clone()
+    out, lse = _fwd_outputs(q)
+    splits = dense_decode_kvcache_splits(q, k_cache.shape[2], cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_splits)
+    workspace = torch.empty(dense_decode_kvcache_workspace_floats(q, splits), dtype=torch.float32, device=q.device)
+    dense_decode_kvcache_launch(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table, max_seqlen_q,
+                                softmax_scale, splits, out, lse, workspace)
+    return out, lse
+
+
+@_dense_decode_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table, max_seqlen_q, max_seqlen_k, softmax_scale,
+      num_splits):
+    return _fwd_outputs(q)
+
+
+def dense_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table=None, max_seqlen_q=None,
+                         max_seqlen_k=None, softmax_scale=None, num_splits=0, return_lse=False):
+    """Dense causal attention of a few queries a sequence over a KV cache, padded or paged.
+
+    What ``sparse_decode_kvcache`` computes with every block selected (the cache layouts,
+    ``q``, ``cu_seqlens_q``, ``cache_seqlens`` and the bottom-right alignment are its), for
+    caches of any length: on CUDA each query tile's key blocks are cut into ``num_splits``
+    ranges (0: the library picks), whose partial results a second kernel merges. The lengths
+    and the table are read on the device only; ``max_seqlen_k``, the longest length the call
+    may see (default: the cache's capacity), only sizes the split count. No host
+    synchronisation when ``max_seqlen_q`` is given. Returns ``out`` (and ``lse`` with
+    ``return_lse``); forward only. On CPU, the reference.
+    """
+    cache_seqlens, block_table = _check_decode_kvcache("dense_decode_kvcache", q, k_cache, v_cache, cache_seqlens,
+                                                       cu_seqlens_q, block_table)
+    _check_int(num_splits, "num_splits", 0)
+    if num_splits > _MAX_DENSE_DECODE_SPLITS:
+        raise ValueError(f"num_splits must be at most {_MAX_DENSE_DECODE_SPLITS} (0 lets the library pick), got "
+                         f"{num_splits}")
+    capacity = _cache_capacity(k_cache, block_table)
+    if max_seqlen_k is None:
+        max_seqlen_k = capacity
+    _check_int(max_seqlen_k, "max_seqlen_k", 0)
+    if q.is_cuda:
+        max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
+        out, lse = _dense_decode_kvcache_op(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table,
+                                            max_seqlen_q, min(max_seqlen_k, capacity), _scale_or_zero(softmax_scale),
+                                            num_splits)
+    else:
+        out, lse = reference.dense_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table,
+                                                  softmax_scale)
     return (out, lse) if return_lse else out
 
 

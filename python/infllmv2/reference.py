@@ -694,6 +694,13 @@ def sparse_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, topk
     return sparse_attn_varlen(q, k, v, cu_seqlens_q, cu_k, topk_idx, softmax_scale, block_size)
 
 
+def dense_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table=None, softmax_scale=None):
+    """``dense_attn_varlen`` (causal, bottom-right) over the keys and values of a KV cache
+    (``kvcache_to_varlen``)."""
+    k, v, cu_k = kvcache_to_varlen(k_cache, v_cache, cache_seqlens, block_table)
+    return dense_attn_varlen(q, k, v, cu_seqlens_q, cu_k, softmax_scale, causal=True)
+
+
 def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table=None, kernel_size=32,
                           kernel_stride=16, punct_cache=None, phsa_lambda=0.5):
     """The compressed cache ``ck_cache (batch, capacity_c, Hk, D)`` brought up to date after each
