@@ -352,12 +352,11 @@ infllmv2_status cache_step_layout(const char* op, int32_t batch, int64_t total_q
                                   int32_t max_seqlen_k, int32_t capacity, int32_t heads, int32_t heads_k,
                                   int32_t head_dim, const infllmv2_sparse_config& c, CacheLayout* l) {
   l->dense = max_seqlen_k < c.dense_len;
-  size_t at = 0;
   if (l->dense) {
     if ((l->decode_splits = infllmv2_dense_decode_kvcache_splits(batch, max_seqlen_q, heads, heads_k,
                                                                  std::min(max_seqlen_k, capacity), 0)) < 1)
       return fail(INFLLMV2_ERR_CUDA, "%s: no split count for dense attention: %s", op, infllmv2_last_error());
-    l->idx = l->select = l->decode = at;
+    l->idx = l->select = l->decode = 0;
     l->total = align256(infllmv2_dense_decode_kvcache_workspace_size(total_q, heads, head_dim, l->decode_splits));
     return INFLLMV2_OK;
   }
@@ -366,6 +365,7 @@ infllmv2_status cache_step_layout(const char* op, int32_t batch, int64_t total_q
     return fail(INFLLMV2_ERR_CUDA, "%s: no split count for the selection: %s", op, infllmv2_last_error());
   if ((l->decode_splits = infllmv2_sparse_decode_splits(batch, max_seqlen_q, heads, heads_k, l->cols, 0)) < 1)
     return fail(INFLLMV2_ERR_CUDA, "%s: no split count for stage 2: %s", op, infllmv2_last_error());
+  size_t at = 0;
   l->idx = at, at += align256((size_t)heads_k * (size_t)total_q * (size_t)l->cols * sizeof(int32_t));
   l->select = at;
   at += align256(infllmv2_select_decode_kvcache_workspace_size(batch, total_q, max_seqlen_q, capacity, heads, heads_k,

@@ -53,30 +53,17 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_dense_decode_kvcache(
       check_cache_layout(kOp, block_table != nullptr, batch, num_pages, page_size, pages_per_seq, kBlock);
   if (st == INFLLMV2_OK) st = check_group_layout(kOp, dtype, head_dim, batch, heads, heads_k);
   if (st != INFLLMV2_OK) return st;
-  if (splits < 1 || splits > kMaxSplits)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                "%s: splits must be in [1, %d] (infllmv2_dense_decode_kvcache_splits() picks it), got %d", kOp,
-                kMaxSplits, splits);
   const int64_t cache_rows = num_pages * page_size;
-  if ((st = check_attn_sizes(kOp, total_q, cache_rows, max_seqlen_q, 0, softmax_scale)) != INFLLMV2_OK) return st;
-  if (splits * total_q > INT32_MAX)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: splits * total_q must be at most %d, got %lld", kOp, INT32_MAX,
-                (long long)(splits * total_q));
+  if ((st = check_split_sizes(kOp, "infllmv2_dense_decode_kvcache_splits", splits, kMaxSplits, total_q, cache_rows,
+                              max_seqlen_q, softmax_scale)) != INFLLMV2_OK)
+    return st;
   if (total_q > 0 && (st = check_workspace(kOp, "infllmv2_dense_decode_kvcache_workspace_size", workspace_size,
                                            partial_bytes(splits, total_q, heads, head_dim))) != INFLLMV2_OK)
     return st;
   Device dev;
   if ((st = current_device(kOp, &dev)) != INFLLMV2_OK) return st;
-  if ((st = check_device_pointers(kOp, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cache_seqlens", cache_seqlens},
-                                             {"k_cache", k_cache}, {"v_cache", v_cache}})) != INFLLMV2_OK)
-    return st;
-  if (block_table != nullptr && (st = check_device_pointers(kOp, dev, {{"block_table", block_table}})) != INFLLMV2_OK)
-    return st;
-  if (total_q > 0 && (st = check_device_pointers(kOp, dev, {{"q", q}, {"out", out}, {"lse", lse},
-                                                            {"workspace", workspace}})) != INFLLMV2_OK)
-    return st;
-  if ((st = check_aligned(kOp, {{"q", q}, {"k_cache", k_cache}, {"v_cache", v_cache}, {"out", out},
-                                {"workspace", workspace}})) != INFLLMV2_OK)
+  if ((st = check_cache_call_pointers(kOp, dev, total_q, q, k_cache, v_cache, block_table, cache_seqlens,
+                                      cu_seqlens_q, false, nullptr, out, lse, workspace)) != INFLLMV2_OK)
     return st;
 
   SplitCall<infllmv2_dense_decode_kvcache_unit> c;

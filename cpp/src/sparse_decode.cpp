@@ -49,15 +49,8 @@ infllmv2_status check_split_args(const char* op, infllmv2_dtype dtype, int32_t h
   if (st != INFLLMV2_OK) return st;
   if (topk < 1 || topk > kMaxTopk)
     return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: topk must be in [1, %d], got %d", op, kMaxTopk, topk);
-  if (splits < 1 || splits > kMaxSplits)
-    return fail(INFLLMV2_ERR_INVALID_ARGUMENT,
-                "%s: splits must be in [1, %d] (infllmv2_sparse_decode_splits() picks it), got %d", op, kMaxSplits,
-                splits);
-  if ((st = check_attn_sizes(op, total_q, total_k, max_seqlen_q, 0, softmax_scale)) != INFLLMV2_OK) return st;
-  if (splits * total_q > INT32_MAX)
-    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: splits * total_q must be at most %d, got %lld", op, INT32_MAX,
-                (long long)(splits * total_q));
-  return INFLLMV2_OK;
+  return check_split_sizes(op, "infllmv2_sparse_decode_splits", splits, kMaxSplits, total_q, total_k, max_seqlen_q,
+                           softmax_scale);
 }
 
 }  // namespace
@@ -128,16 +121,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_decode_kvcache(
     return st;
   Device dev;
   if ((st = current_device(op, &dev)) != INFLLMV2_OK) return st;
-  if ((st = check_device_pointers(op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cache_seqlens", cache_seqlens},
-                                            {"k_cache", k_cache}, {"v_cache", v_cache}})) != INFLLMV2_OK)
-    return st;
-  if (block_table != nullptr && (st = check_device_pointers(op, dev, {{"block_table", block_table}})) != INFLLMV2_OK)
-    return st;
-  if (total_q > 0 && (st = check_device_pointers(op, dev, {{"q", q}, {"topk_idx", topk_idx}, {"out", out}, {"lse", lse},
-                                                           {"workspace", workspace}})) != INFLLMV2_OK)
-    return st;
-  if ((st = check_aligned(op, {{"q", q}, {"k_cache", k_cache}, {"v_cache", v_cache}, {"out", out},
-                               {"workspace", workspace}})) != INFLLMV2_OK)
+  if ((st = check_cache_call_pointers(op, dev, total_q, q, k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_q,
+                                      true, topk_idx, out, lse, workspace)) != INFLLMV2_OK)
     return st;
 
   SplitCall<infllmv2_sparse_decode_kvcache_unit> c;

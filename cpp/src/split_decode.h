@@ -37,6 +37,47 @@ inline int64_t ctas_of(int32_t batch, int32_t max_seqlen_q, int32_t heads, int32
   return (int64_t)((max_seqlen_q + T - 1) / T) * batch * heads_k;
 }
 
+// The split count a call runs (1 .. max_splits; splits_fn: the entry point that picks it), the
+// token counts, and the partial rows splits x total_q within the units' int32 indices.
+inline infllmv2_status check_split_sizes(const char* op, const char* splits_fn, int32_t splits, int max_splits,
+                                         int64_t total_q, int64_t total_k, int32_t max_seqlen_q,
+                                         float softmax_scale) {
+  if (splits < 1 || splits > max_splits)
+    return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: splits must be in [1, %d] (%s() picks it), got %d", op,
+                max_splits, splits_fn, splits);
+  infllmv2_status st = check_attn_sizes(op, total_q, total_k, max_seqlen_q, 0, softmax_scale);
+  if (st != INFLLMV2_OK) return st;
+  if (splits * total_q > INT32_MAX)
+    return fail(INFLLMV2_ERR_UNSUPPORTED, "%s: splits * total_q must be at most %d, got %lld", op, INT32_MAX,
+                (long long)(splits * total_q));
+  return INFLLMV2_OK;
+}
+
+// The device pointers a split call over a KV cache takes, and the alignment of those TMA and the
+// vector loads read; topk_idx only with `selection` (sparse_decode_kvcache's).
+inline infllmv2_status check_cache_call_pointers(const char* op, const Device& dev, int64_t total_q, const void* q,
+                                                 const void* k_cache, const void* v_cache,
+                                                 const int32_t* block_table, const int32_t* cache_seqlens,
+                                                 const int32_t* cu_seqlens_q, bool selection,
+                                                 const int32_t* topk_idx, const void* out, const float* lse,
+                                                 const void* workspace) {
+  infllmv2_status st = check_device_pointers(
+      op, dev, {{"cu_seqlens_q", cu_seqlens_q}, {"cache_seqlens", cache_seqlens}, {"k_cache", k_cache},
+                {"v_cache", v_cache}});
+  if (st == INFLLMV2_OK && block_table != nullptr)
+    st = check_device_pointers(op, dev, {{"block_table", block_table}});
+  if (st == INFLLMV2_OK && total_q > 0) {
+    st = check_device_pointers(op, dev, {{"q", q}});
+    if (st == INFLLMV2_OK && selection) st = check_device_pointers(op, dev, {{"topk_idx", topk_idx}});
+    if (st == INFLLMV2_OK)
+      st = check_device_pointers(op, dev, {{"out", out}, {"lse", lse}, {"workspace", workspace}});
+  }
+  if (st == INFLLMV2_OK)
+    st = check_aligned(op, {{"q", q}, {"k_cache", k_cache}, {"v_cache", v_cache}, {"out", out},
+                            {"workspace", workspace}});
+  return st;
+}
+
 inline infllmv2_status check_workspace(const char* op, const char* size_fn, size_t workspace_size, size_t need) {
   if (workspace_size < need)
     return fail(INFLLMV2_ERR_INVALID_ARGUMENT, "%s: workspace_size is %zu bytes, %s() asks for %zu", op,
