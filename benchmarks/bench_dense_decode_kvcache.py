@@ -36,8 +36,7 @@ from bench_sparse_decode import copies_for, dense_decode, graphed_ms  # noqa: E4
 import infllmv2  # noqa: E402
 from infllmv2.compat import infllmv2_attn_with_kvcache  # noqa: E402
 from infllmv2.ops import _dense_decode_kvcache_op, _sparse_decode_kvcache_op, dense_decode_kvcache_splits  # noqa: E402
-from infllmv2.ops import every_block_selection  # noqa: E402
-from infllmv2.testing import cu_seqlens, library_identity  # noqa: E402
+from infllmv2.testing import cu_seqlens, every_block_selection, library_identity  # noqa: E402
 
 D, HQ, HK = 128, 32, 2
 PAGE = 64
@@ -79,9 +78,7 @@ def case(cache, batch, reps):
         row["sweep_ms"] = {s: graphed_ms(calls(s), reps) for s in SWEEP}
         row["every_block_ms"] = None
         if cache // 64 <= 128:
-            # contiguous: the kernels read the rows through the data pointer (the expanded view
-            # repeats one row in memory)
-            idx = every_block_selection(HK, batch, cache, "cuda").contiguous()
+            idx = every_block_selection(HK, batch, cache, "cuda")
             row["every_block_ms"] = graphed_ms([lambda q=q, kc=kc, vc=vc: _sparse_decode_kvcache_op(
                 q, kc, vc, idx, cu_q, lens, table, 1, 0.0, 0) for q, kc, vc in caches], reps)
         cfg = infllmv2.SparseConfig(dense_len=cache + 1)

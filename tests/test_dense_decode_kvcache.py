@@ -10,9 +10,9 @@ import torch
 import infllmv2
 from infllmv2 import _lib, reference
 from infllmv2.ops import (_stream, dense_decode_kvcache_launch, dense_decode_kvcache_splits,
-                          dense_decode_kvcache_workspace_floats, every_block_selection)
-from infllmv2.testing import (assert_close_to_reference, cu_seqlens, kv_cache_of, max_seqlen, no_host_sync,
-                              random_tokens)
+                          dense_decode_kvcache_workspace_floats)
+from infllmv2.testing import (assert_close_to_reference, cu_seqlens, every_block_selection, kv_cache_of, max_seqlen,
+                              no_host_sync, random_tokens)
 
 # (query lengths, cache lengths): the new tokens are the last of their sequence's keys
 LENGTH_MIXES = {

@@ -6,8 +6,8 @@ import torch
 
 import infllmv2
 from infllmv2 import SparseConfig, _lib, reference
-from infllmv2.testing import (assert_close_to_reference, cu_seqlens, kv_cache_of, no_host_sync, oracle_block_scores,
-                              punct_cache_of, random_tokens, selection_mismatch)
+from infllmv2.testing import (assert_close_to_reference, cu_seqlens, every_block_selection, kv_cache_of, no_host_sync,
+                              oracle_block_scores, punct_cache_of, random_tokens, selection_mismatch)
 
 LAYOUTS = ("padded", "batch_idx", "paged64", "paged256")  # kv_cache_of's
 # (query lengths, cache lengths)
@@ -264,7 +264,7 @@ def test_cuda_attention_kvcache_decoding_loop(layout, G):
                     want = packed[cu_c[b]:cu_c[b + 1]]
                     assert torch.equal(cache[b, :want.shape[0]], want), f"{w}/{s} cache of sequence {b}"
             if max(now) < cfg.dense_len:
-                idx = infllmv2.ops.every_block_selection(hk, q.shape[0], max(now), "cuda")
+                idx = every_block_selection(hk, q.shape[0], max(now), "cuda")
             else:
                 idx = infllmv2.select_decode_kvcache(q, ck, nk, lens, cu_q, cap, topk=cfg.num_selected,
                                                      local_blocks=cfg.local_blocks)

@@ -15,9 +15,8 @@ from ._lib import (
     set_arch_override,
 )
 from .ops import (compress_keys, compress_keys_kvcache, compressed_capacity, dense_attn_varlen, dense_decode_kvcache,
-                  group_scores,
-                  max_pool_blocks, select_blocks, select_decode, select_decode_kvcache, sparse_attn_varlen, sparse_decode,
-                  sparse_decode_kvcache)
+                  group_scores, max_pool_blocks, select_blocks, select_decode, select_decode_kvcache, sparse_attn_varlen,
+                  sparse_decode, sparse_decode_kvcache)
 from .attention import SparseConfig, attention, attention_kvcache, attention_padded
 from .module import InfLLMv2Attention
 

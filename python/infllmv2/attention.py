@@ -201,9 +201,9 @@ def attention_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache
     brings them up to date for the last ``new_keys`` keys (default ``max_seqlen_q``, the new
     tokens), as ``compress_keys_kvcache`` does, so that a step compresses only the keys it added,
     not the whole cache (SPEC.md, Decode). Then, as ``attention``: dense attention
-    (``dense_decode_kvcache``, any ``dense_len``) when ``max_seqlen_k`` (the longest sequence; read from ``cache_seqlens`` on the host
-    when not given) is below ``config.dense_len``, else ``select_decode_kvcache`` and
-    ``sparse_decode_kvcache``. Returns ``out`` (and ``lse (Hq, total_q)`` with ``return_lse``).
+    (``dense_decode_kvcache``, any ``dense_len``) when ``max_seqlen_k`` (the longest sequence;
+    read from ``cache_seqlens`` on the host when not given) is below ``config.dense_len``, else
+    ``select_decode_kvcache`` and ``sparse_decode_kvcache``. Returns ``out`` (and ``lse (Hq, total_q)`` with ``return_lse``).
 
     On CUDA the step is one call of the C library's ``infllmv2_attention_kvcache`` (both compressed
     caches in one launch; the library's split counts), with no host synchronisation when

@@ -550,10 +550,10 @@ def _check_selection(topk_idx, q, heads_k, block_size):
 _MAX_DECODE_SPLITS = 64
 
 
-def _check_num_splits(num_splits):
+def _check_num_splits(num_splits, most=_MAX_DECODE_SPLITS):
     _check_int(num_splits, "num_splits", 0)
-    if num_splits > _MAX_DECODE_SPLITS:
-        raise ValueError(f"num_splits must be at most {_MAX_DECODE_SPLITS} (0 lets the library pick), got {num_splits}")
+    if num_splits > most:
+        raise ValueError(f"num_splits must be at most {most} (0 lets the library pick), got {num_splits}")
 
 
 def _splits_or_raise(fn, splits):
@@ -774,16 +774,6 @@ def _cache_capacity(k_cache, block_table) -> int:
     return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
 
 
-def every_block_selection(heads_k, rows, capacity, device):
-    """Every block of a cache of ``capacity`` keys, for each row: dense attention as a selection."""
-    n_blocks = -(-capacity // _KERNEL_BLOCK)
-    if n_blocks > _KERNEL_MAX_TOPK:
-        raise ValueError(f"dense attention over a cache (every block selected) needs a cache of at most "
-                         f"{_KERNEL_BLOCK * _KERNEL_MAX_TOPK} keys a sequence here, got a capacity of {capacity}: pass "
-                         f"a selection (topk_idx)")
-    return torch.arange(n_blocks, dtype=torch.int32, device=device).expand(heads_k, rows, n_blocks)
-
-
 def _check_decode_kvcache(op, q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table):
     """The checks both split ops over a KV cache make of q, the cache and its layout (the kernels'
     own on CUDA); returns cache_seqlens and block_table as int32."""
@@ -905,10 +895,7 @@ def dense_decode_kvcache(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block
     """
     cache_seqlens, block_table = _check_decode_kvcache("dense_decode_kvcache", q, k_cache, v_cache, cache_seqlens,
                                                        cu_seqlens_q, block_table)
-    _check_int(num_splits, "num_splits", 0)
-    if num_splits > _MAX_DENSE_DECODE_SPLITS:
-        raise ValueError(f"num_splits must be at most {_MAX_DENSE_DECODE_SPLITS} (0 lets the library pick), got "
-                         f"{num_splits}")
+    _check_num_splits(num_splits, _MAX_DENSE_DECODE_SPLITS)
     capacity = _cache_capacity(k_cache, block_table)
     if max_seqlen_k is None:
         max_seqlen_k = capacity

@@ -115,6 +115,20 @@ def _ranks(score):
     return rank
 
 
+def every_block_selection(heads_k, rows, capacity, device):
+    """Every block of a cache of ``capacity`` keys for each of ``rows`` rows, ``(heads_k, rows,
+    n_blocks)`` int32 and contiguous (the kernels read the rows through its data pointer): dense
+    attention as a selection, for checks against ``sparse_decode_kvcache``."""
+    from .ops import _KERNEL_BLOCK, _KERNEL_MAX_TOPK
+
+    n_blocks = -(-capacity // _KERNEL_BLOCK)
+    if n_blocks > _KERNEL_MAX_TOPK:
+        raise ValueError(f"dense attention over a cache (every block selected) needs a cache of at most "
+                         f"{_KERNEL_BLOCK * _KERNEL_MAX_TOPK} keys a sequence here, got a capacity of {capacity}: pass "
+                         f"a selection (topk_idx)")
+    return torch.arange(n_blocks, dtype=torch.int32, device=device).expand(heads_k, rows, n_blocks).contiguous()
+
+
 def realistic_topk(lengths_q, lengths_k, heads_k, topk, block=64, init_blocks=1, local_blocks=32, shared_extra=4,
                    correlated=True, device="cpu", seed=0, chunk=8192):
     """Selections shaped like InfLLM-V2's: int32 (heads_k, total_q, topk), rows ascending, -1 padded.
