@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import inspect
 import math
 from typing import Optional
@@ -63,9 +64,9 @@ class _ForwardOnlyOp:
     arguments it writes are bumped as the op's would be. Positional arguments only, as the op's
     callers here pass them."""
 
-    def __init__(self, fn, name, mutates_args):
+    def __init__(self, fn, name, mutates_args, check):
         self.fn = fn
-        self.op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        self.op = torch.library.custom_op(name, mutates_args=mutates_args)(_checked(fn, name, check))
         self.register_fake = self.op.register_fake
         params = list(inspect.signature(fn).parameters)
         self.mutated = tuple(params.index(n) for n in mutates_args)
@@ -91,8 +92,63 @@ class _ForwardOnlyOp:
         return out
 
 
-def _forward_only_op(name, mutates_args=()):
-    return lambda fn: _ForwardOnlyOp(fn, name, mutates_args)
+def _forward_only_op(name, check, mutates_args=()):
+    return lambda fn: _ForwardOnlyOp(fn, name, mutates_args, check)
+
+
+def _kernel_op(name, check, mutates_args=()):
+    """``torch.library.custom_op`` of ``fn`` checked as ``_checked`` does (the ops with a gradient)."""
+    return lambda fn: torch.library.custom_op(name, mutates_args=mutates_args)(_checked(fn, name, check))
+
+
+# An op's tensors by argument name: what the kernels read them as. The rest (q, k, v, the caches,
+# dout, out) are data in q's (the first one's) dtype.
+_OP_INT32_ARGS = frozenset(("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_c", "topk_idx", "cache_seqlens", "block_table"))
+_OP_DTYPES = {"lse": torch.float32, "punct_mask": torch.bool, "punct_cache": torch.bool,
+              **{name: torch.int32 for name in _OP_INT32_ARGS}}
+
+
+def _check_op_tensors(op, names, args):
+    """Every tensor of a CUDA op call on one device, contiguous, in the dtype its kernels read."""
+    device = data = None
+    for name, t in zip(names, args):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first} is on {device}")
+        want = _OP_DTYPES.get(name)
+        if want is None:
+            if data is None:
+                if t.dtype not in _KERNEL_DTYPES:
+                    raise ValueError(f"{op}: {name} must be bfloat16 or float16 on CUDA, got {t.dtype}")
+                data = (name, t.dtype)
+            elif t.dtype != data[1]:
+                raise ValueError(f"{op}: {name} dtype {t.dtype} differs from {data[0]} dtype {data[1]}")
+        elif t.dtype != want:
+            raise ValueError(f"{op}: {name} must be {want}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous (strides {t.stride()} for shape {tuple(t.shape)})")
+
+
+def _checked(fn, name, check):
+    """``fn`` as its custom op runs it: on CUDA, its arguments checked first. The public functions
+    check and convert what they pass an op, but the op itself (``torch.ops.infllmv2.*``, called
+    directly or from a compiled graph) hands data pointers to the C library, which sees neither
+    dtypes nor strides nor the shapes it is not given. ``check`` takes the op's arguments and
+    checks their shapes and values (the public functions' checks); the dtypes, devices and
+    contiguity are checked here."""
+    names = tuple(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def run(*args):
+        if args[0].is_cuda:
+            _check_op_tensors(name, names, args)
+            check(*args)
+        return fn(*args)
+
+    return run
 
 
 def _check_kernel_tensor(t: torch.Tensor, name: str) -> None:
@@ -126,7 +182,18 @@ def compress_keys_launch(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda,
     _lib.check(status)
 
 
-@_forward_only_op("infllmv2::compress_keys", mutates_args=())
+def _check_compress_keys_call(k, cu_seqlens_k, cu_seqlens_c, punct_mask, phsa_lambda, total_c, max_nc, kernel_size,
+                              kernel_stride):
+    _check_tensor3(k, "k")
+    _check_kernel_tensor(k, "k")
+    _check_offsets((("cu_seqlens_k", cu_seqlens_k), ("cu_seqlens_c", cu_seqlens_c)), k.device)
+    _check_phsa_args(punct_mask, phsa_lambda, k)
+    for value, name, least in ((total_c, "total_c", 0), (max_nc, "max_nc", 0), (kernel_size, "kernel_size", 1),
+                               (kernel_stride, "kernel_stride", 1)):
+        _check_int(value, name, least)
+
+
+@_forward_only_op("infllmv2::compress_keys", _check_compress_keys_call)
 def _compress_keys_op(
     k: torch.Tensor, cu_seqlens_k: torch.Tensor, cu_seqlens_c: torch.Tensor, punct_mask: Optional[torch.Tensor],
     phsa_lambda: float, total_c: int, max_nc: int, kernel_size: int, kernel_stride: int,
@@ -203,7 +270,8 @@ def compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, 
     _lib.check(status)
 
 
-@_forward_only_op("infllmv2::compress_keys_kvcache", mutates_args=("ck_cache",))
+@_forward_only_op("infllmv2::compress_keys_kvcache", lambda *args: _check_compress_keys_kvcache(*args),
+                  mutates_args=("ck_cache",))
 def _compress_keys_kvcache_op(
     k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], ck_cache: torch.Tensor,
     new_keys: int, kernel_size: int, kernel_stride: int, punct_cache: Optional[torch.Tensor], phsa_lambda: float,
@@ -257,6 +325,21 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
     page_size)``, each key's punctuation flag laid out as ``k_cache``): PHSA with ``phsa_lambda``,
     bitwise ``compress_keys``' PHSA entries (any window and stride).
     """
+    cache_seqlens, block_table, phsa_lambda = _check_compress_keys_kvcache(
+        k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride, punct_cache, phsa_lambda)
+    if not k_cache.is_cuda:
+        ck_cache.copy_(reference.compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table,
+                                                       kernel_size, kernel_stride, punct_cache, phsa_lambda))
+        return ck_cache
+    _compress_keys_kvcache_op(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                              punct_cache, float(phsa_lambda))
+    return ck_cache
+
+
+def _check_compress_keys_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                                 punct_cache, phsa_lambda):
+    """compress_keys_kvcache's arguments (the kernels' needs on CUDA); returns cache_seqlens and
+    block_table as int32, and phsa_lambda as a float."""
     _check_cache_tensor(k_cache, "k_cache", k_cache, "k_cache")
     batch = ck_cache.shape[0] if isinstance(ck_cache, torch.Tensor) and ck_cache.dim() == 4 else None
     if batch is None or ck_cache.shape[2:] != k_cache.shape[2:] or ck_cache.dtype != k_cache.dtype \
@@ -275,15 +358,10 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
         raise ValueError("ck_cache must be contiguous (it is written in place)")
     if punct_cache is not None:
         phsa_lambda = _check_punct_cache(punct_cache, k_cache, phsa_lambda)
-    if not k_cache.is_cuda:
-        ck_cache.copy_(reference.compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_table,
-                                                       kernel_size, kernel_stride, punct_cache, phsa_lambda))
-        return ck_cache
-    _check_kernel_tensor(k_cache, "k_cache")
-    _check_kernel_pages(block_table, k_cache)
-    _compress_keys_kvcache_op(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
-                              punct_cache, float(phsa_lambda))
-    return ck_cache
+    if k_cache.is_cuda:
+        _check_kernel_tensor(k_cache, "k_cache")
+        _check_kernel_pages(block_table, k_cache)
+    return cache_seqlens, block_table, phsa_lambda
 
 
 def _lengths(cu):
@@ -371,7 +449,22 @@ def _reference_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, softmax_scale)
     return out.clone(), lse.clone()
 
 
-@torch.library.custom_op("infllmv2::sparse_attn_fwd", mutates_args=())
+def _check_sparse_attn_call(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+    _check_sparse_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, topk_idx, _KERNEL_BLOCK)
+    _check_int(max_seqlen_q, "max_seqlen_q", 0)
+    _check_int(max_seqlen_k, "max_seqlen_k", 0)
+
+
+def _check_grad_args(q, dout, out, lse):
+    """A backward's dout and out like q, lse (Hq, total_q)."""
+    for name, t in (("dout", dout), ("out", out)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must have shape (Hq, total_q) = {(q.shape[1], q.shape[0])}, got {tuple(lse.shape)}")
+
+
+@_kernel_op("infllmv2::sparse_attn_fwd", _check_sparse_attn_call)
 def _sparse_attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
@@ -388,7 +481,13 @@ def _(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return _fwd_outputs(q)
 
 
-@torch.library.custom_op("infllmv2::sparse_attn_bwd", mutates_args=())
+def _check_sparse_attn_bwd_call(dout, q, k, v, out, lse, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, softmax_scale):
+    _check_sparse_attn_call(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    _check_grad_args(q, dout, out, lse)
+
+
+@_kernel_op("infllmv2::sparse_attn_bwd", _check_sparse_attn_bwd_call)
 def _sparse_attn_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
@@ -594,7 +693,12 @@ def sparse_decode_launch(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seql
     _lib.check(status)
 
 
-@_forward_only_op("infllmv2::sparse_decode", mutates_args=())
+def _check_sparse_decode_call(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, num_splits):
+    _check_sparse_attn_call(q, k, v, topk_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0, softmax_scale)
+    _check_num_splits(num_splits)
+
+
+@_forward_only_op("infllmv2::sparse_decode", _check_sparse_decode_call)
 def _sparse_decode_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float, num_splits: int,
@@ -689,7 +793,15 @@ def sparse_decode_kvcache_workspace_floats(q, splits) -> int:
     return _floats(_lib.lib().infllmv2_sparse_decode_kvcache_workspace_size(q.shape[0], q.shape[1], q.shape[2], splits))
 
 
-@_forward_only_op("infllmv2::sparse_decode_kvcache", mutates_args=())
+def _check_sparse_decode_kvcache_call(q, k_cache, v_cache, topk_idx, cu_seqlens_q, cache_seqlens, block_table,
+                                      max_seqlen_q, softmax_scale, num_splits):
+    _check_decode_kvcache("sparse_decode_kvcache", q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table)
+    _check_selection(topk_idx, q, k_cache.shape[2], _KERNEL_BLOCK)
+    _check_int(max_seqlen_q, "max_seqlen_q", 0)
+    _check_num_splits(num_splits)
+
+
+@_forward_only_op("infllmv2::sparse_decode_kvcache", _check_sparse_decode_kvcache_call)
 def _sparse_decode_kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, topk_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], max_seqlen_q: int, softmax_scale: float,
@@ -856,7 +968,15 @@ def dense_decode_kvcache_launch(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens
     _lib.check(status)
 
 
-@_forward_only_op("infllmv2::dense_decode_kvcache", mutates_args=())
+def _check_dense_decode_kvcache_call(q, k_cache, v_cache, cu_seqlens_q, cache_seqlens, block_table, max_seqlen_q,
+                                     max_seqlen_k, softmax_scale, num_splits):
+    _check_decode_kvcache("dense_decode_kvcache", q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table)
+    _check_int(max_seqlen_q, "max_seqlen_q", 0)
+    _check_int(max_seqlen_k, "max_seqlen_k", 0)
+    _check_num_splits(num_splits, _MAX_DENSE_DECODE_SPLITS)
+
+
+@_forward_only_op("infllmv2::dense_decode_kvcache", _check_dense_decode_kvcache_call)
 def _dense_decode_kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
@@ -941,7 +1061,13 @@ def dense_attn_bwd_launch(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     _lib.check(status)
 
 
-@torch.library.custom_op("infllmv2::dense_attn_fwd", mutates_args=())
+def _check_dense_attn_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    _check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    _check_int(max_seqlen_q, "max_seqlen_q", 0)
+    _check_int(max_seqlen_k, "max_seqlen_k", 0)
+
+
+@_kernel_op("infllmv2::dense_attn_fwd", _check_dense_attn_call)
 def _dense_attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
@@ -961,7 +1087,13 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return _fwd_outputs(q)
 
 
-@torch.library.custom_op("infllmv2::dense_attn_bwd", mutates_args=())
+def _check_dense_attn_bwd_call(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                               softmax_scale):
+    _check_dense_attn_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    _check_grad_args(q, dout, out, lse)
+
+
+@_kernel_op("infllmv2::dense_attn_bwd", _check_dense_attn_bwd_call)
 def _dense_attn_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
@@ -1153,7 +1285,32 @@ def _select_cuda(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk
     return out
 
 
-@_forward_only_op("infllmv2::select_blocks", mutates_args=())
+def _check_select_call(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda, topk, init_blocks, local_blocks,
+                       approx_lse, norm_kernel_size, norm_kernel_stride, softmax_scale, max_seqlen_q, max_seqlen_k,
+                       num_splits=0):
+    """select_blocks' and select_decode's op arguments (the compressed keys' offsets are the op's)."""
+    _check_scoring_qk(q, k, "k", *_KERNEL_FINE, softmax_scale or None)
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
+    _check_phsa_args(punct_mask, phsa_lambda, k)
+    _check_select_sizes(topk, init_blocks, local_blocks, num_splits)
+    for value, name, least in ((norm_kernel_size, "norm_kernel_size", 1), (norm_kernel_stride, "norm_kernel_stride", 1),
+                               (max_seqlen_q, "max_seqlen_q", 0), (max_seqlen_k, "max_seqlen_k", 0)):
+        _check_int(value, name, least)
+
+
+def _check_select_sizes(topk, init_blocks, local_blocks, num_splits):
+    """The kernels' limits on a selection's sizes."""
+    _check_int(topk, "topk", 1)
+    _check_int(init_blocks, "init_blocks", 0)
+    _check_int(local_blocks, "local_blocks", 0)
+    _check_int(num_splits, "num_splits", 0)
+    if topk > _KERNEL_MAX_SELECT_TOPK:
+        raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
+    if num_splits > _MAX_SELECT_SPLITS:
+        raise ValueError(f"num_splits must be at most {_MAX_SELECT_SPLITS} (0 lets the library pick), got {num_splits}")
+
+
+@_forward_only_op("infllmv2::select_blocks", _check_select_call)
 def _select_blocks_op(
     q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     punct_mask: Optional[torch.Tensor], phsa_lambda: float, topk: int, init_blocks: int, local_blocks: int,
@@ -1182,7 +1339,7 @@ def select_decode_splits(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, num_spl
     return _splits_or_raise("infllmv2_select_decode_splits", splits)
 
 
-@_forward_only_op("infllmv2::select_decode", mutates_args=())
+@_forward_only_op("infllmv2::select_decode", _check_select_call)
 def _select_decode_op(
     q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     punct_mask: Optional[torch.Tensor], phsa_lambda: float, topk: int, init_blocks: int, local_blocks: int,
@@ -1304,7 +1461,17 @@ def select_decode_kvcache_launch(q, ck_cache, nk_cache, cache_seqlens, cu_seqlen
     _lib.check(status)
 
 
-@_forward_only_op("infllmv2::select_decode_kvcache", mutates_args=())
+def _check_select_decode_kvcache_call(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, topk, capacity, max_seqlen_q,
+                                      init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, softmax_scale,
+                                      num_splits):
+    _check_select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, capacity, topk, *_KERNEL_FINE,
+                                 init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, num_splits)
+    _check_scoring_qk(q, ck_cache[0], "ck_cache", *_KERNEL_FINE, softmax_scale or None)
+    _check_select_sizes(topk, init_blocks, local_blocks, num_splits)
+    _check_int(max_seqlen_q, "max_seqlen_q", 0)
+
+
+@_forward_only_op("infllmv2::select_decode_kvcache", _check_select_decode_kvcache_call)
 def _select_decode_kvcache_op(
     q: torch.Tensor, ck_cache: torch.Tensor, nk_cache: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, topk: int, capacity: int, max_seqlen_q: int, init_blocks: int, local_blocks: int,
@@ -1365,31 +1532,41 @@ def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, ca
     merged as ``select_decode`` merges). No host synchronisation when ``max_seqlen_q`` is given.
     CPU runs the reference.
     """
-    _check_tensor3(q, "q")
-    _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
-    batch = cu_seqlens_q.numel() - 1
-    for value, name, minimum in ((capacity, "capacity", 0), (topk, "topk", 1), (init_blocks, "init_blocks", 0),
-                                 (local_blocks, "local_blocks", 0), (num_splits, "num_splits", 0)):
-        _check_int(value, name, minimum)
-    _check_compressed_caches(q, ck_cache, nk_cache, batch, capacity, kernel_size, kernel_stride, norm_kernel_size,
-                             norm_kernel_stride)
-    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    cache_seqlens = _check_select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, capacity, topk,
+                                                 kernel_size, kernel_stride, init_blocks, local_blocks, norm_kernel_size,
+                                                 norm_kernel_stride, num_splits)
     if not q.is_cuda:
         return reference.select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens.clamp(0, capacity), cu_seqlens_q,
                                                topk, kernel_size, kernel_stride, block_size, init_blocks, local_blocks,
                                                norm_kernel_size, norm_kernel_stride, softmax_scale)
     if block_size != _KERNEL_BLOCK:
         raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
-    if topk > _KERNEL_MAX_SELECT_TOPK:
-        raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
-    if num_splits > _MAX_SELECT_SPLITS:
-        raise ValueError(f"num_splits must be at most {_MAX_SELECT_SPLITS} (0 lets the library pick), got {num_splits}")
+    _check_select_sizes(topk, init_blocks, local_blocks, num_splits)
     # the scoring kernels' limits (dtype, head_dim, group size, 32/16, scale) on one sequence's rows
     _check_scoring_qk(q, ck_cache[0], "ck_cache", kernel_size, kernel_stride, softmax_scale)
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
     return _select_decode_kvcache_op(q.detach(), ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, topk, capacity,
                                      max_seqlen_q, init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
                                      _scale_or_zero(softmax_scale), num_splits)
+
+
+def _check_select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, capacity, topk, kernel_size,
+                                 kernel_stride, init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride,
+                                 num_splits):
+    """select_decode_kvcache's arguments; returns cache_seqlens as int32."""
+    _check_tensor3(q, "q")
+    _check_offsets((("cu_seqlens_q", cu_seqlens_q),), q.device)
+    batch = cu_seqlens_q.numel() - 1
+    for value, name, minimum in ((capacity, "capacity", 0), (topk, "topk", 1), (init_blocks, "init_blocks", 0),
+                                 (local_blocks, "local_blocks", 0), (num_splits, "num_splits", 0),
+                                 (kernel_size, "kernel_size", 1), (kernel_stride, "kernel_stride", 1)):
+        _check_int(value, name, minimum)
+    if nk_cache is not None:
+        _check_int(norm_kernel_size, "norm_kernel_size", 1)
+        _check_int(norm_kernel_stride, "norm_kernel_stride", 1)
+    _check_compressed_caches(q, ck_cache, nk_cache, batch, capacity, kernel_size, kernel_stride, norm_kernel_size,
+                             norm_kernel_stride)
+    return _index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
 
 
 def group_scores(q, ck, cu_seqlens_q, cu_seqlens_k, cu_seqlens_c, kernel_size=32, kernel_stride=16,
@@ -1493,7 +1670,25 @@ def attention_kvcache_launch(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, c
     _lib.check(status)
 
 
-@_forward_only_op("infllmv2::attention_kvcache", mutates_args=("ck_cache", "nk_cache"))
+def _check_attention_kvcache_call(q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, ck_cache, nk_cache, block_table,
+                                  new_keys, max_seqlen_q, max_seqlen_k, config, softmax_scale, punct_cache, phsa_lambda):
+    """The step's shapes (the C call checks config's values and the compressed caches' rows)."""
+    fields = [name for name, _ in _lib.SparseConfigC._fields_]
+    if len(config) != len(fields):
+        raise ValueError(f"config must hold the {len(fields)} infllmv2_sparse_config fields {fields}, got {len(config)}")
+    cfg = dict(zip(fields, config))
+    for name in ("kernel_size", "kernel_stride", "norm_kernel_size", "norm_kernel_stride"):
+        _check_int(cfg[name], f"config's {name}", 1)
+    _check_decode_kvcache("attention_kvcache", q, k_cache, v_cache, cache_seqlens, cu_seqlens_q, block_table)
+    _check_compressed_caches(q, ck_cache, nk_cache, cu_seqlens_q.numel() - 1, _cache_capacity(k_cache, block_table),
+                             cfg["kernel_size"], cfg["kernel_stride"], cfg["norm_kernel_size"], cfg["norm_kernel_stride"])
+    if punct_cache is not None:
+        _check_punct_cache(punct_cache, k_cache, phsa_lambda)
+    for value, name in ((new_keys, "new_keys"), (max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
+        _check_int(value, name, 0)
+
+
+@_forward_only_op("infllmv2::attention_kvcache", _check_attention_kvcache_call, mutates_args=("ck_cache", "nk_cache"))
 def _attention_kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, ck_cache: torch.Tensor, nk_cache: Optional[torch.Tensor],
