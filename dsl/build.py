@@ -75,7 +75,7 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
     from tilelang.engine.lower import lower
     from tilelang.jit.adapter.wrapper import TLCUDASourceWrapper
 
-    from dsl.tl_fixes import wgmma_fences_per_warpgroup
+    from dsl.tl_fixes import pdl_safe_launch, wgmma_fences_per_warpgroup
 
     if tilelang.__version__.split("+")[0] != TILELANG_VERSION:
         raise SystemExit(f"tilelang {TILELANG_VERSION} is required (templates and generated code are coupled), found {tilelang.__version__}")
@@ -119,6 +119,7 @@ def lower_unit(module_name: str, config: dict, arch: str) -> dict:
     # kernel here prints, so the include is dropped unless a kernel does.
     if "debug_print" not in code.replace("#include <tl_templates/cuda/debug.h>", ""):
         code = code.replace("#include <tl_templates/cuda/debug.h>\n", "")
+    code = pdl_safe_launch(code, arch_sm(arch))
     m = re.search(rf'extern "C" int {symbol}_call\((.*)\) \{{', code)
     params = _c_params(m.group(1))
 

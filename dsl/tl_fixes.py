@@ -1,6 +1,7 @@
-"""Workarounds for TileLang 0.1.15 bugs, active while the build step lowers a unit."""
+"""Workarounds for TileLang 0.1.15 bugs, applied while the build step lowers a unit."""
 
 import contextlib
+import re
 
 
 @contextlib.contextmanager
@@ -27,3 +28,25 @@ def wgmma_fences_per_warpgroup():
         yield
     finally:
         emitter.wgmma_accum_regs = orig
+
+
+_PDL_ALLOWED = "programmaticStreamSerializationAllowed = 1;"
+_KERNEL_DEFINITION = re.compile(r'^extern "C" __global__ void [^\n;]*\) \{$', re.M)
+PDL_WAIT = '  asm volatile("griddepcontrol.wait;" ::: "memory");'
+
+
+def pdl_safe_launch(code: str, sm: int) -> str:
+    """TileLang 0.1.15's host wrapper launches every kernel with programmatic stream
+    serialisation allowed (PDL), and no kernel here waits on its predecessor. On sm_90 such a
+    kernel may start once the previous kernel's thread blocks have exited, before their writes
+    are flushed (the implicit trigger at exit comes before the exit's memory barrier), and only
+    griddepcontrol.wait orders its reads after those writes: a race at every kernel boundary,
+    with ours and with the caller's kernels. So on sm_90 and later each kernel waits first
+    thing (keeping PDL's early launch); below sm_90, where the instruction does not exist and an
+    sm_80 or sm_89 unit's PTX may still be compiled for a Hopper GPU, the launch does not allow
+    PDL. ``code`` is one unit's source, one kernel and one launch."""
+    if code.count(_PDL_ALLOWED) != 1 or len(_KERNEL_DEFINITION.findall(code)) != 1:
+        raise RuntimeError("expected one kernel definition and one PDL launch in TileLang's output")
+    if sm < 90:
+        return code.replace(_PDL_ALLOWED, "programmaticStreamSerializationAllowed = 0;")
+    return _KERNEL_DEFINITION.sub(lambda m: m.group(0) + "\n" + PDL_WAIT, code)

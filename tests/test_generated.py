@@ -65,3 +65,28 @@ def test_dkdv_units_serve_every_group_size():
         for config, boxes in by_config.items():
             assert 0 in boxes, (arch, config, boxes)
             assert all(b == 0 or (arch.startswith("sm_90") and 64 % b == 0) for b in boxes), (arch, config, boxes)
+
+
+def test_no_kernel_reads_before_its_predecessor_is_flushed():
+    """TileLang launches every kernel with PDL allowed (dsl/tl_fixes.pdl_safe_launch): on sm_90a
+    each kernel must wait on its predecessor (griddepcontrol.wait) before anything else, and
+    below sm_90 the launch must not allow PDL at all."""
+    import re
+
+    definition = re.compile(r'^extern "C" __global__ void [^\n;]*\) \{\n(.*)$', re.M)
+    units = 0
+    for arch in sorted(d for d in os.listdir(os.path.join(ROOT, "generated")) if d.startswith("sm_")):
+        folder = os.path.join(ROOT, "generated", arch)
+        for name in sorted(f for f in os.listdir(folder) if f.endswith(".cu")):
+            with open(os.path.join(folder, name)) as f:
+                code = f.read()
+            first_lines = definition.findall(code)
+            assert len(first_lines) == 1, f"{arch}/{name}: expected one kernel definition"
+            allowed = re.findall(r"programmaticStreamSerializationAllowed = (\d);", code)
+            assert len(allowed) == 1, f"{arch}/{name}: expected one launch"
+            if int(arch[3:5]) >= 90:
+                assert first_lines[0].strip() == 'asm volatile("griddepcontrol.wait;" ::: "memory");', f"{arch}/{name}"
+            else:
+                assert allowed == ["0"] and "griddepcontrol" not in code, f"{arch}/{name}"
+            units += 1
+    assert units >= 200

@@ -389,7 +389,7 @@ extern "C" int infllmv2_compress_keys_kvcache_bf16_d64_sm80_call(bfloat16_t* __r
 		cudaLaunchConfig_t config;
 		cudaLaunchAttribute attribute[1];
 		attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-		attribute[0].val.programmaticStreamSerializationAllowed = 1;
+		attribute[0].val.programmaticStreamSerializationAllowed = 0;
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;

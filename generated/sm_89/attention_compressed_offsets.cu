@@ -101,7 +101,7 @@ extern "C" int infllmv2_attention_compressed_offsets_sm89_call(int* __restrict__
 		cudaLaunchConfig_t config;
 		cudaLaunchAttribute attribute[1];
 		attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-		attribute[0].val.programmaticStreamSerializationAllowed = 1;
+		attribute[0].val.programmaticStreamSerializationAllowed = 0;
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;

@@ -175,7 +175,7 @@ extern "C" int infllmv2_compress_keys_phsa_fp16_d128_sm89_call(half_t* __restric
 		cudaLaunchConfig_t config;
 		cudaLaunchAttribute attribute[1];
 		attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-		attribute[0].val.programmaticStreamSerializationAllowed = 1;
+		attribute[0].val.programmaticStreamSerializationAllowed = 0;
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;

@@ -790,7 +790,7 @@ extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t8_sm89_call(bfloat16_t* __rest
 		cudaLaunchConfig_t config;
 		cudaLaunchAttribute attribute[1];
 		attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-		attribute[0].val.programmaticStreamSerializationAllowed = 1;
+		attribute[0].val.programmaticStreamSerializationAllowed = 0;
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;

@@ -164,7 +164,7 @@ extern "C" int infllmv2_sparse_decode_combine_bf16_d128_sm89_call(float* __restr
 		cudaLaunchConfig_t config;
 		cudaLaunchAttribute attribute[1];
 		attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-		attribute[0].val.programmaticStreamSerializationAllowed = 1;
+		attribute[0].val.programmaticStreamSerializationAllowed = 0;
 		config.attrs = attribute;
 		config.numAttrs = 1;
 		config.stream = stream;

@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_attention_cache_offsets_sm90a_kernel(const int* __restrict__ cache_seqlens, int* __restrict__ cu_seqlens_c, int* __restrict__ cu_seqlens_k, int* __restrict__ cu_seqlens_n, int batch, int batch_plus_one, int cap_c, int cap_n, int capacity);
 extern "C" __global__ void __launch_bounds__(32, 1) infllmv2_attention_cache_offsets_sm90a_kernel(const int* __restrict__ cache_seqlens, int* __restrict__ cu_seqlens_c, int* __restrict__ cu_seqlens_k, int* __restrict__ cu_seqlens_n, int batch, int batch_plus_one, int cap_c, int cap_n, int capacity) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   int acc = 0;
   if (((int)threadIdx.x) == 0) {
     acc = 0;

@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_attention_compressed_offsets_sm90a_kernel(int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int kernel_size, int kernel_stride);
 extern "C" __global__ void __launch_bounds__(32, 1) infllmv2_attention_compressed_offsets_sm90a_kernel(int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int kernel_size, int kernel_stride) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   int acc = 0;
   if (((int)threadIdx.x) == 0) {
     acc = 0;

@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_compress_keys_bf16_d64_sm90a_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int heads_k, int max_nc, int part, int stride, int total_c, int total_k, int window);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_bf16_d64_sm90a_kernel(bfloat16_t* __restrict__ C, const bfloat16_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, int batch, int batch_plus_one, int heads_k, int max_nc, int part, int stride, int total_c, int total_k, int window) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   int iv[4];
   float acc[8];
   float S_f[16];

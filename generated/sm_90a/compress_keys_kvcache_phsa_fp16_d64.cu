@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_kernel(half_t* __restrict__ C, half_t* __restrict__ C2, const half_t* __restrict__ K, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const uchar* __restrict__ punct, int batch, int c2_rows, int c_rows, int cache_rows, int cap_c, int cap_c2, int heads_k, int levels, int min_stride, int new_keys, int num_pages, int page_size, int pages_per_seq, float phsa_lambda, int stride, int stride2, int table_len, int window, int window2);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_kvcache_phsa_fp16_d64_sm90a_kernel(half_t* __restrict__ C, half_t* __restrict__ C2, const half_t* __restrict__ K, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const uchar* __restrict__ punct, int batch, int c2_rows, int c_rows, int cache_rows, int cap_c, int cap_c2, int heads_k, int levels, int min_stride, int new_keys, int num_pages, int page_size, int pages_per_seq, float phsa_lambda, int stride, int stride2, int table_len, int window, int window2) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rows_s = ((void*)((char*)buf_dyn_shmem + 8192));

@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_compress_keys_phsa_fp16_d64_sm90a_kernel(half_t* __restrict__ C, const half_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const uchar* __restrict__ punct_mask, int batch, int batch_plus_one, int heads_k, int max_nc, float phsa_lambda, int stride, int total_c, int total_k, int window);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_compress_keys_phsa_fp16_d64_sm90a_kernel(half_t* __restrict__ C, const half_t* __restrict__ K, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const uchar* __restrict__ punct_mask, int batch, int batch_plus_one, int heads_k, int max_nc, float phsa_lambda, int stride, int total_c, int total_k, int window) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   float acc[8];
   float acc_punct[8];
   float n_punct[8];

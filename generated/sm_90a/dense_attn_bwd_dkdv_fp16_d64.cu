@@ -21,6 +21,7 @@
 
 extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, half_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k);
 extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkdv_fp16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, half_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 16384));

@@ -22,6 +22,7 @@
 
 extern "C" __global__ void infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, half_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_q);
 extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_fp16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, half_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 32768));

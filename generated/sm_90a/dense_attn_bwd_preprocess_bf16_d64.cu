@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_kernel(const float* __restrict__ LSE, const bfloat16_t* __restrict__ O, float* __restrict__ Stats, const bfloat16_t* __restrict__ dO, int heads, int q_pad, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_preprocess_bf16_d64_sm90a_kernel(const float* __restrict__ LSE, const bfloat16_t* __restrict__ O, float* __restrict__ Stats, const bfloat16_t* __restrict__ dO, int heads, int q_pad, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   float prod[16];
   float delta[2];
   #pragma unroll

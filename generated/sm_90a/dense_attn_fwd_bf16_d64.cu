@@ -22,6 +22,7 @@
 
 extern "C" __global__ void infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_q);
 extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 32768));

@@ -22,6 +22,7 @@
 
 extern "C" __global__ void infllmv2_dense_decode_kvcache_fp16_d64_sm90a_kernel(const half_t* __restrict__ K, __grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, const half_t* __restrict__ V, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int num_pages, int page_size, int pages_per_seq, int part_rows, float scale_log2, int splits, int table_len, int tile_tokens, int total_k, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_decode_kvcache_fp16_d64_sm90a_kernel(const half_t* __restrict__ K, __grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, const half_t* __restrict__ V, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int num_pages, int page_size, int pages_per_seq, int part_rows, float scale_log2, int splits, int table_len, int tile_tokens, int total_k, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 8192));

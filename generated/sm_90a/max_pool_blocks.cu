@@ -18,6 +18,7 @@
 
 extern "C" __global__ void infllmv2_max_pool_blocks_sm90a_kernel(float* __restrict__ B, const float* __restrict__ S, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int heads_k, int init_blocks, int local_blocks, int max_seqlen_q, int n_blocks, int total_q, int width);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_max_pool_blocks_sm90a_kernel(float* __restrict__ B, const float* __restrict__ S, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int heads_k, int init_blocks, int local_blocks, int max_seqlen_q, int n_blocks, int total_q, int width) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   float m[1];
   int condval;
   if ((((int)blockIdx.y) < batch_plus_one)) {

@@ -114,6 +114,7 @@ __device__ __forceinline__ void infllmv2_group_pool_tail(float* sc, int stride, 
 
 extern "C" __global__ void infllmv2_select_blocks_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ CK, const bfloat16_t* __restrict__ NK, const bfloat16_t* __restrict__ Q, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int init_blocks, int local_blocks, int max_tiles, int norm_stride, int norm_window, float scale_log2, int score_stride, int tile_tokens, int topk, int total_c, int total_n, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 4) infllmv2_select_blocks_bf16_d128_sm90a_kernel(const bfloat16_t* __restrict__ CK, const bfloat16_t* __restrict__ NK, const bfloat16_t* __restrict__ Q, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_n, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int init_blocks, int local_blocks, int max_tiles, int norm_stride, int norm_window, float scale_log2, int score_stride, int tile_tokens, int topk, int total_c, int total_n, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* P_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));

@@ -22,6 +22,7 @@
 
 extern "C" __global__ void infllmv2_select_decode_scores_fp16_d64_sm90a_kernel(const half_t* __restrict__ CK, const float* __restrict__ L_fine, const float* __restrict__ L_part, const float* __restrict__ M_fine, const float* __restrict__ M_part, const half_t* __restrict__ Q, float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int local_blocks, int max_tiles, int norm_window, int part_rows, float scale_log2, int score_stride, int splits, int tile_rows, int tile_tokens, int total_c, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scores_fp16_d64_sm90a_kernel(const half_t* __restrict__ CK, const float* __restrict__ L_fine, const float* __restrict__ L_part, const float* __restrict__ M_fine, const float* __restrict__ M_part, const half_t* __restrict__ Q, float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int approx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int local_blocks, int max_tiles, int norm_window, int part_rows, float scale_log2, int score_stride, int splits, int tile_rows, int tile_tokens, int total_c, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* G_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Lp_s = ((void*)((char*)buf_dyn_shmem + 0));

@@ -19,6 +19,7 @@
 
 extern "C" __global__ void infllmv2_select_decode_topk_sm90a_kernel(const float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int batch, int batch_plus_one, int heads_k, int init_blocks, int local_blocks, int max_tiles, int score_stride, int tile_tokens, int topk, int total_q);
 extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk_sm90a_kernel(const float* __restrict__ SC, const int* __restrict__ cu_seqlens_c, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ topk_idx, int batch, int batch_plus_one, int heads_k, int init_blocks, int local_blocks, int max_tiles, int score_stride, int tile_tokens, int topk, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* SC_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* hist_s = ((void*)((char*)buf_dyn_shmem + 32768));

@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_kernel(const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, half_t* __restrict__ dV, const float* __restrict__ partial, int batch, int batch_plus_one, int heads_k, int n_pieces, int total_k, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_reduce_fp16_d64_sm90a_kernel(const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, half_t* __restrict__ dV, const float* __restrict__ partial, int batch, int batch_plus_one, int heads_k, int n_pieces, int total_k, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   float acc_dk[32];
   float acc_dv[32];
   int condval;

@@ -23,6 +23,7 @@
 
 extern "C" __global__ void infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_kernel(const float* __restrict__ Delta, __grid_constant__ const CUtensorMap K_desc, const float* __restrict__ LSE, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq_fp16_d64_t4_sm90a_kernel(const float* __restrict__ Delta, __grid_constant__ const CUtensorMap K_desc, const float* __restrict__ LSE, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const half_t* __restrict__ dO, half_t* __restrict__ dQ, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 8192));

@@ -18,6 +18,7 @@
 
 extern "C" __global__ void infllmv2_sparse_attn_bwd_members_sm90a_kernel(int* __restrict__ cnt, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ members, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int fill, int heads_k, int n_entries, int n_gb, int topk, int total_q, int windows);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_members_sm90a_kernel(int* __restrict__ cnt, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ members, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int fill, int heads_k, int n_entries, int n_gb, int topk, int total_q, int windows) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* cnt_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rows_s = ((void*)((char*)buf_dyn_shmem + 16384));

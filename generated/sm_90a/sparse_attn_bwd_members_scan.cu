@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_sparse_attn_bwd_members_scan_sm90a_kernel(int* __restrict__ cnt, const int* __restrict__ cu_seqlens_k, int* __restrict__ offsets, int batch, int batch_plus_one, int heads_k, int n_gb);
 extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_members_scan_sm90a_kernel(int* __restrict__ cnt, const int* __restrict__ cu_seqlens_k, int* __restrict__ offsets, int batch, int batch_plus_one, int heads_k, int n_gb) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   int carry = 0;
   int tot = 0;
   int vals[64];

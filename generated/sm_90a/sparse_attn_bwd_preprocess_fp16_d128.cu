@@ -17,6 +17,7 @@
 
 extern "C" __global__ void infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_kernel(float* __restrict__ Delta, const half_t* __restrict__ O, const half_t* __restrict__ dO, int heads, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_kernel(float* __restrict__ Delta, const half_t* __restrict__ O, const half_t* __restrict__ dO, int heads, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   float prod[32];
   float delta[4];
   #pragma unroll

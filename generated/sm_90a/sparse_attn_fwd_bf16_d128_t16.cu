@@ -23,6 +23,7 @@
 
 extern "C" __global__ void infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_kernel(const bfloat16_t* __restrict__ K, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf16_d128_t16_sm90a_kernel(const bfloat16_t* __restrict__ K, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 16384));

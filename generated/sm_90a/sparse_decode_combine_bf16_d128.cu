@@ -18,6 +18,7 @@
 
 extern "C" __global__ void infllmv2_sparse_decode_combine_bf16_d128_sm90a_kernel(float* __restrict__ LSE, const float* __restrict__ LSE_part, bfloat16_t* __restrict__ O, const float* __restrict__ O_part, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int heads, int part_rows, int splits, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_combine_bf16_d128_sm90a_kernel(float* __restrict__ LSE, const float* __restrict__ LSE_part, bfloat16_t* __restrict__ O, const float* __restrict__ O_part, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int heads, int part_rows, int splits, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   float m = 0x0p+0f/*0.000000e+00*/;
   float l = 0x0p+0f/*0.000000e+00*/;
   float acc[4];

@@ -23,6 +23,7 @@
 
 extern "C" __global__ void infllmv2_sparse_decode_fwd_fp16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int part_rows, float scale_log2, int splits, int tile_tokens, int topk, int total_q);
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_fwd_fp16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE_part, float* __restrict__ O_part, const half_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, int part_rows, float scale_log2, int splits, int tile_tokens, int topk, int total_q) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* Q_s = ((void*)((char*)buf_dyn_shmem + 8192));
