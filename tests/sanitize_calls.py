@@ -16,7 +16,7 @@ except ImportError:  # a source checkout
     import infllmv2
 import torch
 
-from infllmv2 import SparseConfig
+from infllmv2 import SparseConfig, ops
 from infllmv2.ops import sort_topk_idx
 from infllmv2.testing import cu_seqlens, realistic_topk
 
@@ -27,6 +27,9 @@ PIPELINE = {"attention_g16": (32, 2, 128), "attention_g4": (8, 2, 128), "attenti
             "attention_g1_d64": (2, 2, 64)}
 FAMILIES = (*PIPELINE, "sparse_attn_pieces", "dense_attn", "decode_g16", "decode_g4", "attention_kvcache",
             "dense_decode_kvcache")
+# inputs that disagree with the tensors they describe: for memcheck only (their results are garbage,
+# and reading garbage is what initcheck would report)
+INCONSISTENT = "inconsistent_inputs"
 
 
 def _qkv(lengths, hq, hk, head_dim=128, dtype=torch.bfloat16):
@@ -39,6 +42,68 @@ def _fwd_bwd(fn, q, k, v):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def _inconsistent_stage2(q, k, v, cu_q, cu_k, idx):
+    """Stage 2 and the dense kernels through their launch functions (idx unsorted garbage, as the C
+    ABI could be handed it), then the public calls that trust offsets when the lengths are given."""
+    n, heads = q.shape[0], q.shape[1]
+    out, lse = torch.empty_like(q), torch.empty(heads, n, device="cuda")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ops.sparse_attn_fwd_launch(q, k, v, idx, cu_q, cu_k, 130, 0.0, out, lse)
+    ws = torch.empty(ops.sparse_attn_bwd_workspace_floats(q, k, idx, cu_k), device="cuda")
+    ops.sparse_attn_bwd_launch(q, q, k, v, out, lse, idx, cu_q, cu_k, 130, 130, 0.0, dq, dk, dv, ws)
+    ops.dense_attn_fwd_launch(q, k, v, cu_q, cu_k, 130, 130, True, 0.0, out, lse)
+    ws = torch.empty(ops.dense_attn_bwd_workspace_floats(q), device="cuda")
+    ops.dense_attn_bwd_launch(q, q, k, v, out, lse, cu_q, cu_k, 130, 130, True, 0.0, dq, dk, dv, ws)
+    infllmv2.sparse_decode(q, k, v, cu_q, cu_k, idx, max_seqlen_q=130, num_splits=3)
+    infllmv2.select_decode(q, k, cu_q, cu_k, topk=4, local_blocks=2, max_seqlen_q=130, max_seqlen_k=130, num_splits=2)
+    cfg = SparseConfig(dense_len=0, window_size=128, topk=2)
+    _fwd_bwd(lambda q, k, v: infllmv2.attention(q, k, v, cu_q, cu_k, 130, 130, config=cfg), q.clone(), k.clone(),
+             v.clone())
+
+
+def _inconsistent_inputs():
+    """Offsets, cache lengths, block tables and selections that disagree with the tensors they
+    describe, which the kernels read on the device and the C ABI trusts: garbage results, but no
+    access outside the tensors."""
+    lengths = [65, 130]
+    q, k, v, cu = _qkv(lengths, 32, 2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(-10**6, 10**6, (2, q.shape[0], 8), device="cuda", dtype=torch.int32, generator=g)
+    idx[:, :, :4] = torch.randint(-2, 4, (2, q.shape[0], 4), device="cuda", dtype=torch.int32, generator=g)
+    bad = (_i32(0, 1_000_000, 2_000_000), _i32(0, 150, 10), _i32(0, -50, 195), _i32(5, 3, 1))
+    for cu_bad in bad:
+        for cu_q, cu_k in ((cu_bad, cu), (cu, cu_bad), (cu_bad, cu_bad)):
+            _inconsistent_stage2(q, k, v, cu_q, cu_k, idx)
+    # a paged cache of 12 pages of 64 a sequence, and lengths, tables and query offsets past it
+    page, pages, hk, head_dim = 64, 12, 2, 128
+    kc = torch.randn(2 * pages, page, hk, head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.arange(2 * pages, device="cuda", dtype=torch.int32).flip(0).reshape(2, pages).contiguous()
+    wild = table.clone()
+    wild[0, ::2], wild[1, 1::3] = 10**6, -3
+    cap = page * pages
+    ck = torch.zeros(2, infllmv2.compressed_capacity(cap), hk, head_dim, device="cuda", dtype=torch.bfloat16)
+    nk = torch.zeros(2, infllmv2.compressed_capacity(cap, 128, 64), hk, head_dim, device="cuda", dtype=torch.bfloat16)
+    qd = torch.randn(2, hk * 16, head_dim, device="cuda", dtype=torch.bfloat16)
+    didx = torch.randint(-10**6, 10**6, (2, 2, 8), device="cuda", dtype=torch.int32, generator=g)
+    cfg = SparseConfig(dense_len=256, window_size=128, topk=4)
+    for lens in (_i32(10**6, 10**6), _i32(-5, 700), _i32(700, -10**6)):
+        for tab in (table, wild):
+            for cu_q in (cu_seqlens([1, 1], "cuda"), _i32(0, 5, 1), _i32(0, 10**6, 2 * 10**6)):
+                infllmv2.dense_decode_kvcache(qd, kc, vc, lens, cu_q, tab, max_seqlen_q=1, num_splits=3)
+                infllmv2.sparse_decode_kvcache(qd, kc, vc, lens, cu_q, didx, tab, max_seqlen_q=1, num_splits=3)
+                infllmv2.compress_keys_kvcache(kc, lens, ck, 700, tab)
+                infllmv2.compress_keys_kvcache(kc, lens, nk, 700, tab, 128, 64)
+                infllmv2.select_decode_kvcache(qd, ck, nk, lens, cu_q, cap, topk=4, local_blocks=2, max_seqlen_q=1)
+                for max_k in (100, 700):  # both sides of dense_len
+                    infllmv2.attention_kvcache(qd, kc, vc, lens, cu_q, ck, nk, 1, tab, cfg, max_seqlen_q=1,
+                                               max_seqlen_k=max_k)
 
 
 def run(family):
@@ -97,8 +162,10 @@ def run(family):
             infllmv2.dense_decode_kvcache(q, kc.view(2, pages * page, hk, head_dim),
                                           vc.view(2, pages * page, hk, head_dim), lens, cu_q, max_seqlen_q=tokens,
                                           num_splits=splits)
+    elif family == INCONSISTENT:
+        _inconsistent_inputs()
     else:
-        raise SystemExit(f"unknown family {family!r}; one of {', '.join(FAMILIES)}")
+        raise SystemExit(f"unknown family {family!r}; one of {', '.join(FAMILIES)}, {INCONSISTENT}")
     torch.cuda.synchronize()
 
 

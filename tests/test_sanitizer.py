@@ -1,6 +1,8 @@
 """The kernels under compute-sanitizer: no out-of-bounds or misaligned access (memcheck), no
 shared-memory race (racecheck), no misused barrier (synccheck), no read of global memory that
-nothing wrote (initcheck), for every kernel family, native and through the sm_80 / sm_89 PTX.
+nothing wrote (initcheck), for every kernel family, native and through the sm_80 / sm_89 PTX;
+and no out-of-bounds access when the offsets, lengths, tables and selections the kernels read on
+the device disagree with the tensors (memcheck of the inconsistent_inputs family).
 
 Each case runs ``tests/sanitize_calls.py FAMILY [ARCH]`` in a child process under the tool, with
 only this library's kernels instrumented (``--kernel-name kns=infllmv2``; initcheck instruments
@@ -19,7 +21,7 @@ import infllmv2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from sanitize_calls import FAMILIES  # noqa: E402
+from sanitize_calls import FAMILIES, INCONSISTENT  # noqa: E402
 
 # racecheck is about 100x slower than a plain run; these families are the small ones that still
 # reach the sparse and decoding kernels' shared-memory designs (the forward's cluster pair, dQ's
@@ -39,6 +41,8 @@ CASES = (
     + [pytest.param(tool, f, arch, id=f"{tool}-{f}-{arch}") for arch in ("sm_80", "sm_89")
        for tool in ("memcheck", "racecheck")
        for f in ("attention_g16", "dense_attn", "attention_kvcache", "dense_decode_kvcache")]
+    + [pytest.param("memcheck", INCONSISTENT, arch, id=f"memcheck-{INCONSISTENT}-{arch or 'native'}")
+       for arch in (None, "sm_80")]
 )
 
 
