@@ -270,8 +270,35 @@ def compress_keys_kvcache_launch(k_cache, cache_seqlens, block_table, ck_cache, 
     _lib.check(status)
 
 
-@_forward_only_op("infllmv2::compress_keys_kvcache", lambda *args: _check_compress_keys_kvcache(*args),
-                  mutates_args=("ck_cache",))
+def _check_compress_keys_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
+                                 punct_cache, phsa_lambda):
+    """compress_keys_kvcache's arguments (the kernels' needs on CUDA); returns cache_seqlens and
+    block_table as int32, and phsa_lambda as a float."""
+    _check_cache_tensor(k_cache, "k_cache", k_cache, "k_cache")
+    batch = ck_cache.shape[0] if isinstance(ck_cache, torch.Tensor) and ck_cache.dim() == 4 else None
+    if batch is None or ck_cache.shape[2:] != k_cache.shape[2:] or ck_cache.dtype != k_cache.dtype \
+            or ck_cache.device != k_cache.device:
+        raise ValueError(f"ck_cache must be a tensor of shape (batch, capacity_c, Hk={k_cache.shape[2]}, "
+                         f"D={k_cache.shape[3]}) with k_cache's dtype and device ({k_cache.dtype}, {k_cache.device}), got "
+                         + (f"{ck_cache.dtype} {tuple(ck_cache.shape)} on {ck_cache.device}"
+                            if isinstance(ck_cache, torch.Tensor) else type(ck_cache).__name__))
+    _check_int(new_keys, "new_keys", 0)
+    _check_int(kernel_size, "kernel_size", 1)
+    _check_int(kernel_stride, "kernel_stride", 1)
+    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, k_cache.device)
+    block_table = _check_block_table(block_table, k_cache, batch)
+    _check_compressed_rows(ck_cache, "ck_cache", _cache_capacity(k_cache, block_table), kernel_size, kernel_stride)
+    if not ck_cache.is_contiguous():
+        raise ValueError("ck_cache must be contiguous (it is written in place)")
+    if punct_cache is not None:
+        phsa_lambda = _check_punct_cache(punct_cache, k_cache, phsa_lambda)
+    if k_cache.is_cuda:
+        _check_kernel_tensor(k_cache, "k_cache")
+        _check_kernel_pages(block_table, k_cache)
+    return cache_seqlens, block_table, phsa_lambda
+
+
+@_forward_only_op("infllmv2::compress_keys_kvcache", _check_compress_keys_kvcache, mutates_args=("ck_cache",))
 def _compress_keys_kvcache_op(
     k_cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor], ck_cache: torch.Tensor,
     new_keys: int, kernel_size: int, kernel_stride: int, punct_cache: Optional[torch.Tensor], phsa_lambda: float,
@@ -335,33 +362,6 @@ def compress_keys_kvcache(k_cache, cache_seqlens, ck_cache, new_keys, block_tabl
                               punct_cache, float(phsa_lambda))
     return ck_cache
 
-
-def _check_compress_keys_kvcache(k_cache, cache_seqlens, block_table, ck_cache, new_keys, kernel_size, kernel_stride,
-                                 punct_cache, phsa_lambda):
-    """compress_keys_kvcache's arguments (the kernels' needs on CUDA); returns cache_seqlens and
-    block_table as int32, and phsa_lambda as a float."""
-    _check_cache_tensor(k_cache, "k_cache", k_cache, "k_cache")
-    batch = ck_cache.shape[0] if isinstance(ck_cache, torch.Tensor) and ck_cache.dim() == 4 else None
-    if batch is None or ck_cache.shape[2:] != k_cache.shape[2:] or ck_cache.dtype != k_cache.dtype \
-            or ck_cache.device != k_cache.device:
-        raise ValueError(f"ck_cache must be a tensor of shape (batch, capacity_c, Hk={k_cache.shape[2]}, "
-                         f"D={k_cache.shape[3]}) with k_cache's dtype and device ({k_cache.dtype}, {k_cache.device}), got "
-                         + (f"{ck_cache.dtype} {tuple(ck_cache.shape)} on {ck_cache.device}"
-                            if isinstance(ck_cache, torch.Tensor) else type(ck_cache).__name__))
-    _check_int(new_keys, "new_keys", 0)
-    _check_int(kernel_size, "kernel_size", 1)
-    _check_int(kernel_stride, "kernel_stride", 1)
-    cache_seqlens = _index_vector(cache_seqlens, "cache_seqlens", batch, k_cache.device)
-    block_table = _check_block_table(block_table, k_cache, batch)
-    _check_compressed_rows(ck_cache, "ck_cache", _cache_capacity(k_cache, block_table), kernel_size, kernel_stride)
-    if not ck_cache.is_contiguous():
-        raise ValueError("ck_cache must be contiguous (it is written in place)")
-    if punct_cache is not None:
-        phsa_lambda = _check_punct_cache(punct_cache, k_cache, phsa_lambda)
-    if k_cache.is_cuda:
-        _check_kernel_tensor(k_cache, "k_cache")
-        _check_kernel_pages(block_table, k_cache)
-    return cache_seqlens, block_table, phsa_lambda
 
 
 def _lengths(cu):
@@ -1292,18 +1292,16 @@ def _check_select_call(q, k, cu_seqlens_q, cu_seqlens_k, punct_mask, phsa_lambda
     _check_scoring_qk(q, k, "k", *_KERNEL_FINE, softmax_scale or None)
     _check_offsets((("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)), q.device)
     _check_phsa_args(punct_mask, phsa_lambda, k)
-    _check_select_sizes(topk, init_blocks, local_blocks, num_splits)
-    for value, name, least in ((norm_kernel_size, "norm_kernel_size", 1), (norm_kernel_stride, "norm_kernel_stride", 1),
-                               (max_seqlen_q, "max_seqlen_q", 0), (max_seqlen_k, "max_seqlen_k", 0)):
+    for value, name, least in ((topk, "topk", 1), (init_blocks, "init_blocks", 0), (local_blocks, "local_blocks", 0),
+                               (num_splits, "num_splits", 0), (norm_kernel_size, "norm_kernel_size", 1),
+                               (norm_kernel_stride, "norm_kernel_stride", 1), (max_seqlen_q, "max_seqlen_q", 0),
+                               (max_seqlen_k, "max_seqlen_k", 0)):
         _check_int(value, name, least)
+    _check_select_limits(topk, num_splits)
 
 
-def _check_select_sizes(topk, init_blocks, local_blocks, num_splits):
-    """The kernels' limits on a selection's sizes."""
-    _check_int(topk, "topk", 1)
-    _check_int(init_blocks, "init_blocks", 0)
-    _check_int(local_blocks, "local_blocks", 0)
-    _check_int(num_splits, "num_splits", 0)
+def _check_select_limits(topk, num_splits):
+    """The selection kernels' limits on topk and num_splits (both checked as ints already)."""
     if topk > _KERNEL_MAX_SELECT_TOPK:
         raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
     if num_splits > _MAX_SELECT_SPLITS:
@@ -1402,8 +1400,7 @@ def _select(q, k, cu_seqlens_q, cu_seqlens_k, topk, kernel_size, kernel_stride, 
         )
     if block_size != _KERNEL_BLOCK:
         raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
-    if topk > _KERNEL_MAX_SELECT_TOPK:
-        raise ValueError(f"topk must be <= {_KERNEL_MAX_SELECT_TOPK} on CUDA, got {topk}")
+    _check_select_limits(topk, num_splits or 0)
     _check_int(kernel_size, "kernel_size", 1)
     _check_int(kernel_stride, "kernel_stride", 1)
     _check_scoring_qk(q, k, "k", kernel_size, kernel_stride, softmax_scale)
@@ -1467,7 +1464,7 @@ def _check_select_decode_kvcache_call(q, ck_cache, nk_cache, cache_seqlens, cu_s
     _check_select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, capacity, topk, *_KERNEL_FINE,
                                  init_blocks, local_blocks, norm_kernel_size, norm_kernel_stride, num_splits)
     _check_scoring_qk(q, ck_cache[0], "ck_cache", *_KERNEL_FINE, softmax_scale or None)
-    _check_select_sizes(topk, init_blocks, local_blocks, num_splits)
+    _check_select_limits(topk, num_splits)
     _check_int(max_seqlen_q, "max_seqlen_q", 0)
 
 
@@ -1541,7 +1538,7 @@ def select_decode_kvcache(q, ck_cache, nk_cache, cache_seqlens, cu_seqlens_q, ca
                                                norm_kernel_size, norm_kernel_stride, softmax_scale)
     if block_size != _KERNEL_BLOCK:
         raise ValueError(f"block_size must be {_KERNEL_BLOCK} on CUDA, got {block_size}")
-    _check_select_sizes(topk, init_blocks, local_blocks, num_splits)
+    _check_select_limits(topk, num_splits)
     # the scoring kernels' limits (dtype, head_dim, group size, 32/16, scale) on one sequence's rows
     _check_scoring_qk(q, ck_cache[0], "ck_cache", kernel_size, kernel_stride, softmax_scale)
     max_seqlen_q = _max_seqlen(cu_seqlens_q, max_seqlen_q, "max_seqlen_q")
