@@ -1105,17 +1105,20 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
     # every vector of every row is copied exactly once
     assert VPT * TPR == D // VEC and PASSES * RPP == BM, (D, threads)
 
+    # The gathers' rows are clamped into q: a list entry is a position in the sequence when the
+    # caller's offsets agree with the tensors, but with offsets that do not (the C ABI cannot see
+    # them) the lists may hold entries bwd_members never wrote, and cp.async is not bounds-checked.
     @T.macro
     def row_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl):
         for p in T.unroll(PASSES):
             r = p * RPP + tx // TPR
-            rowl[p] = q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0)
+            rowl[p] = T.min(T.max(q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0), 0), total_q - 1)
             headl[p] = rhead_s[r]
 
     @T.macro
     def stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl):
         if tx < BM:
-            rowl[PASSES] = q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0)
+            rowl[PASSES] = T.min(T.max(q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0), 0), total_q - 1)
             headl[PASSES] = rhead_s[tx]
 
     @T.macro
@@ -1382,8 +1385,12 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                 if boxes:
                     ph0 = 0
                     ph1 = 0
-                m_a[0] = offsets[hk, gb]
-                m_b[0] = offsets[hk, gb + 1]
+                # A list holds each query of the sequence at most once. Offsets that disagree with
+                # the tensors can leave list bounds unwritten (bwd_members_scan writes those of the
+                # indices below cu_seqlens_k[batch] // 64 + batch): clamped, a block visits at
+                # most len_q entries of the lists, and the call's time stays bounded.
+                m_a[0] = T.min(T.max(offsets[hk, gb], 0), n_entries)
+                m_b[0] = T.max(T.min(T.min(offsets[hk, gb + 1], n_entries), m_a[0] + T.max(len_q, 0)), m_a[0])
                 if split == 1:
                     lower_bound(members, hk, m_a[0], m_b[0], t_b, m_rot)
                     m_b[0] = m_rot[0]

@@ -27,8 +27,8 @@ PIPELINE = {"attention_g16": (32, 2, 128), "attention_g4": (8, 2, 128), "attenti
             "attention_g1_d64": (2, 2, 64)}
 FAMILIES = (*PIPELINE, "sparse_attn_pieces", "dense_attn", "decode_g16", "decode_g4", "attention_kvcache",
             "dense_decode_kvcache")
-# inputs that disagree with the tensors they describe: for memcheck only (their results are garbage,
-# and reading garbage is what initcheck would report)
+# inputs that disagree with the tensors they describe: for memcheck and a plain timed run only
+# (their results are garbage, and reading garbage is what initcheck would report)
 INCONSISTENT = "inconsistent_inputs"
 
 
@@ -48,6 +48,12 @@ def _i32(*values):
     return torch.tensor(values, dtype=torch.int32, device="cuda")
 
 
+def _poisoned(floats):
+    ws = torch.empty(floats, device="cuda")
+    ws.view(torch.int32).fill_(1 << 30)
+    return ws
+
+
 def _inconsistent_stage2(q, k, v, cu_q, cu_k, idx):
     """Stage 2 and the dense kernels through their launch functions (idx unsorted garbage, as the C
     ABI could be handed it), then the public calls that trust offsets when the lengths are given."""
@@ -55,10 +61,13 @@ def _inconsistent_stage2(q, k, v, cu_q, cu_k, idx):
     out, lse = torch.empty_like(q), torch.empty(heads, n, device="cuda")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ops.sparse_attn_fwd_launch(q, k, v, idx, cu_q, cu_k, 130, 0.0, out, lse)
-    ws = torch.empty(ops.sparse_attn_bwd_workspace_floats(q, k, idx, cu_k), device="cuda")
+    # workspaces poisoned with large counts and offsets: what the kernels read of them without
+    # having written it (bad offsets can leave parts of the member index unwritten) must not send
+    # a loop or a load past its list
+    ws = _poisoned(ops.sparse_attn_bwd_workspace_floats(q, k, idx, cu_k))
     ops.sparse_attn_bwd_launch(q, q, k, v, out, lse, idx, cu_q, cu_k, 130, 130, 0.0, dq, dk, dv, ws)
     ops.dense_attn_fwd_launch(q, k, v, cu_q, cu_k, 130, 130, True, 0.0, out, lse)
-    ws = torch.empty(ops.dense_attn_bwd_workspace_floats(q), device="cuda")
+    ws = _poisoned(ops.dense_attn_bwd_workspace_floats(q))
     ops.dense_attn_bwd_launch(q, q, k, v, out, lse, cu_q, cu_k, 130, 130, True, 0.0, dq, dk, dv, ws)
     infllmv2.sparse_decode(q, k, v, cu_q, cu_k, idx, max_seqlen_q=130, num_splits=3)
     infllmv2.select_decode(q, k, cu_q, cu_k, topk=4, local_blocks=2, max_seqlen_q=130, max_seqlen_k=130, num_splits=2)

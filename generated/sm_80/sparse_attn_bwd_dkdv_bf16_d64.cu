@@ -155,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
     } else {
       condval_7 = 0;
     }
-    m_a[0] = condval_7;
+    m_a[0] = min(max(condval_7, 0), n_entries);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     int condval_8;
@@ -164,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
     } else {
       condval_8 = 0;
     }
-    m_b[0] = condval_8;
+    m_b[0] = max(min(min(condval_8, n_entries), (max(len_q, 0) + m_a[0])), m_a[0]);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
@@ -282,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           } else {
             condval_16 = 0;
           }
-          rowl[0] = (q0 + condval_16);
+          rowl[0] = min(max((q0 + condval_16), 0), (total_q - 1));
           headl[0] = ((int*)rhead_s)[(((int)threadIdx.x) >> 2)];
         }
         if (0 < n_m) {
@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             } else {
               condval_17 = 0;
             }
-            rowl[1] = (q0 + condval_17);
+            rowl[1] = min(max((q0 + condval_17), 0), (total_q - 1));
           }
         }
         if (0 < n_m) {
@@ -331,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
             } else {
               condval_18 = 0;
             }
-            rowl[0] = (q0 + condval_18);
+            rowl[0] = min(max((q0 + condval_18), 0), (total_q - 1));
             headl[0] = ((int*)rhead_s)[(((int)threadIdx.x) >> 2)];
             if (((int)threadIdx.x) < 64) {
               int condval_19;
@@ -340,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               } else {
                 condval_19 = 0;
               }
-              rowl[1] = (q0 + condval_19);
+              rowl[1] = min(max((q0 + condval_19), 0), (total_q - 1));
               headl[1] = ((int*)rhead_s)[((int)threadIdx.x)];
             }
           }

@@ -162,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     } else {
       condval_7 = 0;
     }
-    m_a[0] = condval_7;
+    m_a[0] = min(max(condval_7, 0), n_entries);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     int condval_8;
@@ -171,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     } else {
       condval_8 = 0;
     }
-    m_b[0] = condval_8;
+    m_b[0] = max(min(min(condval_8, n_entries), (max(len_q, 0) + m_a[0])), m_a[0]);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
@@ -291,7 +291,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             } else {
               condval_16 = 0;
             }
-            rowl[p] = (q0 + condval_16);
+            rowl[p] = min(max((q0 + condval_16), 0), (total_q - 1));
             headl[p] = ((int*)rhead_s)[((p * 32) + (((int)threadIdx.x) >> 2))];
           }
         }
@@ -303,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             } else {
               condval_17 = 0;
             }
-            rowl[2] = (q0 + condval_17);
+            rowl[2] = min(max((q0 + condval_17), 0), (total_q - 1));
           }
         }
         if (0 < n_m) {
@@ -351,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_18 = 0;
                 }
-                rowl[p_2] = (q0 + condval_18);
+                rowl[p_2] = min(max((q0 + condval_18), 0), (total_q - 1));
                 headl[p_2] = ((int*)rhead_s)[((p_2 * 32) + (((int)threadIdx.x) >> 2))];
               }
               if (((int)threadIdx.x) < 64) {
@@ -361,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_19 = 0;
                 }
-                rowl[2] = (q0 + condval_19);
+                rowl[2] = min(max((q0 + condval_19), 0), (total_q - 1));
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               #pragma unroll
@@ -386,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_20 = 0;
                 }
-                rowl[p_4] = (q0 + condval_20);
+                rowl[p_4] = min(max((q0 + condval_20), 0), (total_q - 1));
                 headl[p_4] = ((int*)rhead_s)[((p_4 * 32) + (((int)threadIdx.x) >> 2))];
               }
               if (((int)threadIdx.x) < 64) {
@@ -396,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_21 = 0;
                 }
-                rowl[2] = (q0 + condval_21);
+                rowl[2] = min(max((q0 + condval_21), 0), (total_q - 1));
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               #pragma unroll

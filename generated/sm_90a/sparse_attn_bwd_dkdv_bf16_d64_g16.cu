@@ -186,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     } else {
       condval_7 = 0;
     }
-    m_a[0] = condval_7;
+    m_a[0] = min(max(condval_7, 0), n_entries);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     int condval_8;
@@ -195,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     } else {
       condval_8 = 0;
     }
-    m_b[0] = condval_8;
+    m_b[0] = max(min(min(condval_8, n_entries), (max(len_q, 0) + m_a[0])), m_a[0]);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
@@ -314,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             } else {
               condval_16 = 0;
             }
-            rowl[2] = (q0 + condval_16);
+            rowl[2] = min(max((q0 + condval_16), 0), (total_q - 1));
           }
         }
         if (0 < n_m) {
@@ -404,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_18 = 0;
                 }
-                rowl[2] = (q0 + condval_18);
+                rowl[2] = min(max((q0 + condval_18), 0), (total_q - 1));
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               #pragma unroll
@@ -460,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                 } else {
                   condval_20 = 0;
                 }
-                rowl[2] = (q0 + condval_20);
+                rowl[2] = min(max((q0 + condval_20), 0), (total_q - 1));
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               #pragma unroll
