@@ -11,6 +11,11 @@
  *   - Packed variable-length ("varlen") layout, as in FlashAttention: a batch of B sequences
  *     is stored back to back; cu_seqlens_x is an int32 device array of B+1 offsets
  *     (cu_seqlens_x[0] = 0, non-decreasing, cu_seqlens_x[B] = total_x).
+ *   - Offsets, lengths, block tables and selections are read on the device only, so no call
+ *     can check them against the sizes it is given. Values that disagree with those sizes give
+ *     wrong results, never an access outside the buffers (tests/test_sanitizer.py, memcheck).
+ *     A kernel's work still follows the lengths the offsets claim, so offsets far past the
+ *     tensors can make a call slow.
  *   - Keys k: (total_k, heads_k, head_dim), contiguous, row-major, in device memory of the
  *     current device.
  *   - dtype: bf16 or fp16 inputs, fp32 accumulation.
