@@ -1105,20 +1105,23 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
     # every vector of every row is copied exactly once
     assert VPT * TPR == D // VEC and PASSES * RPP == BM, (D, threads)
 
-    # The gathers' rows are clamped into q: a list entry is a position in the sequence when the
-    # caller's offsets agree with the tensors, but with offsets that do not (the C ABI cannot see
-    # them) the lists may hold entries bwd_members never wrote, and cp.async is not bounds-checked.
+    def member_row(q0, base, n_rows, tok_s, rtok_s, r):
+        # Clamped into q: a list entry is a position in the sequence when the caller's offsets
+        # agree with the tensors, but with offsets that do not (the C ABI cannot see them) the
+        # lists may hold entries bwd_members never wrote, and cp.async is not bounds-checked.
+        return T.min(T.max(q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0), 0), total_q - 1)
+
     @T.macro
     def row_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl):
         for p in T.unroll(PASSES):
             r = p * RPP + tx // TPR
-            rowl[p] = T.min(T.max(q0 + T.if_then_else(r < n_rows, tok_s[base + rtok_s[r]], 0), 0), total_q - 1)
+            rowl[p] = member_row(q0, base, n_rows, tok_s, rtok_s, r)
             headl[p] = rhead_s[r]
 
     @T.macro
     def stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl):
         if tx < BM:
-            rowl[PASSES] = T.min(T.max(q0 + T.if_then_else(tx < n_rows, tok_s[base + rtok_s[tx]], 0), 0), total_q - 1)
+            rowl[PASSES] = member_row(q0, base, n_rows, tok_s, rtok_s, tx)
             headl[PASSES] = rhead_s[tx]
 
     @T.macro

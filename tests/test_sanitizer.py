@@ -33,9 +33,6 @@ from sanitize_calls import FAMILIES, INCONSISTENT  # noqa: E402
 # instrumented at a time, the forward's, and 1 of 30 with setmaxnreg removed), with no hazard in
 # the runs that finish and no hang in hundreds of plain calls, so a native case would be flaky
 # (benchmarks/NOTES.md, "Session 43" and "Session 44").
-# the plain run of the inconsistent family took 10 s on an H200 (session 49); a stall shows as a
-# failure after this long, not as a hung tier
-INCONSISTENT_SECONDS = 120
 RACECHECK = ("attention_g16", "attention_g4", "decode_g16", "attention_kvcache", "dense_decode_kvcache")
 CASES = (
     [pytest.param("memcheck", f, None, id=f"memcheck-{f}") for f in FAMILIES]
@@ -48,6 +45,25 @@ CASES = (
     + [pytest.param("memcheck", INCONSISTENT, arch, id=f"memcheck-{INCONSISTENT}-{arch or 'native'}")
        for arch in (None, "sm_80")]
 )
+# the plain run of the inconsistent family took 10 s on an H200 (session 49); a stall shows as a
+# failure after this long, not as a hung tier
+INCONSISTENT_SECONDS = 120
+
+
+def _run_family(prefix, family, arch, timeout, env_extra=None):
+    """``tests/sanitize_calls.py FAMILY [ARCH]`` in a child process (after ``prefix``, a tool's
+    command line) with this library; asserts it finished and printed its ok line, and returns its
+    output."""
+    # the child imports infllmv2 as conftest does (the installed wheel, else python/), and this library
+    env = dict(os.environ, INFLLMV2_LIBRARY=infllmv2.library_path(), **(env_extra or {}))
+    cmd = prefix + [sys.executable, os.path.join(HERE, "sanitize_calls.py"), family] + ([arch] if arch else [])
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{family} {arch or 'native'} did not return within {timeout} s")
+    text = run.stdout + run.stderr
+    assert run.returncode == 0 and f"{family} {arch or 'native'} ok" in text, text[-6000:]
+    return text
 
 
 @pytest.mark.gpu
@@ -59,21 +75,14 @@ def test_kernels_under_compute_sanitizer(tool, family, arch):
         pytest.skip("compute-sanitizer is not on PATH")
     if arch and arch not in infllmv2.build_info()["archs"]:
         pytest.skip(f"{arch} not compiled into this build")
-    # the child imports infllmv2 as conftest does (the installed wheel, else python/), and this library
-    env = dict(os.environ)
-    env["INFLLMV2_LIBRARY"] = infllmv2.library_path()
-    if tool in ("memcheck", "initcheck"):
-        # every tensor its own allocation, so that a read past one is not inside another
-        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    # every tensor its own allocation, so that a read past one is not inside another
+    env = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"} if tool in ("memcheck", "initcheck") else {}
     cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
     if tool != "initcheck":
         cmd += ["--kernel-name", "kns=infllmv2"]
     if tool == "racecheck":
         cmd += ["--racecheck-report", "hazard"]
-    cmd += [sys.executable, os.path.join(HERE, "sanitize_calls.py"), family] + ([arch] if arch else [])
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    text = run.stdout + run.stderr
-    assert run.returncode == 0 and f"{family} {arch or 'native'} ok" in text, text[-6000:]
+    text = _run_family(cmd, family, arch, 300, env)
     assert "ERROR SUMMARY: 0 errors" in text or "RACECHECK SUMMARY: 0 hazards" in text, text[-6000:]
 
 
@@ -83,12 +92,4 @@ def test_inconsistent_inputs_return():
     with torch's caching allocator handing the kernels reused memory, every call returns. A
     dK/dV loop bounded by member-list offsets that bad cu_seqlens_k left unwritten once ran for
     minutes here (benchmarks/NOTES.md, "Session 49")."""
-    env = dict(os.environ)
-    env["INFLLMV2_LIBRARY"] = infllmv2.library_path()
-    cmd = [sys.executable, os.path.join(HERE, "sanitize_calls.py"), INCONSISTENT]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=INCONSISTENT_SECONDS, env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{INCONSISTENT} did not return within {INCONSISTENT_SECONDS} s")
-    text = run.stdout + run.stderr
-    assert run.returncode == 0 and f"{INCONSISTENT} native ok" in text, text[-6000:]
+    _run_family([], INCONSISTENT, None, INCONSISTENT_SECONDS)
