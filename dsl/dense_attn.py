@@ -35,6 +35,7 @@ import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
 from dsl.sparse_attn import row_dots
+from dsl.spans import seq_span
 
 OP = "dense_attn"
 NVCC_FLAGS = EXP_NVCC_FLAGS
@@ -97,15 +98,13 @@ def _dyn():
             T.dynamic("batch_plus_one"))
 
 
-def _q_tile(cu_seqlens_q, cu_seqlens_k, b, bx, max_tiles, BM, BN, causal):
+def _q_tile(cu_seqlens_q, cu_seqlens_k, total_q, total_k, b, bx, max_tiles, BM, BN, causal):
     """A query tile's place: the longest causal tiles launch first (bx counts from the end).
 
     Returns q0, k0, len_k, t0 (first token), n_tok (tokens in the sequence), p0 (position of
     the first token), the key tiles to visit, and how many of them every row sees whole."""
-    q0 = cu_seqlens_q[b]
-    k0 = cu_seqlens_k[b]
-    len_q = cu_seqlens_q[b + 1] - q0
-    len_k = cu_seqlens_k[b + 1] - k0
+    q0, len_q = seq_span(cu_seqlens_q, b, total_q)
+    k0, len_k = seq_span(cu_seqlens_k, b, total_k)
     t0 = (max_tiles - 1 - bx) * BM
     n_tok = T.max(T.min(BM, len_q - t0), 0)
     p0 = len_k - len_q + t0
@@ -154,7 +153,7 @@ def _fwd(dtype, D, BM, BN, stages, threads):
 
             hk = h // groups
             q0, k0, len_k, t0, n_tok, p0, n_blk, n_full = _q_tile(
-                cu_seqlens_q, cu_seqlens_k, b, bx, max_tiles, BM, BN, causal)
+                cu_seqlens_q, cu_seqlens_k, total_q, total_k, b, bx, max_tiles, BM, BN, causal)
 
             if n_tok > 0:
                 # rows past the sequence load the next one's queries (or TMA's zeros past
@@ -259,7 +258,7 @@ def _bwd_dq(dtype, D, BM, BN, stages, threads):
 
             hk = h // groups
             q0, k0, len_k, t0, n_tok, p0, n_blk, n_full = _q_tile(
-                cu_seqlens_q, cu_seqlens_k, b, bx, max_tiles, BM, BN, causal)
+                cu_seqlens_q, cu_seqlens_k, total_q, total_k, b, bx, max_tiles, BM, BN, causal)
 
             if n_tok > 0:
                 T.copy(Q[q0 + t0 : q0 + t0 + BM, h, :], Q_s)
@@ -333,10 +332,8 @@ def _bwd_dkdv(dtype, D, BM, BN, stages, threads):
             acc_dk = T.alloc_fragment([BN, D], accum)
             acc_dv = T.alloc_fragment([BN, D], accum)
 
-            q0 = cu_seqlens_q[b]
-            k0 = cu_seqlens_k[b]
-            len_q = cu_seqlens_q[b + 1] - q0
-            len_k = cu_seqlens_k[b + 1] - k0
+            q0, len_q = seq_span(cu_seqlens_q, b, total_q)
+            k0, len_k = seq_span(cu_seqlens_k, b, total_k)
             shift = len_k - len_q
             # causal: queries at positions before this block's first key cannot see it
             tile0 = T.if_then_else(causal != 0, T.max(kb * BN - shift, 0) // BM, 0)

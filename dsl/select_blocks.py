@@ -56,6 +56,7 @@ import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
 from dsl.group_rows import load_rows
+from dsl.spans import seq_span
 
 OP = "select_blocks"
 NVCC_FLAGS = EXP_NVCC_FLAGS
@@ -410,13 +411,11 @@ def _scoring(kernel, dtype, D, arch):
             bins = T.alloc_local([UNROLL], "int32")
 
         tx = T.get_thread_binding()
-        q0 = cu_seqlens_q[b]
-        len_q = cu_seqlens_q[b + 1] - q0
+        q0, len_q = seq_span(cu_seqlens_q, b, Q.shape[0])
+        # the keys' offsets give positions only: every loop runs over the compressed keys' spans
         len_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b]
-        c0 = cu_seqlens_c[b]
-        n_c = cu_seqlens_c[b + 1] - c0
-        nk0 = cu_seqlens_n[b]
-        n_n = cu_seqlens_n[b + 1] - nk0
+        c0, n_c = seq_span(cu_seqlens_c, b, CK.shape[0])
+        nk0, n_n = seq_span(cu_seqlens_n, b, NK.shape[0])
         t0 = bx * tile_tokens
         n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
         n_rows = n_tok * groups
@@ -764,8 +763,7 @@ def _max_pool_blocks():
         with T.Kernel(T.ceildiv(max_seqlen_q, ROWS), batch, heads_k, threads=THREADS) as (bx, b, hk):
             tx = T.get_thread_binding()
             m = T.alloc_local([1], accum)
-            q0 = cu_seqlens_q[b]
-            len_q = cu_seqlens_q[b + 1] - q0
+            q0, len_q = seq_span(cu_seqlens_q, b, total_q)
             len_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b]
             n_c = T.min(cu_seqlens_c[b + 1] - cu_seqlens_c[b], width)
             nb = T.ceildiv(len_k, BLOCK)

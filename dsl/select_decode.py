@@ -30,6 +30,7 @@ import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
 from dsl.group_rows import load_rows
+from dsl.spans import seq_span, seq_start
 from dsl.select_blocks import (BLOCK, BLOCK_M, BN, BPC, FINE_S, FINE_W, KEY_NEG_INF, NEG_INF, P_PAD, POOL, THREADS,
                                T_MAX, UNROLL, _n_visible, _score_cap, fetch, key_into,
                                lse_pass)
@@ -96,15 +97,17 @@ N_IV = 16
 
 
 @T.macro
-def tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, tile_tokens, max_tiles, splits, bx, b):
+def tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, total_q, tile_tokens, max_tiles, splits, bx, b):
     """iv[Q0, T0, N_TOK, P0, P_LAST, SLOT, SPLIT] of thread block bx of sequence b, for a grid of
-    (tiles x splits): query tile bx // splits (bottom-right causal), split bx % splits."""
+    (tiles x splits): query tile bx // splits (bottom-right causal), split bx % splits. The key
+    offsets give positions only: the loops run over the compressed keys' spans."""
     iv[SPLIT] = bx % splits
     iv[T0] = (bx // splits) * tile_tokens
     iv[SLOT] = b * max_tiles + bx // splits
-    iv[Q0] = cu_seqlens_q[b]
-    iv[N_TOK] = T.max(T.min(tile_tokens, cu_seqlens_q[b + 1] - iv[Q0] - iv[T0]), 0)
-    iv[P0] = cu_seqlens_k[b + 1] - cu_seqlens_k[b] - (cu_seqlens_q[b + 1] - iv[Q0]) + iv[T0]
+    iv[Q0] = seq_start(cu_seqlens_q, b, total_q)
+    _, len_q = seq_span(cu_seqlens_q, b, total_q, iv[Q0])
+    iv[N_TOK] = T.max(T.min(tile_tokens, len_q - iv[T0]), 0)
+    iv[P0] = cu_seqlens_k[b + 1] - cu_seqlens_k[b] - len_q + iv[T0]
     iv[P_LAST] = iv[P0] + iv[N_TOK] - 1
 
 
@@ -166,17 +169,19 @@ def _lse(dtype, D):
             r_sum = T.alloc_fragment([BLOCK_M], accum)
             rowpos = T.alloc_fragment([BLOCK_M], "int32")
             iv = T.alloc_local([N_IV], "int32")
-            tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, tile_tokens, max_tiles, splits, bx, b)
-            iv[NK0] = cu_seqlens_n[b]
-            iv[C0] = cu_seqlens_c[b]
+            tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, Q.shape[0], tile_tokens, max_tiles, splits, bx, b)
+            iv[NK0] = seq_start(cu_seqlens_n, b, NK.shape[0])
+            iv[C0] = seq_start(cu_seqlens_c, b, CK.shape[0])
+            _, n_n = seq_span(cu_seqlens_n, b, NK.shape[0], iv[NK0])
+            _, n_c = seq_span(cu_seqlens_c, b, CK.shape[0], iv[C0])
             if iv[N_TOK] > 0:
                 load_rows(Q, Q_s, iv[Q0] + iv[T0], hk, iv[N_TOK], groups)
                 T.copy(Q_s, Q_f)
                 T.sync_threads()
                 for r in T.Parallel(BLOCK_M):
                     rowpos[r] = T.if_then_else(r < iv[N_TOK] * groups, iv[P0] + r // groups, -1)
-                iv[N_VIS] = _n_visible(iv[P_LAST], cu_seqlens_n[b + 1] - iv[NK0], norm_window, norm_stride)
-                iv[N_VIS0] = _n_visible(iv[P0], cu_seqlens_n[b + 1] - iv[NK0], norm_window, norm_stride)
+                iv[N_VIS] = _n_visible(iv[P_LAST], n_n, norm_window, norm_stride)
+                iv[N_VIS0] = _n_visible(iv[P0], n_n, norm_window, norm_stride)
                 split_range(iv, T.ceildiv(iv[N_VIS], BN), splits)
                 lse_pass(NK, iv[NK0], iv[LO], iv[HI], iv[N_VIS], iv[N_VIS0], norm_window, norm_stride, hk, rowpos,
                            scale_log2, Q_f, K_s, acc_s, m_run, l_run, m_prev, m_safe, r_scale, r_sum)
@@ -186,10 +191,8 @@ def _lse(dtype, D):
                 if iv[SPLIT] == 0 and approx != 0 and iv[P0] < norm_window - 1:
                     # rows too early to see a coarse key use the exact normaliser (as select_blocks):
                     # a handful of fine keys, so split 0 takes them all
-                    iv[N_VIS] = _n_visible(T.min(iv[P_LAST], norm_window - 2), cu_seqlens_c[b + 1] - iv[C0],
-                                           FINE_W, FINE_S)
-                    iv[N_VIS0] = _n_visible(T.min(iv[P0], norm_window - 2), cu_seqlens_c[b + 1] - iv[C0], FINE_W,
-                                            FINE_S)
+                    iv[N_VIS] = _n_visible(T.min(iv[P_LAST], norm_window - 2), n_c, FINE_W, FINE_S)
+                    iv[N_VIS0] = _n_visible(T.min(iv[P0], norm_window - 2), n_c, FINE_W, FINE_S)
                     lse_pass(CK, iv[C0], 0, T.ceildiv(iv[N_VIS], BN), iv[N_VIS], iv[N_VIS0], FINE_W, FINE_S, hk,
                                rowpos, scale_log2, Q_f, K_s, acc_s, m_run, l_run, m_prev, m_safe, r_scale, r_sum)
                     for r in T.Parallel(BLOCK_M):
@@ -232,10 +235,11 @@ def _scores(dtype, D):
             colv = T.alloc_local([T_MAX * BN // THREADS], accum)  # this thread's columns' group sums
             iv = T.alloc_local([N_IV], "int32")
             tx = T.get_thread_binding()
-            tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, tile_tokens, max_tiles, splits, bx, b)
-            iv[C0] = cu_seqlens_c[b]
-            iv[N_FINE] = _n_visible(iv[P_LAST], cu_seqlens_c[b + 1] - iv[C0], FINE_W, FINE_S)
-            iv[N_LOAD] = _n_load(iv[P_LAST], cu_seqlens_c[b + 1] - iv[C0], local_blocks)
+            tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, Q.shape[0], tile_tokens, max_tiles, splits, bx, b)
+            iv[C0] = seq_start(cu_seqlens_c, b, CK.shape[0])
+            _, n_c = seq_span(cu_seqlens_c, b, CK.shape[0], iv[C0])
+            iv[N_FINE] = _n_visible(iv[P_LAST], n_c, FINE_W, FINE_S)
+            iv[N_LOAD] = _n_load(iv[P_LAST], n_c, local_blocks)
             split_range(iv, iv[N_LOAD], splits)
             iv[START] = T.max(iv[LO] - 1, 0)
             if iv[N_TOK] > 0 and iv[LO] < iv[HI]:
@@ -483,9 +487,11 @@ def _topk(arch):
             bins = T.alloc_local([UNROLL], "int32")
             iv = T.alloc_local([N_IV], "int32")
             tx = T.get_thread_binding()
-            tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, tile_tokens, max_tiles, 1, bx, b)
+            tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, total_q, tile_tokens, max_tiles, 1, bx, b)
             # blocks past the scores kernel's last one hold no visible key for any token, or are
-            # forced: -inf (no split wrote them)
+            # forced: -inf (no split wrote them). (Offsets past the compressed keys, which this
+            # kernel does not see, make it read entries the scores kernel did not write: garbage
+            # picks, inside SC.)
             iv[N_LOAD] = _n_load(iv[P_LAST], cu_seqlens_c[b + 1] - cu_seqlens_c[b], local_blocks)
             iv[HI] = T.if_then_else(iv[N_LOAD] > 0, iv[N_LOAD] * BPC + 1, 0)
             if iv[N_TOK] > 0:

@@ -52,6 +52,7 @@ import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
 from dsl.group_rows import load_rows, store_rows
+from dsl.spans import seq_span
 
 OP = "sparse_attn"
 NVCC_FLAGS = EXP_NVCC_FLAGS
@@ -525,10 +526,8 @@ def _fwd(dtype, D, arch, tokens):
             rtok = T.alloc_fragment([BLOCK_M], "int32")
 
             tx = T.get_thread_binding()
-            q0 = cu_seqlens_q[b]
-            k0 = cu_seqlens_k[b]
-            len_q = cu_seqlens_q[b + 1] - q0
-            len_k = cu_seqlens_k[b + 1] - k0
+            q0, len_q = seq_span(cu_seqlens_q, b, Q.shape[0])
+            k0, len_k = seq_span(cu_seqlens_k, b, K.shape[0])
             t0 = bx * tile_tokens
             n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
             p0 = len_k - len_q + t0  # position of the tile's first token
@@ -626,10 +625,8 @@ def _fwd_pair(dtype, D):
 
             tx = T.get_thread_binding()
             rank = bx % 2
-            q0 = cu_seqlens_q[b]
-            k0 = cu_seqlens_k[b]
-            len_q = cu_seqlens_q[b + 1] - q0
-            len_k = cu_seqlens_k[b + 1] - k0
+            q0, len_q = seq_span(cu_seqlens_q, b, Q.shape[0])
+            k0, len_k = seq_span(cu_seqlens_k, b, K.shape[0])
             tp0 = (bx - rank) * tile_tokens  # the pair's first token
             n_pair = T.max(T.min(2 * tile_tokens, len_q - tp0), 0)
             t0 = bx * tile_tokens
@@ -861,10 +858,8 @@ def _bwd_dq(dtype, D, arch, tokens):
             rtok = T.alloc_fragment([BLOCK_M], "int32")  # as in the forward
 
             tx = T.get_thread_binding()
-            q0 = cu_seqlens_q[b]
-            k0 = cu_seqlens_k[b]
-            len_q = cu_seqlens_q[b + 1] - q0
-            len_k = cu_seqlens_k[b + 1] - k0
+            q0, len_q = seq_span(cu_seqlens_q, b, Q.shape[0])
+            k0, len_k = seq_span(cu_seqlens_k, b, K.shape[0])
             t0 = bx * tile_tokens
             n_tok = T.max(T.min(tile_tokens, len_q - t0), 0)
             n_rows = n_tok * groups
@@ -968,9 +963,10 @@ def _bwd_members():
             tx = T.get_thread_binding()
             c = bx % CHUNKS
             kb0 = (bx // CHUNKS) * WINDOW
-            q0 = cu_seqlens_q[b]
+            q0, len_q = seq_span(cu_seqlens_q, b, total_q)  # the span bwd_dkdv takes
+            # the key offsets only index the lists (gbase and span below, clamped into cnt), as given:
+            # this kernel has no key tensor to clamp them into (bwd_dkdv does)
             k0 = cu_seqlens_k[b]
-            len_q = T.max(T.min(cu_seqlens_q[b + 1], total_q) - q0, 0)  # clamped as bwd_dkdv does
             shift = cu_seqlens_k[b + 1] - k0 - len_q
             gbase = k0 // BLOCK_N + b
             # this sequence's indices, its blocks and the spare one (clamped into cnt)
@@ -1037,8 +1033,9 @@ def _bwd_members_scan():
             run = T.alloc_var("int32")
             carry = T.alloc_var("int32")
             tx = T.get_thread_binding()
-            # the indices the batch's sequences own (bwd_members writes every one of them)
-            n_used = T.min(cu_seqlens_k[batch] // BLOCK_N + batch, n_gb)
+            # the indices the batch's sequences own (bwd_members writes every one of them),
+            # clamped into the counts: offsets[n_used] is written whatever cu_seqlens_k holds
+            n_used = T.max(T.min(cu_seqlens_k[batch] // BLOCK_N + batch, n_gb), 0)
             carry = 0
             for it in T.serial(T.ceildiv(n_used, threads)):
                 gb = it * threads + tx
@@ -1345,12 +1342,12 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
 
             tx = T.get_thread_binding()
-            q0 = cu_seqlens_q[b]
-            k0 = cu_seqlens_k[b]
-            # clamped to the packed rows, as bwd_dkdv_reduce does: cu_seqlens_q past total_q (a
-            # caller's bug) must not take a piece past the partial slots
-            len_q = T.min(cu_seqlens_q[b + 1], total_q) - q0
-            len_k = cu_seqlens_k[b + 1] - k0
+            # the spans as bwd_members and bwd_dkdv_reduce take them: cu_seqlens_q past total_q
+            # (a caller's bug) must not take a piece past the partial slots. (bwd_members, which
+            # has no key tensor, indexes the lists by the key offset as given: where that lies
+            # outside K the lists read here are another block's, wrong values but inside them.)
+            q0, len_q = seq_span(cu_seqlens_q, b, total_q)
+            k0, len_k = seq_span(cu_seqlens_k, b, total_k)
             shift = len_k - len_q
             # computed once into registers: as expressions, the divisions by `pieces` were inlined
             # into every use (H100, 32K x 8, no init block: 97.0 -> 104.8 ms, 12 bytes spilled)
@@ -1373,6 +1370,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             # the block's member list (bwd_members), of a piece's queries t_a .. t_b - 1 if split
             t_a = T.max(piece * PIECE - q0, 0)
             t_b = T.min(len_q, (piece + 1) * PIECE - q0)
+            # with the key span inside K, a block with keys (kb * 64 < len_k) has gb < n_off - 1
             gb = k0 // BLOCK_N + b + kb
             # tile_tokens: member tokens a group, BM // G (the host passes it)
             full_rows = tile_tokens * groups
@@ -1524,10 +1522,8 @@ def _bwd_dkdv_reduce(dtype, D, arch):
         with T.Kernel(SPLIT_BLOCKS, heads_k, batch, threads=128) as (kb, hk, b):
             acc_dk = T.alloc_fragment([BLOCK_N, D], accum)
             acc_dv = T.alloc_fragment([BLOCK_N, D], accum)
-            q0 = cu_seqlens_q[b]
-            k0 = cu_seqlens_k[b]
-            len_q = T.min(cu_seqlens_q[b + 1], total_q) - q0  # as bwd_dkdv clamps it
-            len_k = cu_seqlens_k[b + 1] - k0
+            q0, len_q = seq_span(cu_seqlens_q, b, total_q)  # as bwd_dkdv takes it
+            k0, len_k = seq_span(cu_seqlens_k, b, total_k)
             if len_q > PIECE and kb * BLOCK_N < len_k:
                 T.clear(acc_dk)
                 T.clear(acc_dv)

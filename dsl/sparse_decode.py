@@ -21,6 +21,7 @@ import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
 from dsl.group_rows import load_rows
+from dsl.spans import seq_span
 from dsl.sparse_attn import (BLOCK_M, BLOCK_N, K_MAX, NEG_INF, SMALL_TOKENS, LOG2E, _fwd_signature, _fwd_state, _make_tile_union,
                              _union_buffers, store_out, walk_partial_blocks, walk_tile_union, walk_tile_union_tma)
 
@@ -188,10 +189,10 @@ def _fwd(dtype, D, tma):
         splits: T.int32,
     ):
         with T.Kernel(max_tiles * splits, batch, sig["K"].shape[1], threads=threads) as (bx, b, hk):
-            q0 = cu_seqlens_q[b]
-            k0 = cu_seqlens_k[b]
-            _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, k0, cu_seqlens_q[b + 1] - q0,
-                        cu_seqlens_k[b + 1] - k0, groups, tile_tokens, scale_log2, splits, tma)
+            q0, len_q = seq_span(cu_seqlens_q, b, Q.shape[0])
+            k0, len_k = seq_span(cu_seqlens_k, b, K.shape[0])
+            _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, k0, len_q, len_k, groups,
+                        tile_tokens, scale_log2, splits, tma)
 
     return sparse_decode_fwd
 
@@ -244,13 +245,13 @@ def _kvcache(dtype, D, tma):
         num_pages: T.int32,
     ):
         with T.Kernel(max_tiles * splits, batch_dim, sig["K"].shape[1], threads=threads) as (bx, b, hk):
-            q0 = cu_seqlens_q[b]
+            q0, len_q = seq_span(cu_seqlens_q, b, Q.shape[0])
             # a padded cache (pages_per_seq 0) is one page a sequence; lengths past the
             # sequence's capacity are clamped so that no load leaves its pages
             cap = T.alloc_var("int32")
             cap = page_size * T.max(pages_per_seq, 1)
 
-            _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 0, cu_seqlens_q[b + 1] - q0,
+            _split_tile(Q, K, V, topk_idx, O_part, LSE_part, tile_union, bx, b, hk, q0, 0, len_q,
                         T.max(T.min(cache_seqlens[b], cap), 0), groups, tile_tokens, scale_log2, splits, tma,
                         _cache_rows(block_table, b, page_size, pages_per_seq, num_pages))
 

@@ -38,50 +38,74 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dkd
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
   int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_3 - k0);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
+  int condval_4;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_4 = 0;
+  }
+  int k0 = min(max(condval_4, 0), total_k);
+  int condval_5;
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  } else {
+    condval_5 = 0;
+  }
+  int condval_6;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_7 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_7 = 0;
+  }
+  int len_k = (min(max(condval_5, min(max(condval_6, 0), total_k)), total_k) - min(max(condval_7, 0), total_k));
   if ((((int)blockIdx.z) * 64) < len_k) {
     #pragma unroll
     for (int i = 0; i < 8; ++i) {
       bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_4;
+      uint4 condval_8;
       if (((((((((int)blockIdx.z) * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i * 8)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_4 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        condval_8 = *(uint4*)(K + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+        condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+      *(uint4*)(((bfloat16_t*)K_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
     }
     #pragma unroll
     for (int i_1 = 0; i_1 < 8; ++i_1) {
       bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
+      uint4 condval_9;
       if (((((((((int)blockIdx.z) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((((int)blockIdx.z) * 64) + (i_1 * 8)) + (((int)threadIdx.x) >> 4)) + k0)))) {
-        condval_5 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+        condval_9 = *(uint4*)(V + (((((int64_t)((int)blockIdx.x)) * (int64_t)128) + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((int64_t)i_1) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
       } else {
-        condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+        condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((bfloat16_t*)V_s) + ((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_1 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
     }
     #pragma unroll
     for (int i_2 = 0; i_2 < 16; ++i_2) {
@@ -96,68 +120,39 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_dense_attn_bwd_dkd
   }
   __syncthreads();
   if ((((int)blockIdx.z) * 64) < len_k) {
-    int condval_6;
+    int condval_10;
     if ((causal != 0)) {
-      condval_6 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      condval_10 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
     } else {
-      condval_6 = 0;
+      condval_10 = 0;
     }
-    if (0 < (max((((len_q + 63) >> 6) - condval_6), 0) * groups)) {
+    if (0 < (max((((len_q + 63) >> 6) - condval_10), 0) * groups)) {
       if (((int)threadIdx.x) < 96) {
-        int64_t condval_7;
+        int64_t condval_11;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_7 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_11 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_7 = (int64_t)0;
+          condval_11 = (int64_t)0;
         }
-        int64_t condval_8;
+        int64_t condval_12;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_8 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_12 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_8 = (int64_t)0;
+          condval_12 = (int64_t)0;
         }
-                int condval_9;
+                int condval_13;
         if ((causal != 0)) {
-          condval_9 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_13 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_9 = 0;
+          condval_13 = 0;
         }
-        int condval_10;
+        int condval_14;
         if ((causal != 0)) {
-          condval_10 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_14 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_10 = 0;
+          condval_14 = 0;
         }
-        int condval_11;
-        if ((causal != 0)) {
-          condval_11 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-        } else {
-          condval_11 = 0;
-        }
-        int condval_12;
-        if ((causal != 0)) {
-          condval_12 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-        } else {
-          condval_12 = 0;
-        }
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stats[((((condval_8 * (int64_t)64) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + ((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), (((((((((condval_9 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= (((condval_10 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))) && ((((condval_11 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= (((condval_12 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
-      }
-      tl::cp_async_commit();
-      #pragma unroll
-      for (int i_4 = 0; i_4 < 8; ++i_4) {
-        int64_t condval_13;
-        if ((((int64_t)causal) != (int64_t)0)) {
-          condval_13 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
-        } else {
-          condval_13 = (int64_t)0;
-        }
-        int64_t condval_14;
-        if ((((int64_t)causal) != (int64_t)0)) {
-          condval_14 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
-        } else {
-          condval_14 = (int64_t)0;
-        }
-                int condval_15;
+        int condval_15;
         if ((causal != 0)) {
           condval_15 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
@@ -169,35 +164,36 @@ tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stat
         } else {
           condval_16 = 0;
         }
-        int condval_17;
-        if ((causal != 0)) {
-          condval_17 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-        } else {
-          condval_17 = 0;
-        }
-        int condval_18;
-        if ((causal != 0)) {
-          condval_18 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-        } else {
-          condval_18 = 0;
-        }
-tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((condval_14 * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((((condval_15 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= ((((condval_16 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((condval_17 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= ((((condval_18 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))));
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stats[((((condval_12 * (int64_t)64) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + ((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), (((((((((condval_13 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= (((condval_14 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))) && ((((condval_15 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= (((condval_16 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
       }
       tl::cp_async_commit();
-      if (((int)threadIdx.x) < 96) {
-        int64_t condval_19;
+      #pragma unroll
+      for (int i_4 = 0; i_4 < 8; ++i_4) {
+        int64_t condval_17;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_19 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_17 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_19 = (int64_t)0;
+          condval_17 = (int64_t)0;
         }
-        int64_t condval_20;
+        int64_t condval_18;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_20 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_18 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_20 = (int64_t)0;
+          condval_18 = (int64_t)0;
         }
-                int condval_21;
+                int condval_19;
+        if ((causal != 0)) {
+          condval_19 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_19 = 0;
+        }
+        int condval_20;
+        if ((causal != 0)) {
+          condval_20 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_20 = 0;
+        }
+        int condval_21;
         if ((causal != 0)) {
           condval_21 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
@@ -209,36 +205,35 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x
         } else {
           condval_22 = 0;
         }
-        int condval_23;
-        if ((causal != 0)) {
-          condval_23 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-        } else {
-          condval_23 = 0;
-        }
-        int condval_24;
-        if ((causal != 0)) {
-          condval_24 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-        } else {
-          condval_24 = 0;
-        }
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(Stats[(((((condval_20 * (int64_t)64) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((int64_t)q_pad) * ((int64_t)heads))) + ((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), (((((((((condval_21 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= (((condval_22 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))) && ((((condval_23 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= (((condval_24 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_4 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((condval_18 * (int64_t)64) + (((int64_t)i_4) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((((condval_19 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= ((((condval_20 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((condval_21 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= ((((condval_22 * 64) + (i_4 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))));
       }
       tl::cp_async_commit();
-      #pragma unroll
-      for (int i_5 = 0; i_5 < 8; ++i_5) {
-        int64_t condval_25;
+      if (((int)threadIdx.x) < 96) {
+        int64_t condval_23;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_25 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_23 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_25 = (int64_t)0;
+          condval_23 = (int64_t)0;
         }
-        int64_t condval_26;
+        int64_t condval_24;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_26 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_24 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_26 = (int64_t)0;
+          condval_24 = (int64_t)0;
         }
-                int condval_27;
+                int condval_25;
+        if ((causal != 0)) {
+          condval_25 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_25 = 0;
+        }
+        int condval_26;
+        if ((causal != 0)) {
+          condval_26 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_26 = 0;
+        }
+        int condval_27;
         if ((causal != 0)) {
           condval_27 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
@@ -250,29 +245,58 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(St
         } else {
           condval_28 = 0;
         }
-        int condval_29;
-        if ((causal != 0)) {
-          condval_29 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(Stats[(((((condval_24 * (int64_t)64) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((int64_t)q_pad) * ((int64_t)heads))) + ((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), (((((((((condval_25 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= (((condval_26 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))) && ((((condval_27 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= (((condval_28 * 64) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+      }
+      tl::cp_async_commit();
+      #pragma unroll
+      for (int i_5 = 0; i_5 < 8; ++i_5) {
+        int64_t condval_29;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_29 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_29 = 0;
+          condval_29 = (int64_t)0;
         }
-        int condval_30;
-        if ((causal != 0)) {
-          condval_30 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        int64_t condval_30;
+        if ((((int64_t)causal) != (int64_t)0)) {
+          condval_30 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_30 = 0;
+          condval_30 = (int64_t)0;
         }
-tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((condval_26 * (int64_t)64) + (((int64_t)i_5) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((((condval_27 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= ((((condval_28 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((condval_29 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= ((((condval_30 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))));
+                int condval_31;
+        if ((causal != 0)) {
+          condval_31 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_31 = 0;
+        }
+        int condval_32;
+        if ((causal != 0)) {
+          condval_32 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_32 = 0;
+        }
+        int condval_33;
+        if ((causal != 0)) {
+          condval_33 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_33 = 0;
+        }
+        int condval_34;
+        if ((causal != 0)) {
+          condval_34 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        } else {
+          condval_34 = 0;
+        }
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_5 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((condval_30 * (int64_t)64) + (((int64_t)i_5) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((((condval_31 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= ((((condval_32 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((condval_33 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= ((((condval_34 * 64) + (i_5 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((int)blockIdx.x) * groups) < heads)) && (0 <= (((int)blockIdx.x) * groups))));
       }
       tl::cp_async_commit();
     }
-    int condval_31;
+    int condval_35;
     if ((causal != 0)) {
-      condval_31 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      condval_35 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
     } else {
-      condval_31 = 0;
+      condval_35 = 0;
     }
-    for (int j = 0; j < ((max((((len_q + 63) >> 6) - condval_31), 0) * groups) - 1); ++j) {
+    for (int j = 0; j < ((max((((len_q + 63) >> 6) - condval_35), 0) * groups) - 1); ++j) {
       #pragma unroll
       for (int i_6 = 0; i_6 < 8; ++i_6) {
         float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
@@ -319,23 +343,23 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x)
       }
       tl::cp_async_wait<3>();
       __syncthreads();
-      int condval_32;
+      int condval_36;
       if ((causal != 0)) {
-        condval_32 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        condval_36 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
       } else {
-        condval_32 = 0;
+        condval_36 = 0;
       }
       int rmod = (j % groups);
       int rdiv = (j / groups);
-      int condval_33;
+      int condval_37;
       if ((causal != 0)) {
         int rmod_1 = (j % groups);
         int rdiv_1 = (j / groups);
-        condval_33 = min(((((((max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) * 64)) + len_k) + 1) - len_q), len_k);
+        condval_37 = min(((((((max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) * 64)) + len_k) + 1) - len_q), len_k);
       } else {
-        condval_33 = len_k;
+        condval_37 = len_k;
       }
-      if ((min(64, ((len_q - (condval_32 * 64)) - (((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_33)) {
+      if ((min(64, ((len_q - (condval_36 * 64)) - (((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_37)) {
         #pragma unroll
         for (int i_10 = 0; i_10 < 32; ++i_10) {
           acc_sT[i_10] = exp2f(((acc_sT[i_10] * scale_log2) - ((float*)lse_s)[(((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_10 & 1))]));
@@ -343,86 +367,86 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x)
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          int condval_35;
+          int condval_39;
           if ((causal != 0)) {
-            condval_35 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+            condval_39 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
           } else {
-            condval_35 = 0;
+            condval_39 = 0;
           }
           int rmod_2 = (j % groups);
           int rdiv_2 = (j / groups);
-          int condval_36;
+          int condval_40;
           if ((causal != 0)) {
-            condval_36 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+            condval_40 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
           } else {
-            condval_36 = 0;
+            condval_40 = 0;
           }
           int rmod_3 = (j % groups);
           int rdiv_3 = (j / groups);
-          float condval_34;
-          if ((((((((i_11 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < ((len_q - (condval_35 * 64)) - (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) * 64))) && (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((condval_36 * 64) + (((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1)) * 64)) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_11 & 1)) - len_q))))) {
-            condval_34 = exp2f(((acc_sT[i_11] * scale_log2) - ((float*)lse_s)[(((((i_11 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_11 & 1))]));
+          float condval_38;
+          if ((((((((i_11 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < ((len_q - (condval_39 * 64)) - (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) * 64))) && (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_11 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((condval_40 * 64) + (((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_3 : (rdiv_3 - 1)) * 64)) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_11 & 1)) - len_q))))) {
+            condval_38 = exp2f(((acc_sT[i_11] * scale_log2) - ((float*)lse_s)[(((((i_11 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_11 & 1))]));
           } else {
-            condval_34 = 0x0p+0f/*0.000000e+00*/;
+            condval_38 = 0x0p+0f/*0.000000e+00*/;
           }
-          acc_sT[i_11] = condval_34;
+          acc_sT[i_11] = condval_38;
         }
       }
       __syncthreads();
       if (((int)threadIdx.x) < 96) {
-        int64_t condval_37;
+        int64_t condval_41;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_37 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_41 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_37 = (int64_t)0;
+          condval_41 = (int64_t)0;
         }
         int64_t rmod_4 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_4 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
         int64_t rmod_5 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-        int64_t condval_38;
+        int64_t condval_42;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_38 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_42 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_38 = (int64_t)0;
+          condval_42 = (int64_t)0;
         }
         int64_t rmod_6 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_5 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
         int64_t rmod_7 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-                int condval_39;
+                int condval_43;
         if ((causal != 0)) {
-          condval_39 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_43 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_39 = 0;
+          condval_43 = 0;
         }
         int rmod_8 = ((j + 1) % groups);
         int rdiv_6 = ((j + 1) / groups);
-        int condval_40;
+        int condval_44;
         if ((causal != 0)) {
-          condval_40 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_44 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_40 = 0;
+          condval_44 = 0;
         }
         int rmod_9 = ((j + 1) % groups);
         int rdiv_7 = ((j + 1) / groups);
         int rmod_10 = ((j + 1) % groups);
         int rmod_11 = ((j + 1) % groups);
-        int condval_41;
+        int condval_45;
         if ((causal != 0)) {
-          condval_41 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_45 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_41 = 0;
+          condval_45 = 0;
         }
         int rmod_12 = ((j + 1) % groups);
         int rdiv_8 = ((j + 1) / groups);
-        int condval_42;
+        int condval_46;
         if ((causal != 0)) {
-          condval_42 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_46 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_42 = 0;
+          condval_46 = 0;
         }
         int rmod_13 = ((j + 1) % groups);
         int rdiv_9 = ((j + 1) / groups);
-tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stats[(((((condval_38 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1)) * (int64_t)64)) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rmod_7 : (rmod_7 + ((int64_t)groups)))) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), ((((((((((condval_39 * 64) + (((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= ((((condval_40 * 64) + (((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + groups))))) && (((((condval_41 * 64) + (((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_8 : (rdiv_8 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= ((((condval_42 * 64) + (((((0 <= groups) && (0 <= rmod_13)) || ((groups < 0) && (rmod_13 <= 0))) ? rdiv_9 : (rdiv_9 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stats[(((((condval_42 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1)) * (int64_t)64)) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rmod_7 : (rmod_7 + ((int64_t)groups)))) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), ((((((((((condval_43 * 64) + (((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= ((((condval_44 * 64) + (((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rmod_10 : (rmod_10 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + groups))))) && (((((condval_45 * 64) + (((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_8 : (rdiv_8 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= ((((condval_46 * 64) + (((((0 <= groups) && (0 <= rmod_13)) || ((groups < 0) && (rmod_13 <= 0))) ? rdiv_9 : (rdiv_9 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
       }
       tl::cp_async_commit();
       #pragma unroll
@@ -450,58 +474,58 @@ tl::cp_async_gs_conditional<4>((&(((float*)lse_s)[((int)threadIdx.x)])), (&(Stat
       #pragma unroll
       for (int i_14 = 0; i_14 < 8; ++i_14) {
         int64_t rmod_14 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-        int64_t condval_43;
+        int64_t condval_47;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_43 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_47 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_43 = (int64_t)0;
+          condval_47 = (int64_t)0;
         }
         int64_t rmod_15 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_10 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
         int64_t rmod_16 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-        int64_t condval_44;
+        int64_t condval_48;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_44 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_48 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_44 = (int64_t)0;
+          condval_48 = (int64_t)0;
         }
         int64_t rmod_17 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_11 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
-                int condval_45;
+                int condval_49;
         if ((causal != 0)) {
-          condval_45 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_49 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_45 = 0;
+          condval_49 = 0;
         }
         int rmod_18 = ((j + 1) % groups);
         int rdiv_12 = ((j + 1) / groups);
-        int condval_46;
+        int condval_50;
         if ((causal != 0)) {
-          condval_46 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_50 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_46 = 0;
+          condval_50 = 0;
         }
         int rmod_19 = ((j + 1) % groups);
         int rdiv_13 = ((j + 1) / groups);
-        int condval_47;
+        int condval_51;
         if ((causal != 0)) {
-          condval_47 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_51 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_47 = 0;
+          condval_51 = 0;
         }
         int rmod_20 = ((j + 1) % groups);
         int rdiv_14 = ((j + 1) / groups);
-        int condval_48;
+        int condval_52;
         if ((causal != 0)) {
-          condval_48 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_52 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_48 = 0;
+          condval_52 = 0;
         }
         int rmod_21 = ((j + 1) % groups);
         int rdiv_15 = ((j + 1) / groups);
         int rmod_22 = ((j + 1) % groups);
         int rmod_23 = ((j + 1) % groups);
-tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rmod_16 : (rmod_16 + ((int64_t)groups))) * (int64_t)128)) + (((((((condval_44 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)groups) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)) * (int64_t)64)) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((((condval_45 * 64) + (((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_12 : (rdiv_12 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= (((((condval_46 * 64) + (((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_13 : (rdiv_13 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((((condval_47 * 64) + (((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rdiv_14 : (rdiv_14 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= (((((condval_48 * 64) + (((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_15 : (rdiv_15 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_22)) || ((groups < 0) && (rmod_22 <= 0))) ? rmod_22 : (rmod_22 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_23)) || ((groups < 0) && (rmod_23 <= 0))) ? rmod_23 : (rmod_23 + groups))))));
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_14 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[(((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_16)) || ((((int64_t)groups) < (int64_t)0) && (rmod_16 <= (int64_t)0))) ? rmod_16 : (rmod_16 + ((int64_t)groups))) * (int64_t)128)) + (((((((condval_48 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)groups) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_11 : (rdiv_11 - (int64_t)1)) * (int64_t)64)) + (((int64_t)i_14) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((((condval_49 * 64) + (((((0 <= groups) && (0 <= rmod_18)) || ((groups < 0) && (rmod_18 <= 0))) ? rdiv_12 : (rdiv_12 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= (((((condval_50 * 64) + (((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_13 : (rdiv_13 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((((condval_51 * 64) + (((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rdiv_14 : (rdiv_14 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= (((((condval_52 * 64) + (((((0 <= groups) && (0 <= rmod_21)) || ((groups < 0) && (rmod_21 <= 0))) ? rdiv_15 : (rdiv_15 - 1)) * 64)) + (i_14 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_22)) || ((groups < 0) && (rmod_22 <= 0))) ? rmod_22 : (rmod_22 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_23)) || ((groups < 0) && (rmod_23 <= 0))) ? rmod_23 : (rmod_23 + groups))))));
       }
       tl::cp_async_commit();
       tl::cp_async_wait<3>();
@@ -512,59 +536,59 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((((((int)threadIdx.x
       }
       __syncthreads();
       if (((int)threadIdx.x) < 96) {
-        int64_t condval_49;
+        int64_t condval_53;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_49 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_53 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_49 = (int64_t)0;
+          condval_53 = (int64_t)0;
         }
         int64_t rmod_24 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_16 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
         int64_t rmod_25 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-        int64_t condval_50;
+        int64_t condval_54;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_50 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_54 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_50 = (int64_t)0;
+          condval_54 = (int64_t)0;
         }
         int64_t rmod_26 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_17 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
         int64_t rmod_27 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-                int condval_51;
+                int condval_55;
         if ((causal != 0)) {
-          condval_51 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_55 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_51 = 0;
+          condval_55 = 0;
         }
         int rmod_28 = ((j + 1) % groups);
         int rdiv_18 = ((j + 1) / groups);
-        int condval_52;
+        int condval_56;
         if ((causal != 0)) {
-          condval_52 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_56 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_52 = 0;
+          condval_56 = 0;
         }
         int rmod_29 = ((j + 1) % groups);
         int rdiv_19 = ((j + 1) / groups);
         int rmod_30 = ((j + 1) % groups);
         int rmod_31 = ((j + 1) % groups);
-        int condval_53;
+        int condval_57;
         if ((causal != 0)) {
-          condval_53 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_57 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_53 = 0;
+          condval_57 = 0;
         }
         int rmod_32 = ((j + 1) % groups);
         int rdiv_20 = ((j + 1) / groups);
-        int condval_54;
+        int condval_58;
         if ((causal != 0)) {
-          condval_54 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_58 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_54 = 0;
+          condval_58 = 0;
         }
         int rmod_33 = ((j + 1) % groups);
         int rdiv_21 = ((j + 1) / groups);
-tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(Stats[((((((condval_50 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_26)) || ((((int64_t)groups) < (int64_t)0) && (rmod_26 <= (int64_t)0))) ? rdiv_17 : (rdiv_17 - (int64_t)1)) * (int64_t)64)) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((int64_t)q_pad) * ((int64_t)heads))) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)groups) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rmod_27 : (rmod_27 + ((int64_t)groups)))) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), ((((((((((condval_51 * 64) + (((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_18 : (rdiv_18 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= ((((condval_52 * 64) + (((((0 <= groups) && (0 <= rmod_29)) || ((groups < 0) && (rmod_29 <= 0))) ? rdiv_19 : (rdiv_19 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rmod_30 : (rmod_30 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_31)) || ((groups < 0) && (rmod_31 <= 0))) ? rmod_31 : (rmod_31 + groups))))) && (((((condval_53 * 64) + (((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_20 : (rdiv_20 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= ((((condval_54 * 64) + (((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_21 : (rdiv_21 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
+tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(Stats[((((((condval_54 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_26)) || ((((int64_t)groups) < (int64_t)0) && (rmod_26 <= (int64_t)0))) ? rdiv_17 : (rdiv_17 - (int64_t)1)) * (int64_t)64)) + ((((int64_t)q0) >> (int64_t)2) * (int64_t)4)) + (((int64_t)q_pad) * ((int64_t)heads))) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_27)) || ((((int64_t)groups) < (int64_t)0) && (rmod_27 <= (int64_t)0))) ? rmod_27 : (rmod_27 + ((int64_t)groups)))) * ((int64_t)q_pad))) + ((int64_t)((int)threadIdx.x)))])), ((((((((((condval_55 * 64) + (((((0 <= groups) && (0 <= rmod_28)) || ((groups < 0) && (rmod_28 <= 0))) ? rdiv_18 : (rdiv_18 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad) && (0 <= ((((condval_56 * 64) + (((((0 <= groups) && (0 <= rmod_29)) || ((groups < 0) && (rmod_29 <= 0))) ? rdiv_19 : (rdiv_19 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rmod_30 : (rmod_30 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_31)) || ((groups < 0) && (rmod_31 <= 0))) ? rmod_31 : (rmod_31 + groups))))) && (((((condval_57 * 64) + (((((0 <= groups) && (0 <= rmod_32)) || ((groups < 0) && (rmod_32 <= 0))) ? rdiv_20 : (rdiv_20 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)) < q_pad)) && (0 <= ((((condval_58 * 64) + (((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rdiv_21 : (rdiv_21 - 1)) * 64)) + ((q0 >> 2) * 4)) + ((int)threadIdx.x)))));
       }
       tl::cp_async_commit();
       {
@@ -585,68 +609,68 @@ tl::cp_async_gs_conditional<4>((&(((float*)delta_s)[((int)threadIdx.x)])), (&(St
       #pragma unroll
       for (int i_17 = 0; i_17 < 8; ++i_17) {
         int64_t rmod_34 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-        int64_t condval_55;
+        int64_t condval_59;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_55 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_59 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_55 = (int64_t)0;
+          condval_59 = (int64_t)0;
         }
         int64_t rmod_35 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_22 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
         int64_t rmod_36 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
-        int64_t condval_56;
+        int64_t condval_60;
         if ((((int64_t)causal) != (int64_t)0)) {
-          condval_56 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
+          condval_60 = (max((((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((int64_t)len_q)) - ((int64_t)len_k)), (int64_t)0) >> (int64_t)6);
         } else {
-          condval_56 = (int64_t)0;
+          condval_60 = (int64_t)0;
         }
         int64_t rmod_37 = ((((int64_t)j) + (int64_t)1) % ((int64_t)groups));
         int64_t rdiv_23 = ((((int64_t)j) + (int64_t)1) / ((int64_t)groups));
-                int condval_57;
+                int condval_61;
         if ((causal != 0)) {
-          condval_57 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_61 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_57 = 0;
+          condval_61 = 0;
         }
         int rmod_38 = ((j + 1) % groups);
         int rdiv_24 = ((j + 1) / groups);
-        int condval_58;
+        int condval_62;
         if ((causal != 0)) {
-          condval_58 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_62 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_58 = 0;
+          condval_62 = 0;
         }
         int rmod_39 = ((j + 1) % groups);
         int rdiv_25 = ((j + 1) / groups);
-        int condval_59;
+        int condval_63;
         if ((causal != 0)) {
-          condval_59 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_63 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_59 = 0;
+          condval_63 = 0;
         }
         int rmod_40 = ((j + 1) % groups);
         int rdiv_26 = ((j + 1) / groups);
-        int condval_60;
+        int condval_64;
         if ((causal != 0)) {
-          condval_60 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          condval_64 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
         } else {
-          condval_60 = 0;
+          condval_64 = 0;
         }
         int rmod_41 = ((j + 1) % groups);
         int rdiv_27 = ((j + 1) / groups);
         int rmod_42 = ((j + 1) % groups);
         int rmod_43 = ((j + 1) % groups);
-tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_17 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_36)) || ((((int64_t)groups) < (int64_t)0) && (rmod_36 <= (int64_t)0))) ? rmod_36 : (rmod_36 + ((int64_t)groups))) * (int64_t)128)) + (((((((condval_56 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_37)) || ((((int64_t)groups) < (int64_t)0) && (rmod_37 <= (int64_t)0))) ? rdiv_23 : (rdiv_23 - (int64_t)1)) * (int64_t)64)) + (((int64_t)i_17) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((((condval_57 * 64) + (((((0 <= groups) && (0 <= rmod_38)) || ((groups < 0) && (rmod_38 <= 0))) ? rdiv_24 : (rdiv_24 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= (((((condval_58 * 64) + (((((0 <= groups) && (0 <= rmod_39)) || ((groups < 0) && (rmod_39 <= 0))) ? rdiv_25 : (rdiv_25 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((((condval_59 * 64) + (((((0 <= groups) && (0 <= rmod_40)) || ((groups < 0) && (rmod_40 <= 0))) ? rdiv_26 : (rdiv_26 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= (((((condval_60 * 64) + (((((0 <= groups) && (0 <= rmod_41)) || ((groups < 0) && (rmod_41 <= 0))) ? rdiv_27 : (rdiv_27 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_42)) || ((groups < 0) && (rmod_42 <= 0))) ? rmod_42 : (rmod_42 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_43)) || ((groups < 0) && (rmod_43 <= 0))) ? rmod_43 : (rmod_43 + groups))))));
+tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_17 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[(((((((int64_t)((int)blockIdx.x)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_36)) || ((((int64_t)groups) < (int64_t)0) && (rmod_36 <= (int64_t)0))) ? rmod_36 : (rmod_36 + ((int64_t)groups))) * (int64_t)128)) + (((((((condval_60 * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_37)) || ((((int64_t)groups) < (int64_t)0) && (rmod_37 <= (int64_t)0))) ? rdiv_23 : (rdiv_23 - (int64_t)1)) * (int64_t)64)) + (((int64_t)i_17) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)q0)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), (((((((((((condval_61 * 64) + (((((0 <= groups) && (0 <= rmod_38)) || ((groups < 0) && (rmod_38 <= 0))) ? rdiv_24 : (rdiv_24 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q) && (0 <= (((((condval_62 * 64) + (((((0 <= groups) && (0 <= rmod_39)) || ((groups < 0) && (rmod_39 <= 0))) ? rdiv_25 : (rdiv_25 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && ((((((condval_63 * 64) + (((((0 <= groups) && (0 <= rmod_40)) || ((groups < 0) && (rmod_40 <= 0))) ? rdiv_26 : (rdiv_26 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0) < total_q)) && (0 <= (((((condval_64 * 64) + (((((0 <= groups) && (0 <= rmod_41)) || ((groups < 0) && (rmod_41 <= 0))) ? rdiv_27 : (rdiv_27 - 1)) * 64)) + (i_17 * 8)) + (((int)threadIdx.x) >> 4)) + q0))) && (((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_42)) || ((groups < 0) && (rmod_42 <= 0))) ? rmod_42 : (rmod_42 + groups))) < heads)) && (0 <= ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_43)) || ((groups < 0) && (rmod_43 <= 0))) ? rmod_43 : (rmod_43 + groups))))));
       }
       tl::cp_async_commit();
     }
-    int condval_61;
+    int condval_65;
     if ((causal != 0)) {
-      condval_61 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      condval_65 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
     } else {
-      condval_61 = 0;
+      condval_65 = 0;
     }
-    if (1 <= (max((((len_q + 63) >> 6) - condval_61), 0) * groups)) {
+    if (1 <= (max((((len_q + 63) >> 6) - condval_65), 0) * groups)) {
       #pragma unroll
       for (int i_18 = 0; i_18 < 8; ++i_18) {
         float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
@@ -655,13 +679,13 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x)
     }
     tl::cp_async_wait<0>();
     __syncthreads();
-    int condval_62;
+    int condval_66;
     if ((causal != 0)) {
-      condval_62 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      condval_66 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
     } else {
-      condval_62 = 0;
+      condval_66 = 0;
     }
-    if (1 <= (max((((len_q + 63) >> 6) - condval_62), 0) * groups)) {
+    if (1 <= (max((((len_q + 63) >> 6) - condval_66), 0) * groups)) {
       {
         bfloat16_t A_local_2[8];
         bfloat16_t B_local_4[32];
@@ -685,13 +709,13 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x)
     }
     tl::cp_async_wait<2>();
     __syncthreads();
-    int condval_63;
+    int condval_67;
     if ((causal != 0)) {
-      condval_63 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      condval_67 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
     } else {
-      condval_63 = 0;
+      condval_67 = 0;
     }
-    if (1 <= (max((((len_q + 63) >> 6) - condval_63), 0) * groups)) {
+    if (1 <= (max((((len_q + 63) >> 6) - condval_67), 0) * groups)) {
       {
         bfloat16_t A_local_3[8];
         bfloat16_t B_local_5[32];
@@ -710,42 +734,42 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x)
     }
     tl::cp_async_wait<3>();
     __syncthreads();
-    int condval_64;
+    int condval_68;
     if ((causal != 0)) {
-      condval_64 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      condval_68 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
     } else {
-      condval_64 = 0;
+      condval_68 = 0;
     }
-    if (1 <= (max((((len_q + 63) >> 6) - condval_64), 0) * groups)) {
-      int condval_65;
+    if (1 <= (max((((len_q + 63) >> 6) - condval_68), 0) * groups)) {
+      int condval_69;
       if ((causal != 0)) {
-        condval_65 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        condval_69 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
       } else {
-        condval_65 = 0;
+        condval_69 = 0;
       }
-      int condval_66;
+      int condval_70;
       if ((causal != 0)) {
-        condval_66 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        condval_70 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
       } else {
-        condval_66 = 0;
+        condval_70 = 0;
       }
-      int rmod_44 = (((max((((len_q + 63) >> 6) - condval_66), 0) * groups) - 1) % groups);
-      int condval_67;
+      int rmod_44 = (((max((((len_q + 63) >> 6) - condval_70), 0) * groups) - 1) % groups);
+      int condval_71;
       if ((causal != 0)) {
-        condval_67 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+        condval_71 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
       } else {
-        condval_67 = 0;
+        condval_71 = 0;
       }
-      int rdiv_28 = (((max((((len_q + 63) >> 6) - condval_67), 0) * groups) - 1) / groups);
-      int condval_68;
+      int rdiv_28 = (((max((((len_q + 63) >> 6) - condval_71), 0) * groups) - 1) / groups);
+      int condval_72;
       if ((causal != 0)) {
         int rmod_45 = (((max((((len_q + 63) >> 6) - (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6)), 0) * groups) - 1) % groups);
         int rdiv_29 = (((max((((len_q + 63) >> 6) - (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6)), 0) * groups) - 1) / groups);
-        condval_68 = min(((((((max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_45)) || ((groups < 0) && (rmod_45 <= 0))) ? rdiv_29 : (rdiv_29 - 1)) * 64)) + len_k) + 1) - len_q), len_k);
+        condval_72 = min(((((((max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_45)) || ((groups < 0) && (rmod_45 <= 0))) ? rdiv_29 : (rdiv_29 - 1)) * 64)) + len_k) + 1) - len_q), len_k);
       } else {
-        condval_68 = len_k;
+        condval_72 = len_k;
       }
-      if ((min(64, ((len_q - (condval_65 * 64)) - (((((0 <= groups) && (0 <= rmod_44)) || ((groups < 0) && (rmod_44 <= 0))) ? rdiv_28 : (rdiv_28 - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_68)) {
+      if ((min(64, ((len_q - (condval_69 * 64)) - (((((0 <= groups) && (0 <= rmod_44)) || ((groups < 0) && (rmod_44 <= 0))) ? rdiv_28 : (rdiv_28 - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 64) + 64) <= condval_72)) {
         #pragma unroll
         for (int i_22 = 0; i_22 < 32; ++i_22) {
           acc_sT[i_22] = exp2f(((acc_sT[i_22] * scale_log2) - ((float*)lse_s)[(((((i_22 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_22 & 1))]));
@@ -753,53 +777,53 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x)
       } else {
         #pragma unroll
         for (int i_23 = 0; i_23 < 32; ++i_23) {
-          int condval_70;
-          if ((causal != 0)) {
-            condval_70 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-          } else {
-            condval_70 = 0;
-          }
-          int condval_71;
-          if ((causal != 0)) {
-            condval_71 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-          } else {
-            condval_71 = 0;
-          }
-          int rmod_46 = (((max((((len_q + 63) >> 6) - condval_71), 0) * groups) - 1) % groups);
-          int condval_72;
-          if ((causal != 0)) {
-            condval_72 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-          } else {
-            condval_72 = 0;
-          }
-          int rdiv_30 = (((max((((len_q + 63) >> 6) - condval_72), 0) * groups) - 1) / groups);
-          int condval_73;
-          if ((causal != 0)) {
-            condval_73 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
-          } else {
-            condval_73 = 0;
-          }
           int condval_74;
           if ((causal != 0)) {
             condval_74 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
           } else {
             condval_74 = 0;
           }
-          int rmod_47 = (((max((((len_q + 63) >> 6) - condval_74), 0) * groups) - 1) % groups);
           int condval_75;
           if ((causal != 0)) {
             condval_75 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
           } else {
             condval_75 = 0;
           }
-          int rdiv_31 = (((max((((len_q + 63) >> 6) - condval_75), 0) * groups) - 1) / groups);
-          float condval_69;
-          if ((((((((i_23 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) < ((len_q - (condval_70 * 64)) - (((((0 <= groups) && (0 <= rmod_46)) || ((groups < 0) && (rmod_46 <= 0))) ? rdiv_30 : (rdiv_30 - 1)) * 64))) && (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_23 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_23 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((condval_73 * 64) + (((((0 <= groups) && (0 <= rmod_47)) || ((groups < 0) && (rmod_47 <= 0))) ? rdiv_31 : (rdiv_31 - 1)) * 64)) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_23 & 1)) - len_q))))) {
-            condval_69 = exp2f(((acc_sT[i_23] * scale_log2) - ((float*)lse_s)[(((((i_23 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_23 & 1))]));
+          int rmod_46 = (((max((((len_q + 63) >> 6) - condval_75), 0) * groups) - 1) % groups);
+          int condval_76;
+          if ((causal != 0)) {
+            condval_76 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
           } else {
-            condval_69 = 0x0p+0f/*0.000000e+00*/;
+            condval_76 = 0;
           }
-          acc_sT[i_23] = condval_69;
+          int rdiv_30 = (((max((((len_q + 63) >> 6) - condval_76), 0) * groups) - 1) / groups);
+          int condval_77;
+          if ((causal != 0)) {
+            condval_77 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_77 = 0;
+          }
+          int condval_78;
+          if ((causal != 0)) {
+            condval_78 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_78 = 0;
+          }
+          int rmod_47 = (((max((((len_q + 63) >> 6) - condval_78), 0) * groups) - 1) % groups);
+          int condval_79;
+          if ((causal != 0)) {
+            condval_79 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+          } else {
+            condval_79 = 0;
+          }
+          int rdiv_31 = (((max((((len_q + 63) >> 6) - condval_79), 0) * groups) - 1) / groups);
+          float condval_73;
+          if ((((((((i_23 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) < ((len_q - (condval_74 * 64)) - (((((0 <= groups) && (0 <= rmod_46)) || ((groups < 0) && (rmod_46 <= 0))) ? rdiv_30 : (rdiv_30 - 1)) * 64))) && (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_23 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k)) && ((causal == 0) || (((((((int)blockIdx.z) * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_23 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= (((((((condval_77 * 64) + (((((0 <= groups) && (0 <= rmod_47)) || ((groups < 0) && (rmod_47 <= 0))) ? rdiv_31 : (rdiv_31 - 1)) * 64)) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_23 & 1)) - len_q))))) {
+            condval_73 = exp2f(((acc_sT[i_23] * scale_log2) - ((float*)lse_s)[(((((i_23 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_23 & 1))]));
+          } else {
+            condval_73 = 0x0p+0f/*0.000000e+00*/;
+          }
+          acc_sT[i_23] = condval_73;
         }
       }
       #pragma unroll
@@ -826,13 +850,13 @@ tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((((((int)threadIdx.x)
     }
     tl::cp_async_wait<1>();
     __syncthreads();
-    int condval_76;
+    int condval_80;
     if ((causal != 0)) {
-      condval_76 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
+      condval_80 = (max((((((int)blockIdx.z) * 64) + len_q) - len_k), 0) >> 6);
     } else {
-      condval_76 = 0;
+      condval_80 = 0;
     }
-    if (1 <= (max((((len_q + 63) >> 6) - condval_76), 0) * groups)) {
+    if (1 <= (max((((len_q + 63) >> 6) - condval_80), 0) * groups)) {
       #pragma unroll
       for (int i_26 = 0; i_26 < 32; ++i_26) {
         dsT_cast[i_26] = ((bfloat16_t)(acc_sT[i_26] * (acc_dpT[i_26] - ((float*)delta_s)[(((((i_26 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (q0 & 3)) + (i_26 & 1))])));

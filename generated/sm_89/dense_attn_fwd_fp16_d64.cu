@@ -41,14 +41,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_fwd_fp1
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
   if ((((int)blockIdx.z) < batch_plus_one)) {
     condval_1 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
+  int k0 = min(max(condval_1, 0), total_k);
   int condval_2;
   if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
     condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
@@ -61,23 +61,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_fwd_fp1
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_2 - condval_3);
   int condval_4;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_4 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_4 = 0;
   }
+  int len_k = (min(max(condval_2, min(max(condval_3, 0), total_k)), total_k) - min(max(condval_4, 0), total_k));
   int condval_5;
-  if ((((int)blockIdx.z) < batch_plus_one)) {
-    condval_5 = cu_seqlens_q[((int)blockIdx.z)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_5 = 0;
   }
-  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + condval_4) + 128) - condval_5) - (max_tiles * 128))), 0);
   int condval_6;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_6 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_6 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_6 = 0;
   }
@@ -87,91 +86,91 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_fwd_fp1
   } else {
     condval_7 = 0;
   }
+  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_5, min(max(condval_6, 0), total_q)), total_q)) + 128) - min(max(condval_7, 0), total_q)) - (max_tiles * 128))), 0);
   int condval_8;
-  if ((((int)blockIdx.z) < batch_plus_one)) {
-    condval_8 = cu_seqlens_k[((int)blockIdx.z)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_8 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_8 = 0;
   }
   int condval_9;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_9 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_9 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_9 = 0;
   }
-  int p0 = (((((((max_tiles * 128) + condval_6) + condval_7) - condval_8) - condval_9) - (((int)blockIdx.x) * 128)) - 128);
   int condval_10;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_10 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_10 = 0;
+  }
+  int condval_11;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_11 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_11 = 0;
+  }
+  int condval_12;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_12 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_12 = 0;
+  }
+  int condval_13;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_13 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_13 = 0;
+  }
+  int p0 = (((((((max_tiles * 128) + min(max(condval_8, min(max(condval_9, 0), total_k)), total_k)) + min(max(condval_10, 0), total_q)) - min(max(condval_11, 0), total_k)) - min(max(condval_12, min(max(condval_13, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128);
+  int condval_14;
   if ((causal != 0)) {
-    int condval_11;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_11 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-    } else {
-      condval_11 = 0;
-    }
-    int condval_12;
-    if ((((int)blockIdx.z) < batch_plus_one)) {
-      condval_12 = cu_seqlens_q[((int)blockIdx.z)];
-    } else {
-      condval_12 = 0;
-    }
-    int condval_13;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_13 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-    } else {
-      condval_13 = 0;
-    }
-    int condval_14;
-    if ((((int)blockIdx.z) < batch_plus_one)) {
-      condval_14 = cu_seqlens_q[((int)blockIdx.z)];
-    } else {
-      condval_14 = 0;
-    }
     int condval_15;
-    if ((((int)blockIdx.z) < batch_plus_one)) {
-      condval_15 = cu_seqlens_k[((int)blockIdx.z)];
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_15 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
     } else {
       condval_15 = 0;
     }
     int condval_16;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_16 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_16 = cu_seqlens_k[((int)blockIdx.z)];
     } else {
       condval_16 = 0;
     }
     int condval_17;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_17 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_17 = cu_seqlens_q[((int)blockIdx.z)];
     } else {
       condval_17 = 0;
     }
     int condval_18;
-    if ((((int)blockIdx.z) < batch_plus_one)) {
-      condval_18 = cu_seqlens_k[((int)blockIdx.z)];
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_18 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
     } else {
       condval_18 = 0;
     }
-    condval_10 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_11) + 128) - condval_12) - (max_tiles * 128))), 0)) + condval_13) + condval_14) - condval_15) - condval_16) - (((int)blockIdx.x) * 128)) - 128), (condval_17 - condval_18)), 0) + 63) >> 6);
-  } else {
     int condval_19;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_19 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_19 = cu_seqlens_q[((int)blockIdx.z)];
     } else {
       condval_19 = 0;
     }
     int condval_20;
     if ((((int)blockIdx.z) < batch_plus_one)) {
-      condval_20 = cu_seqlens_k[((int)blockIdx.z)];
+      condval_20 = cu_seqlens_q[((int)blockIdx.z)];
     } else {
       condval_20 = 0;
     }
-    condval_10 = (((condval_19 + 63) - condval_20) >> 6);
-  }
-  int n_blk = condval_10;
-  int condval_21;
-  if ((causal != 0)) {
+    int condval_21;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_21 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_21 = 0;
+    }
     int condval_22;
     if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_22 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      condval_22 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
     } else {
       condval_22 = 0;
     }
@@ -182,34 +181,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_fwd_fp1
       condval_23 = 0;
     }
     int condval_24;
-    if ((((int)blockIdx.z) < batch_plus_one)) {
-      condval_24 = cu_seqlens_k[((int)blockIdx.z)];
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_24 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
     } else {
       condval_24 = 0;
     }
     int condval_25;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_25 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_25 = cu_seqlens_k[((int)blockIdx.z)];
     } else {
       condval_25 = 0;
     }
     int condval_26;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_26 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_26 = cu_seqlens_k[((int)blockIdx.z)];
     } else {
       condval_26 = 0;
     }
+    condval_14 = ((max(min(((((((((max_tiles * 128) + min(max(condval_15, min(max(condval_16, 0), total_k)), total_k)) + min(max(condval_17, 0), total_q)) + max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_18, min(max(condval_19, 0), total_q)), total_q)) + 128) - min(max(condval_20, 0), total_q)) - (max_tiles * 128))), 0)) - min(max(condval_21, 0), total_k)) - min(max(condval_22, min(max(condval_23, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128), (min(max(condval_24, min(max(condval_25, 0), total_k)), total_k) - min(max(condval_26, 0), total_k))), 0) + 63) >> 6);
+  } else {
     int condval_27;
-    if ((((int)blockIdx.z) < batch_plus_one)) {
-      condval_27 = cu_seqlens_k[((int)blockIdx.z)];
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_27 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
     } else {
       condval_27 = 0;
     }
-    condval_21 = (max(min((((((((max_tiles * 128) + condval_22) + condval_23) - condval_24) - condval_25) - (((int)blockIdx.x) * 128)) - 127), (condval_26 - condval_27)), 0) >> 6);
-  } else {
     int condval_28;
-    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-      condval_28 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_28 = cu_seqlens_k[((int)blockIdx.z)];
     } else {
       condval_28 = 0;
     }
@@ -219,20 +218,99 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_dense_attn_fwd_fp1
     } else {
       condval_29 = 0;
     }
-    condval_21 = ((condval_28 - condval_29) >> 6);
+    condval_14 = (((min(max(condval_27, min(max(condval_28, 0), total_k)), total_k) + 63) - min(max(condval_29, 0), total_k)) >> 6);
   }
-  int n_full = condval_21;
+  int n_blk = condval_14;
+  int condval_30;
+  if ((causal != 0)) {
+    int condval_31;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_31 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_31 = 0;
+    }
+    int condval_32;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_32 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_32 = 0;
+    }
+    int condval_33;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_33 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_33 = 0;
+    }
+    int condval_34;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_34 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_34 = 0;
+    }
+    int condval_35;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_35 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_35 = 0;
+    }
+    int condval_36;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_36 = cu_seqlens_q[((int)blockIdx.z)];
+    } else {
+      condval_36 = 0;
+    }
+    int condval_37;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_37 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_37 = 0;
+    }
+    int condval_38;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_38 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_38 = 0;
+    }
+    int condval_39;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_39 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_39 = 0;
+    }
+    condval_30 = (max(min((((((((max_tiles * 128) + min(max(condval_31, min(max(condval_32, 0), total_k)), total_k)) + min(max(condval_33, 0), total_q)) - min(max(condval_34, 0), total_k)) - min(max(condval_35, min(max(condval_36, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 127), (min(max(condval_37, min(max(condval_38, 0), total_k)), total_k) - min(max(condval_39, 0), total_k))), 0) >> 6);
+  } else {
+    int condval_40;
+    if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+      condval_40 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+    } else {
+      condval_40 = 0;
+    }
+    int condval_41;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_41 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_41 = 0;
+    }
+    int condval_42;
+    if ((((int)blockIdx.z) < batch_plus_one)) {
+      condval_42 = cu_seqlens_k[((int)blockIdx.z)];
+    } else {
+      condval_42 = 0;
+    }
+    condval_30 = ((min(max(condval_40, min(max(condval_41, 0), total_k)), total_k) - min(max(condval_42, 0), total_k)) >> 6);
+  }
+  int n_full = condval_30;
   if (0 < n_tok) {
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_30;
+      uint4 condval_43;
       if ((((((((max_tiles * 128) + (i * 32)) + (((int)threadIdx.x) >> 3)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) && (1 <= ((((((i * 32) + (((int)threadIdx.x) >> 3)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))))) {
-        condval_30 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((((int64_t)max_tiles) * (int64_t)128) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        condval_43 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((((int64_t)max_tiles) * (int64_t)128) + (((int64_t)i) * (int64_t)32)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_30 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+        condval_43 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((half_t*)Q_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_30;
+      *(uint4*)(((half_t*)Q_s) + (((((i * 2048) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_43;
     }
     #pragma unroll
     for (int i_1 = 0; i_1 < 8; ++i_1) {
@@ -284,13 +362,13 @@ tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_3 * 2048) + ((((int)thr
       } else {
         #pragma unroll
         for (int i_5 = 0; i_5 < 32; ++i_5) {
-          float condval_31;
+          float condval_44;
           if (((((((blk * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < len_k) && ((causal == 0) || (((((blk * 64) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) <= (((((((int)threadIdx.x) >> 5) * 16) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0))))) {
-            condval_31 = 0x0p+0f/*0.000000e+00*/;
+            condval_44 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_31 = -CUDART_INF_F;
+            condval_44 = -CUDART_INF_F;
           }
-          acc_s[i_5] = condval_31;
+          acc_s[i_5] = condval_44;
         }
       }
       tl::cp_async_wait<1>();
@@ -337,13 +415,13 @@ tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_7 * 2048) + ((((int)thr
       }
       #pragma unroll
       for (int i_9 = 0; i_9 < 2; ++i_9) {
-        float condval_32;
+        float condval_45;
         if ((m_cur[i_9] == -CUDART_INF_F)) {
-          condval_32 = 0x0p+0f/*0.000000e+00*/;
+          condval_45 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_32 = m_cur[i_9];
+          condval_45 = m_cur[i_9];
         }
-        m_safe[i_9] = condval_32;
+        m_safe[i_9] = condval_45;
         r_scale[i_9] = exp2f(((m_prev[i_9] - m_safe[i_9]) * scale_log2));
       }
       #pragma unroll
@@ -438,13 +516,13 @@ tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_15 * 2048) + ((((int)th
       } else {
         #pragma unroll
         for (int i_17 = 0; i_17 < 32; ++i_17) {
-          float condval_33;
+          float condval_46;
           if (((((((n_blk * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) < (len_k + 64)) && ((causal == 0) || (((((n_blk * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) <= ((((((((int)threadIdx.x) >> 5) * 16) + (((i_17 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0) + 64))))) {
-            condval_33 = 0x0p+0f/*0.000000e+00*/;
+            condval_46 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_33 = -CUDART_INF_F;
+            condval_46 = -CUDART_INF_F;
           }
-          acc_s[i_17] = condval_33;
+          acc_s[i_17] = condval_46;
         }
       }
     }
@@ -479,13 +557,13 @@ tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_15 * 2048) + ((((int)th
       }
       #pragma unroll
       for (int i_20 = 0; i_20 < 2; ++i_20) {
-        float condval_34;
+        float condval_47;
         if ((m_cur[i_20] == -CUDART_INF_F)) {
-          condval_34 = 0x0p+0f/*0.000000e+00*/;
+          condval_47 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_34 = m_cur[i_20];
+          condval_47 = m_cur[i_20];
         }
-        m_safe[i_20] = condval_34;
+        m_safe[i_20] = condval_47;
         r_scale[i_20] = exp2f(((m_prev[i_20] - m_safe[i_20]) * scale_log2));
       }
       #pragma unroll
@@ -564,18 +642,18 @@ tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_15 * 2048) + ((((int)th
       if (((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
         float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
         uint1 __15;
-        float2 condval_35;
+        float2 condval_48;
         if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_26 & 1)])) {
           float2 __16;
             float2 v__18 = *(float2*)(acc_o + (i_26 * 2));
             float2 v__19 = make_float2(l_sum[(i_26 & 1)], l_sum[(i_26 & 1)]);
             __16.x = (v__18.x/v__19.x);
             __16.y = (v__18.y/v__19.y);
-          condval_35 = __16;
+          condval_48 = __16;
         } else {
-          condval_35 = make_float2(broadcast_var_6, broadcast_var_6);
+          condval_48 = make_float2(broadcast_var_6, broadcast_var_6);
         }
-        ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&condval_35))[0]);
+        ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&condval_48))[0]);
         *(uint1*)(O_local_cast + 0) = __15;
         if (1 <= ((((((((((int)threadIdx.x) >> 5) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))) {
           if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) {
@@ -590,13 +668,13 @@ tl::cp_async_gs_conditional<16>((&(((half_t*)V_s)[(((((i_15 * 2048) + ((((int)th
         if (((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < n_tok) {
           if (1 <= ((((((((((int)threadIdx.x) >> 5) * 16) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) >> 7) + max_tiles) - ((int)blockIdx.x))) {
             if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_27 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 128)) {
-              float condval_36;
+              float condval_49;
               if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_27])) {
-                condval_36 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                condval_49 = (((m_cur[i_27] * scale_log2) + log2f(l_sum[i_27])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
               } else {
-                condval_36 = -CUDART_INF_F;
+                condval_49 = -CUDART_INF_F;
               }
-              LSE[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)total_q))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128)] = condval_36;
+              LSE[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_27) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)total_q))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)128)] = condval_49;
             }
           }
         }

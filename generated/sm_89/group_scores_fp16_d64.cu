@@ -139,119 +139,155 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int len_q = (condval_1 - q0);
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_2 = 0;
   }
   int condval_3;
   if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[((int)blockIdx.y)];
+    condval_3 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_2 - condval_3);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
   int condval_4;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_4 = cu_seqlens_c[((int)blockIdx.y)];
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_4 = 0;
   }
-  int key0 = condval_4;
   int condval_5;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_5 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_5 = cu_seqlens_k[((int)blockIdx.y)];
   } else {
     condval_5 = 0;
   }
-  int n_c = (condval_5 - key0);
+  int len_k = (condval_4 - condval_5);
   int condval_6;
   if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_6 = cu_seqlens_n[((int)blockIdx.y)];
+    condval_6 = cu_seqlens_c[((int)blockIdx.y)];
   } else {
     condval_6 = 0;
   }
-  int key0_1 = condval_6;
+  int key0 = min(max(condval_6, 0), total_c);
   int condval_7;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_7 = cu_seqlens_n[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+    condval_7 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_7 = 0;
   }
-  int n_n = (condval_7 - key0_1);
+  int condval_8;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_8 = cu_seqlens_c[((int)blockIdx.y)];
+  } else {
+    condval_8 = 0;
+  }
+  int condval_9;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_9 = cu_seqlens_c[((int)blockIdx.y)];
+  } else {
+    condval_9 = 0;
+  }
+  int n_c = (min(max(condval_7, min(max(condval_8, 0), total_c)), total_c) - min(max(condval_9, 0), total_c));
+  int condval_10;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_10 = cu_seqlens_n[((int)blockIdx.y)];
+  } else {
+    condval_10 = 0;
+  }
+  int key0_1 = min(max(condval_10, 0), total_n);
+  int condval_11;
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_11 = cu_seqlens_n[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  } else {
+    condval_11 = 0;
+  }
+  int condval_12;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_12 = cu_seqlens_n[((int)blockIdx.y)];
+  } else {
+    condval_12 = 0;
+  }
+  int condval_13;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_13 = cu_seqlens_n[((int)blockIdx.y)];
+  } else {
+    condval_13 = 0;
+  }
+  int n_n = (min(max(condval_11, min(max(condval_12, 0), total_n)), total_n) - min(max(condval_13, 0), total_n));
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     if (groups == 16) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_8;
+        uint4 condval_14;
         if ((((((((int)blockIdx.z) * 16) + (((int)threadIdx.x) >> 3)) < heads) && (0 <= ((min(i, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(i, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-          condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          condval_14 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
         } else {
-          condval_8 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+          condval_14 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((half_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
+        *(uint4*)(((half_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_14;
       }
     } else {
       if (groups == 8) {
         #pragma unroll
         for (int i_1 = 0; i_1 < 4; ++i_1) {
           half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
-          uint4 condval_9;
+          uint4 condval_15;
           if ((((((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 63) >> 3)) < heads) && (0 <= ((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-            condval_9 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            condval_15 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
           } else {
-            condval_9 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
+            condval_15 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((half_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
+          *(uint4*)(((half_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_15;
         }
       } else {
         if (groups == 4) {
           #pragma unroll
           for (int i_2 = 0; i_2 < 4; ++i_2) {
             half_t broadcast_var_2 = half_t(0x0p+0f/*0.000000e+00*/);
-            uint4 condval_10;
+            uint4 condval_16;
             if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 31) >> 3)) < heads) && (0 <= ((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-              condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              condval_16 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
             } else {
-              condval_10 = make_uint4(__pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2));
+              condval_16 = make_uint4(__pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((half_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_10;
+            *(uint4*)(((half_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_16;
           }
         } else {
           if (groups == 2) {
             #pragma unroll
             for (int i_3 = 0; i_3 < 4; ++i_3) {
               half_t broadcast_var_3 = half_t(0x0p+0f/*0.000000e+00*/);
-              uint4 condval_11;
+              uint4 condval_17;
               if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 15) >> 3)) < heads) && (0 <= ((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-                condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                condval_17 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
               } else {
-                condval_11 = make_uint4(__pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3));
+                condval_17 = make_uint4(__pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((half_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_11;
+              *(uint4*)(((half_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_17;
             }
           } else {
             if (groups == 1) {
               #pragma unroll
               for (int i_4 = 0; i_4 < 4; ++i_4) {
                 half_t broadcast_var_4 = half_t(0x0p+0f/*0.000000e+00*/);
-                uint4 condval_12;
+                uint4 condval_18;
                 if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-                  condval_12 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_18 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_12 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
+                  condval_18 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((half_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_12;
+                *(uint4*)(((half_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_18;
               }
             } else {
               #pragma unroll
@@ -263,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
                 int rdiv = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
                 int rmod_3 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) % groups);
                 int rdiv_1 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
-                uint4 condval_13;
+                uint4 condval_19;
                 if ((((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
                   int64_t rmod_4 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_5 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
@@ -271,11 +307,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
                   int64_t rmod_6 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rdiv_3 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-                  condval_13 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_19 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_13 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
+                  condval_19 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((half_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_13;
+                *(uint4*)(((half_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_19;
               }
             }
           }
@@ -292,29 +328,29 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
     __syncthreads();
     #pragma unroll
     for (int i_7 = 0; i_7 < 2; ++i_7) {
-      int condval_14;
+      int condval_20;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
         int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_14 = (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) - len_q);
+        condval_20 = (((len_k + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) - len_q);
       } else {
-        condval_14 = -1;
+        condval_20 = -1;
       }
-      rowpos[i_7] = condval_14;
+      rowpos[i_7] = condval_20;
     }
     float broadcast_var_6 = -CUDART_INF_F;
     *(float2*)(m_run + 0) = make_float2(broadcast_var_6, broadcast_var_6);
     float broadcast_var_7 = 0x0p+0f/*0.000000e+00*/;
     *(float2*)(l_run + 0) = make_float2(broadcast_var_7, broadcast_var_7);
-    int condval_15;
+    int condval_21;
     if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
       int rmod_9 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
       int rdiv_5 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
-      condval_15 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_9)) || ((norm_stride < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + 1));
+      condval_21 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_9)) || ((norm_stride < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + 1));
     } else {
-      condval_15 = 0;
+      condval_21 = 0;
     }
-    for (int ch = 0; ch < ((condval_15 + 63) >> 6); ++ch) {
+    for (int ch = 0; ch < ((condval_21 + 63) >> 6); ++ch) {
       #pragma unroll
       for (int i_8 = 0; i_8 < 4; ++i_8) {
         tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_8 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(NK[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)ch) * (int64_t)64) + (((int64_t)i_8) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)key0_1)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((ch * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + key0_1) < total_n) && (0 <= ((((ch * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + key0_1))) && (((((ch * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + key0_1) < total_n)) && (0 <= ((((ch * 64) + (i_8 * 16)) + (((int)threadIdx.x) >> 3)) + key0_1))));
@@ -340,32 +376,32 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
           }
         }
       }
-      int condval_16;
+      int condval_22;
       if ((norm_window <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q))) {
         int rmod_10 = (((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q) - norm_window) % norm_stride);
         int rdiv_6 = (((((len_k + (((int)blockIdx.x) * tile_tokens)) + 1) - len_q) - norm_window) / norm_stride);
-        condval_16 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_10)) || ((norm_stride < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) + 1));
+        condval_22 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_10)) || ((norm_stride < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) + 1));
       } else {
-        condval_16 = 0;
+        condval_22 = 0;
       }
-      if (condval_16 < ((ch * 64) + 64)) {
+      if (condval_22 < ((ch * 64) + 64)) {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          int condval_18;
+          int condval_24;
           if ((norm_window <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
             int rmod_11 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) % norm_stride);
             int rdiv_7 = (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - norm_window) / norm_stride);
-            condval_18 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_11)) || ((norm_stride < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
+            condval_24 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_11)) || ((norm_stride < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
           } else {
-            condval_18 = 0;
+            condval_24 = 0;
           }
-          float condval_17;
-          if (((((((ch * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < condval_18) && (((((((ch * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) * norm_stride) + norm_window) <= (rowpos[((i_11 & 3) >> 1)] + 1)))) {
-            condval_17 = acc_s[i_11];
+          float condval_23;
+          if (((((((ch * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) < condval_24) && (((((((ch * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) * norm_stride) + norm_window) <= (rowpos[((i_11 & 3) >> 1)] + 1)))) {
+            condval_23 = acc_s[i_11];
           } else {
-            condval_17 = -CUDART_INF_F;
+            condval_23 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_17;
+          acc_s[i_11] = condval_23;
         }
       }
       *(float2*)(m_prev + 0) = *(float2*)(m_run + 0);
@@ -381,13 +417,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
       }
       #pragma unroll
       for (int i_13 = 0; i_13 < 2; ++i_13) {
-        float condval_19;
+        float condval_25;
         if ((m_run[i_13] == -CUDART_INF_F)) {
-          condval_19 = 0x0p+0f/*0.000000e+00*/;
+          condval_25 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_19 = m_run[i_13];
+          condval_25 = m_run[i_13];
         }
-        m_safe[i_13] = condval_19;
+        m_safe[i_13] = condval_25;
         r_scale[i_13] = exp2f(((m_prev[i_13] - m_safe[i_13]) * scale_log2));
       }
       #pragma unroll
@@ -445,13 +481,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
       *(float2*)(m_fine + 0) = make_float2(broadcast_var_9, broadcast_var_9);
       float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
       *(float2*)(l_fine + 0) = make_float2(broadcast_var_10, broadcast_var_10);
-      int condval_20;
+      int condval_26;
       if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-        condval_20 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
+        condval_26 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
       } else {
-        condval_20 = 0;
+        condval_26 = 0;
       }
-      for (int ch_1 = 0; ch_1 < ((condval_20 + 63) >> 6); ++ch_1) {
+      for (int ch_1 = 0; ch_1 < ((condval_26 + 63) >> 6); ++ch_1) {
         #pragma unroll
         for (int i_16 = 0; i_16 < 4; ++i_16) {
           tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_16 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)ch_1) * (int64_t)64) + (((int64_t)i_16) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((ch_1 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + key0) < total_c) && (0 <= ((((ch_1 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + key0))) && (((((ch_1 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + key0) < total_c)) && (0 <= ((((ch_1 * 64) + (i_16 * 16)) + (((int)threadIdx.x) >> 3)) + key0))));
@@ -477,28 +513,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
             }
           }
         }
-        int condval_21;
+        int condval_27;
         if (((31 <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-          condval_21 = min(n_c, (((min(((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), (norm_window - 2)) - 31) >> 4) + 1));
+          condval_27 = min(n_c, (((min(((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q), (norm_window - 2)) - 31) >> 4) + 1));
         } else {
-          condval_21 = 0;
+          condval_27 = 0;
         }
-        if (condval_21 < ((ch_1 * 64) + 64)) {
+        if (condval_27 < ((ch_1 * 64) + 64)) {
           #pragma unroll
           for (int i_19 = 0; i_19 < 32; ++i_19) {
-            int condval_23;
+            int condval_29;
             if (((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q)) && (33 <= norm_window))) {
-              condval_23 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
+              condval_29 = min(n_c, (((min(((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1), (norm_window - 2)) - 31) >> 4) + 1));
             } else {
-              condval_23 = 0;
+              condval_29 = 0;
             }
-            float condval_22;
-            if (((((((ch_1 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) < condval_23) && ((((((ch_1 * 1024) + ((i_19 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_19 & 1) * 16)) + 31) <= rowpos[((i_19 & 3) >> 1)]))) {
-              condval_22 = acc_s[i_19];
+            float condval_28;
+            if (((((((ch_1 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) < condval_29) && ((((((ch_1 * 1024) + ((i_19 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_19 & 1) * 16)) + 31) <= rowpos[((i_19 & 3) >> 1)]))) {
+              condval_28 = acc_s[i_19];
             } else {
-              condval_22 = -CUDART_INF_F;
+              condval_28 = -CUDART_INF_F;
             }
-            acc_s[i_19] = condval_22;
+            acc_s[i_19] = condval_28;
           }
         }
         *(float2*)(m_prev + 0) = *(float2*)(m_fine + 0);
@@ -514,13 +550,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         }
         #pragma unroll
         for (int i_21 = 0; i_21 < 2; ++i_21) {
-          float condval_24;
+          float condval_30;
           if ((m_fine[i_21] == -CUDART_INF_F)) {
-            condval_24 = 0x0p+0f/*0.000000e+00*/;
+            condval_30 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_24 = m_fine[i_21];
+            condval_30 = m_fine[i_21];
           }
-          m_safe[i_21] = condval_24;
+          m_safe[i_21] = condval_30;
           r_scale[i_21] = exp2f(((m_prev[i_21] - m_safe[i_21]) * scale_log2));
         }
         #pragma unroll
@@ -575,13 +611,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
     carry[1] = -CUDART_INF_F;
     for (int ch_2 = 0; ch_2 < ((width + 63) >> 6); ++ch_2) {
       __syncthreads();
-      int condval_25;
+      int condval_31;
       if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_25 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+        condval_31 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
       } else {
-        condval_25 = 0;
+        condval_31 = 0;
       }
-      if (ch_2 < ((condval_25 + 63) >> 6)) {
+      if (ch_2 < ((condval_31 + 63) >> 6)) {
         #pragma unroll
         for (int i_25 = 0; i_25 < 4; ++i_25) {
           tl::cp_async_gs_conditional<16>((&(((half_t*)K_s)[(((((i_25 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(CK[(((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((((((int64_t)ch_2) * (int64_t)64) + (((int64_t)i_25) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)key0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8))])), ((((((((ch_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + key0) < total_c) && (0 <= ((((ch_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + key0))) && (((((ch_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + key0) < total_c)) && (0 <= ((((ch_2 * 64) + (i_25 * 16)) + (((int)threadIdx.x) >> 3)) + key0))));
@@ -607,13 +643,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
             }
           }
         }
-        int condval_26;
+        int condval_32;
         if ((31 <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-          condval_26 = min(n_c, (((((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q) - 31) >> 4) + 1));
+          condval_32 = min(n_c, (((((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q) - 31) >> 4) + 1));
         } else {
-          condval_26 = 0;
+          condval_32 = 0;
         }
-        if (((ch_2 * 64) + 64) <= condval_26) {
+        if (((ch_2 * 64) + 64) <= condval_32) {
           #pragma unroll
           for (int i_28 = 0; i_28 < 16; ++i_28) {
             float2 __14;
@@ -633,30 +669,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         } else {
           #pragma unroll
           for (int i_29 = 0; i_29 < 32; ++i_29) {
-            int condval_28;
+            int condval_34;
             if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-              condval_28 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+              condval_34 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
             } else {
-              condval_28 = 0;
+              condval_34 = 0;
             }
-            float condval_27;
-            if (((((((ch_2 * 64) + ((i_29 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_29 & 1)) < condval_28) && ((((((ch_2 * 1024) + ((i_29 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_29 & 1) * 16)) + 31) <= rowpos[((i_29 & 3) >> 1)]))) {
-              condval_27 = exp2f(((acc_s[i_29] * scale_log2) - lse2[((i_29 & 3) >> 1)]));
+            float condval_33;
+            if (((((((ch_2 * 64) + ((i_29 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_29 & 1)) < condval_34) && ((((((ch_2 * 1024) + ((i_29 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_29 & 1) * 16)) + 31) <= rowpos[((i_29 & 3) >> 1)]))) {
+              condval_33 = exp2f(((acc_s[i_29] * scale_log2) - lse2[((i_29 & 3) >> 1)]));
             } else {
-              condval_27 = -CUDART_INF_F;
+              condval_33 = -CUDART_INF_F;
             }
-            acc_s[i_29] = condval_27;
+            acc_s[i_29] = condval_33;
           }
         }
       }
       __syncthreads();
-      int condval_29;
+      int condval_35;
       if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-        condval_29 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+        condval_35 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
       } else {
-        condval_29 = 0;
+        condval_35 = 0;
       }
-      if (ch_2 < ((condval_29 + 63) >> 6)) {
+      if (ch_2 < ((condval_35 + 63) >> 6)) {
         if (groups == 16) {
           infllmv2_group_sum<16>(acc_s, (&(((float*)GS_s)[0])), min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))));
         } else {
@@ -706,19 +742,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_group_scores_fp16_
         if ((((e_2 * 128) + ((int)threadIdx.x)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * 64)) && (((ch_2 * 64) + (((int)threadIdx.x) & 63)) < width)) {
           if (0 <= ((((e_2 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
             if (((((e_2 * 2) + (((int)threadIdx.x) >> 6)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-              int condval_31;
+              int condval_37;
               if ((32 <= (((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
-                condval_31 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
+                condval_37 = min(n_c, (((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 4) - 1));
               } else {
-                condval_31 = 0;
+                condval_37 = 0;
               }
-              float condval_30;
-              if (((ch_2 * 64) < condval_31)) {
-                condval_30 = max(((float*)GS_s)[((((int64_t)e_2) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))], 0x0p+0f/*0.000000e+00*/);
+              float condval_36;
+              if (((ch_2 * 64) < condval_37)) {
+                condval_36 = max(((float*)GS_s)[((((int64_t)e_2) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))], 0x0p+0f/*0.000000e+00*/);
               } else {
-                condval_30 = 0x0p+0f/*0.000000e+00*/;
+                condval_36 = 0x0p+0f/*0.000000e+00*/;
               }
-              S[((((((int64_t)ch_2) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + (((((((int64_t)e_2) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)width))) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] = condval_30;
+              S[((((((int64_t)ch_2) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + (((((((int64_t)e_2) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)width))) + (((int64_t)((int)threadIdx.x)) & (int64_t)63))] = condval_36;
             }
           }
         }

@@ -25,28 +25,52 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
-  if ((((int)blockIdx.z) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.z)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (min(condval_2, total_q) - q0);
   int condval_3;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_3 - k0);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
+  int condval_4;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_4 = 0;
+  }
+  int k0 = min(max(condval_4, 0), total_k);
+  int condval_5;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_5 = 0;
+  }
+  int condval_6;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_7 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_7 = 0;
+  }
+  int len_k = (min(max(condval_5, min(max(condval_6, 0), total_k)), total_k) - min(max(condval_7, 0), total_k));
   if ((8192 < len_q) && ((((int)blockIdx.x) * 64) < len_k)) {
     #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -64,78 +88,78 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
         float4 __1;
           float4 v_ = *(float4*)(acc_dk + (i_2 * 4));
-          int condval_5;
+          int condval_9;
           if ((j == 0)) {
-            condval_5 = 1;
+            condval_9 = 1;
           } else {
-            condval_5 = 0;
+            condval_9 = 0;
           }
-          int condval_6;
-          if ((j == 0)) {
-            condval_6 = 1;
-          } else {
-            condval_6 = 0;
-          }
-          float4 condval_4;
-          if (((((0 <= condval_5) && (condval_6 < 2)) && (0 <= ((q0 >> 13) + j))) && (((q0 >> 13) + j) < n_pieces))) {
-            int64_t condval_7;
-            if ((((int64_t)j) == (int64_t)0)) {
-              condval_7 = (int64_t)1;
-            } else {
-              condval_7 = (int64_t)0;
-            }
-            int64_t condval_8;
-            if ((((int64_t)j) == (int64_t)0)) {
-              condval_8 = (int64_t)1;
-            } else {
-              condval_8 = (int64_t)0;
-            }
-            condval_4 = *(float4*)(partial + ((((((((((int64_t)q0) >> (int64_t)13) * (int64_t)16384) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)j) * (int64_t)16384)) + (condval_8 * (int64_t)8192)) + (((int64_t)i_2) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
-          } else {
-            condval_4 = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
-          }
-          __1.x = (v_.x+condval_4.x);
-          __1.y = (v_.y+condval_4.y);
-          __1.z = (v_.z+condval_4.z);
-          __1.w = (v_.w+condval_4.w);
-        *(float4*)(acc_dk + (i_2 * 4)) = __1;
-        float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
-        float4 __2;
-          float4 v__1 = *(float4*)(acc_dv + (i_2 * 4));
           int condval_10;
           if ((j == 0)) {
             condval_10 = 1;
           } else {
             condval_10 = 0;
           }
-          int condval_11;
-          if ((j == 0)) {
-            condval_11 = 1;
-          } else {
-            condval_11 = 0;
-          }
-          float4 condval_9;
-          if (((((0 <= condval_10) && (condval_11 < 2)) && (0 <= ((q0 >> 13) + j))) && (((q0 >> 13) + j) < n_pieces))) {
+          float4 condval_8;
+          if (((((0 <= condval_9) && (condval_10 < 2)) && (0 <= ((q0 >> 13) + j))) && (((q0 >> 13) + j) < n_pieces))) {
+            int64_t condval_11;
+            if ((((int64_t)j) == (int64_t)0)) {
+              condval_11 = (int64_t)1;
+            } else {
+              condval_11 = (int64_t)0;
+            }
             int64_t condval_12;
             if ((((int64_t)j) == (int64_t)0)) {
               condval_12 = (int64_t)1;
             } else {
               condval_12 = (int64_t)0;
             }
-            int64_t condval_13;
-            if ((((int64_t)j) == (int64_t)0)) {
-              condval_13 = (int64_t)1;
-            } else {
-              condval_13 = (int64_t)0;
-            }
-            condval_9 = *(float4*)(partial + (((((((((((int64_t)q0) >> (int64_t)13) * (int64_t)16384) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)j) * (int64_t)16384)) + (condval_13 * (int64_t)8192)) + (((int64_t)i_2) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)) + (int64_t)4096));
+            condval_8 = *(float4*)(partial + ((((((((((int64_t)q0) >> (int64_t)13) * (int64_t)16384) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)j) * (int64_t)16384)) + (condval_12 * (int64_t)8192)) + (((int64_t)i_2) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
           } else {
-            condval_9 = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+            condval_8 = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
           }
-          __2.x = (v__1.x+condval_9.x);
-          __2.y = (v__1.y+condval_9.y);
-          __2.z = (v__1.z+condval_9.z);
-          __2.w = (v__1.w+condval_9.w);
+          __1.x = (v_.x+condval_8.x);
+          __1.y = (v_.y+condval_8.y);
+          __1.z = (v_.z+condval_8.z);
+          __1.w = (v_.w+condval_8.w);
+        *(float4*)(acc_dk + (i_2 * 4)) = __1;
+        float broadcast_var_3 = 0x0p+0f/*0.000000e+00*/;
+        float4 __2;
+          float4 v__1 = *(float4*)(acc_dv + (i_2 * 4));
+          int condval_14;
+          if ((j == 0)) {
+            condval_14 = 1;
+          } else {
+            condval_14 = 0;
+          }
+          int condval_15;
+          if ((j == 0)) {
+            condval_15 = 1;
+          } else {
+            condval_15 = 0;
+          }
+          float4 condval_13;
+          if (((((0 <= condval_14) && (condval_15 < 2)) && (0 <= ((q0 >> 13) + j))) && (((q0 >> 13) + j) < n_pieces))) {
+            int64_t condval_16;
+            if ((((int64_t)j) == (int64_t)0)) {
+              condval_16 = (int64_t)1;
+            } else {
+              condval_16 = (int64_t)0;
+            }
+            int64_t condval_17;
+            if ((((int64_t)j) == (int64_t)0)) {
+              condval_17 = (int64_t)1;
+            } else {
+              condval_17 = (int64_t)0;
+            }
+            condval_13 = *(float4*)(partial + (((((((((((int64_t)q0) >> (int64_t)13) * (int64_t)16384) + (((((int64_t)((int)blockIdx.x)) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)j) * (int64_t)16384)) + (condval_17 * (int64_t)8192)) + (((int64_t)i_2) * (int64_t)512)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)) + (int64_t)4096));
+          } else {
+            condval_13 = make_float4(broadcast_var_3, broadcast_var_3, broadcast_var_3, broadcast_var_3);
+          }
+          __2.x = (v__1.x+condval_13.x);
+          __2.y = (v__1.y+condval_13.y);
+          __2.z = (v__1.z+condval_13.z);
+          __2.w = (v__1.w+condval_13.w);
         *(float4*)(acc_dv + (i_2 * 4)) = __2;
       }
     }

@@ -29,115 +29,127 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_me
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
-  if ((((int)blockIdx.z) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.z)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_2 = 0;
   }
-  int len_q = max((min(condval_2, total_q) - q0), 0);
   int condval_3;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_3 = 0;
   }
-  int shift = ((condval_3 - k0) - len_q);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
   int condval_4;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_4 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[((int)blockIdx.z)];
   } else {
     condval_4 = 0;
   }
-  int span = ((min((((condval_4 >> 6) + ((int)blockIdx.z)) + 1), n_gb) - (k0 >> 6)) - ((int)blockIdx.z));
+  int k0 = condval_4;
+  int condval_5;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_5 = 0;
+  }
+  int shift = ((condval_5 - k0) - len_q);
+  int condval_6;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_6 = 0;
+  }
+  int span = ((min((((condval_6 >> 6) + ((int)blockIdx.z)) + 1), n_gb) - (k0 >> 6)) - ((int)blockIdx.z));
   for (int i = 0; i < 32; ++i) {
-    int condval_6;
-    if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-      condval_6 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-    } else {
-      condval_6 = 0;
-    }
-    int condval_7;
-    if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-      condval_7 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-    } else {
-      condval_7 = 0;
-    }
     int condval_8;
     if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
       condval_8 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
     } else {
       condval_8 = 0;
     }
-    int condval_5;
-    if (((((fill == 1) && (((i * 128) + ((int)threadIdx.x)) < condval_6)) && (0 <= (((((((int)blockIdx.x) >> 6) * 4096) + min(((i * 128) + ((int)threadIdx.x)), (condval_7 - 1))) + (k0 >> 6)) + ((int)blockIdx.z)))) && ((((((((int)blockIdx.x) >> 6) * 4096) + min(((i * 128) + ((int)threadIdx.x)), (condval_8 - 1))) + (k0 >> 6)) + ((int)blockIdx.z)) < n_gb))) {
-      int64_t condval_9;
-      if (((int64_t)0 <= ((((int64_t)k0) >> (int64_t)6) + ((int64_t)((int)blockIdx.z))))) {
-        condval_9 = max(min((((int64_t)span) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096)), (int64_t)4096), (int64_t)0);
-      } else {
-        condval_9 = (int64_t)0;
-      }
-      int64_t condval_10;
-      if (((int64_t)0 <= ((((int64_t)k0) >> (int64_t)6) + ((int64_t)((int)blockIdx.z))))) {
-        condval_10 = max(min((((int64_t)span) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096)), (int64_t)4096), (int64_t)0);
-      } else {
-        condval_10 = (int64_t)0;
-      }
-      condval_5 = cnt[(((((((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_gb)) * (int64_t)64)) + min(((((int64_t)i) * (int64_t)128) + ((int64_t)((int)threadIdx.x))), (condval_10 - (int64_t)1))) + (((int64_t)k0) >> (int64_t)6)) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((int64_t)n_gb))) + ((int64_t)((int)blockIdx.z)))];
+    int condval_9;
+    if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+      condval_9 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
     } else {
-      condval_5 = 0;
+      condval_9 = 0;
     }
-    ((int*)cnt_s)[((i * 128) + ((int)threadIdx.x))] = condval_5;
+    int condval_10;
+    if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+      condval_10 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+    } else {
+      condval_10 = 0;
+    }
+    int condval_7;
+    if (((((fill == 1) && (((i * 128) + ((int)threadIdx.x)) < condval_8)) && (0 <= (((((((int)blockIdx.x) >> 6) * 4096) + min(((i * 128) + ((int)threadIdx.x)), (condval_9 - 1))) + (k0 >> 6)) + ((int)blockIdx.z)))) && ((((((((int)blockIdx.x) >> 6) * 4096) + min(((i * 128) + ((int)threadIdx.x)), (condval_10 - 1))) + (k0 >> 6)) + ((int)blockIdx.z)) < n_gb))) {
+      int64_t condval_11;
+      if (((int64_t)0 <= ((((int64_t)k0) >> (int64_t)6) + ((int64_t)((int)blockIdx.z))))) {
+        condval_11 = max(min((((int64_t)span) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096)), (int64_t)4096), (int64_t)0);
+      } else {
+        condval_11 = (int64_t)0;
+      }
+      int64_t condval_12;
+      if (((int64_t)0 <= ((((int64_t)k0) >> (int64_t)6) + ((int64_t)((int)blockIdx.z))))) {
+        condval_12 = max(min((((int64_t)span) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096)), (int64_t)4096), (int64_t)0);
+      } else {
+        condval_12 = (int64_t)0;
+      }
+      condval_7 = cnt[(((((((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_gb)) * (int64_t)64)) + min(((((int64_t)i) * (int64_t)128) + ((int64_t)((int)threadIdx.x))), (condval_12 - (int64_t)1))) + (((int64_t)k0) >> (int64_t)6)) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((int64_t)n_gb))) + ((int64_t)((int)blockIdx.z)))];
+    } else {
+      condval_7 = 0;
+    }
+    ((int*)cnt_s)[((i * 128) + ((int)threadIdx.x))] = condval_7;
   }
   __syncthreads();
-  int condval_12;
+  int condval_14;
   if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-    condval_12 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+    condval_14 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
   } else {
-    condval_12 = 0;
+    condval_14 = 0;
   }
-  int condval_11;
-  if ((0 < condval_12)) {
-    condval_11 = max((min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))), 0);
+  int condval_13;
+  if ((0 < condval_14)) {
+    condval_13 = max((min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))), 0);
   } else {
-    condval_11 = 0;
+    condval_13 = 0;
   }
-  for (int rb = 0; rb < ((condval_11 + 15) >> 4); ++rb) {
+  for (int rb = 0; rb < ((condval_13 + 15) >> 4); ++rb) {
     #pragma unroll
     for (int r = 0; r < 16; ++r) {
-      int condval_13;
+      int condval_15;
       if ((((((int)threadIdx.x) < topk) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r) < len_q)) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))))) {
-        int condval_14;
+        int condval_16;
         if (((0 <= (min((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0)) && ((min((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0) < total_q))) {
-          condval_14 = topk_idx[((min(((int64_t)((int)threadIdx.x)), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + ((min((((((int64_t)rb) * (int64_t)16) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) + ((int64_t)r)), (min(((int64_t)len_q), (((((int64_t)((int)blockIdx.x)) & (int64_t)63) + (int64_t)1) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) - (int64_t)1)) + ((int64_t)q0)) * ((int64_t)topk)))];
+          condval_16 = topk_idx[((min(((int64_t)((int)threadIdx.x)), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + ((min((((((int64_t)rb) * (int64_t)16) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) + ((int64_t)r)), (min(((int64_t)len_q), (((((int64_t)((int)blockIdx.x)) & (int64_t)63) + (int64_t)1) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) - (int64_t)1)) + ((int64_t)q0)) * ((int64_t)topk)))];
         } else {
-          condval_14 = 0;
+          condval_16 = 0;
         }
-        condval_13 = condval_14;
+        condval_15 = condval_16;
       } else {
-        condval_13 = -1;
+        condval_15 = -1;
       }
-      ((int*)rows_s)[((r * 128) + ((int)threadIdx.x))] = condval_13;
+      ((int*)rows_s)[((r * 128) + ((int)threadIdx.x))] = condval_15;
     }
     __syncthreads();
     if (fill == 0) {
       #pragma unroll
       for (int r_1 = 0; r_1 < 16; ++r_1) {
-        int condval_15;
+        int condval_17;
         if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-          condval_15 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+          condval_17 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
         } else {
-          condval_15 = 0;
+          condval_17 = 0;
         }
-        if ((((((((int)blockIdx.x) >> 6) * 4096) <= ((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))]) && (((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))] < (((((int)blockIdx.x) >> 6) * 4096) + condval_15))) && ((((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))] * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_1))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_1 * 128) + max((((int)threadIdx.x) - 1), 0))] != ((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))]))) {
+        if ((((((((int)blockIdx.x) >> 6) * 4096) <= ((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))]) && (((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))] < (((((int)blockIdx.x) >> 6) * 4096) + condval_17))) && ((((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))] * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_1))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_1 * 128) + max((((int)threadIdx.x) - 1), 0))] != ((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))]))) {
           AtomicAdd((&(((int*)cnt_s)[(((int64_t)((int*)rows_s)[((((int64_t)r_1) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))])), 1);
         }
       }
@@ -145,24 +157,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_me
     } else {
       for (int r_2 = 0; r_2 < 16; ++r_2) {
         blk = ((int*)rows_s)[((r_2 * 128) + ((int)threadIdx.x))];
-        int condval_16;
-        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-          condval_16 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-        } else {
-          condval_16 = 0;
-        }
-        if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_16))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
-          p = ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))];
-        }
-        int condval_17;
-        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-          condval_17 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-        } else {
-          condval_17 = 0;
-        }
-        if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_17))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
-          ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))] = (p + 1);
-        }
         int condval_18;
         if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
           condval_18 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
@@ -170,6 +164,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_me
           condval_18 = 0;
         }
         if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_18))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
+          p = ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))];
+        }
+        int condval_19;
+        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+          condval_19 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+        } else {
+          condval_19 = 0;
+        }
+        if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_19))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
+          ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))] = (p + 1);
+        }
+        int condval_20;
+        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+          condval_20 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+        } else {
+          condval_20 = 0;
+        }
+        if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_20))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
           if ((0 <= p) && (p < n_entries)) {
             if (0 <= p) {
               members[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)p))] = (((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2);
@@ -182,13 +194,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_me
   }
   if (fill == 0) {
     for (int i_1 = 0; i_1 < 32; ++i_1) {
-      int condval_19;
+      int condval_21;
       if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-        condval_19 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+        condval_21 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
       } else {
-        condval_19 = 0;
+        condval_21 = 0;
       }
-      if (((i_1 * 128) + ((int)threadIdx.x)) < condval_19) {
+      if (((i_1 * 128) + ((int)threadIdx.x)) < condval_21) {
         if (0 <= ((((((((int)blockIdx.x) >> 6) * 4096) + (i_1 * 128)) + (k0 >> 6)) + ((int)blockIdx.z)) + ((int)threadIdx.x))) {
           if (((((((((int)blockIdx.x) >> 6) * 4096) + (i_1 * 128)) + (k0 >> 6)) + ((int)blockIdx.z)) + ((int)threadIdx.x)) < n_gb) {
             cnt[((((((((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096) + (((int64_t)i_1) * (int64_t)128)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_gb)) * (int64_t)64)) + (((int64_t)k0) >> (int64_t)6)) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((int64_t)n_gb))) + ((int64_t)((int)blockIdx.z))) + ((int64_t)((int)threadIdx.x)))] = ((int*)cnt_s)[((i_1 * 128) + ((int)threadIdx.x))];

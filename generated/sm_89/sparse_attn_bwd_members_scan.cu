@@ -28,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_me
   } else {
     condval = 0;
   }
-  int n_used = min(((condval >> 6) + batch), n_gb);
+  int n_used = max(min(((condval >> 6) + batch), n_gb), 0);
   carry = 0;
   for (int it = 0; it < ((n_used + 255) >> 8); ++it) {
     tot = 0;

@@ -52,92 +52,116 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
   int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_3 - k0);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
+  int condval_4;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_4 = 0;
+  }
+  int k0 = min(max(condval_4, 0), total_k);
+  int condval_5;
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  } else {
+    condval_5 = 0;
+  }
+  int condval_6;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_7 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_7 = 0;
+  }
+  int len_k = (min(max(condval_5, min(max(condval_6, 0), total_k)), total_k) - min(max(condval_7, 0), total_k));
   if ((0 < tile_tokens) && (0 < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
     if (groups == 16) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_4;
+        uint4 condval_8;
         if ((((((((int)blockIdx.z) * 16) + (((int)threadIdx.x) >> 3)) < heads) && (0 <= ((min(i, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(i, (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-          condval_4 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
         } else {
-          condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+          condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((bfloat16_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+        *(uint4*)(((bfloat16_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
       }
     } else {
       if (groups == 8) {
         #pragma unroll
         for (int i_1 = 0; i_1 < 4; ++i_1) {
           bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-          uint4 condval_5;
+          uint4 condval_9;
           if ((((((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 63) >> 3)) < heads) && (0 <= ((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-            condval_5 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            condval_9 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
           } else {
-            condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+            condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((bfloat16_t*)Q_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+          *(uint4*)(((bfloat16_t*)Q_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
         }
       } else {
         if (groups == 4) {
           #pragma unroll
           for (int i_2 = 0; i_2 < 4; ++i_2) {
             bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-            uint4 condval_6;
+            uint4 condval_10;
             if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 31) >> 3)) < heads) && (0 <= ((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-              condval_6 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
             } else {
-              condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+              condval_10 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((bfloat16_t*)Q_s) + (((((i_2 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+            *(uint4*)(((bfloat16_t*)Q_s) + (((((i_2 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_10;
           }
         } else {
           if (groups == 2) {
             #pragma unroll
             for (int i_3 = 0; i_3 < 4; ++i_3) {
               bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-              uint4 condval_7;
+              uint4 condval_11;
               if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 15) >> 3)) < heads) && (0 <= ((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-                condval_7 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
               } else {
-                condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+                condval_11 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((bfloat16_t*)Q_s) + (((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
+              *(uint4*)(((bfloat16_t*)Q_s) + (((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_11;
             }
           } else {
             if (groups == 1) {
               #pragma unroll
               for (int i_4 = 0; i_4 < 4; ++i_4) {
                 bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-                uint4 condval_8;
+                uint4 condval_12;
                 if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-                  condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_12 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
+                  condval_12 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
+                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_12;
               }
             } else {
               #pragma unroll
@@ -149,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
                 int rdiv = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
                 int rmod_3 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) % groups);
                 int rdiv_1 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
-                uint4 condval_9;
+                uint4 condval_13;
                 if ((((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
                   int64_t rmod_4 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_5 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
@@ -157,11 +181,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
                   int64_t rmod_6 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rdiv_3 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-                  condval_9 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_13 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
+                  condval_13 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
+                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_13;
               }
             }
           }
@@ -169,31 +193,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       }
     }
     for (int e = 0; e < 8; ++e) {
-      int condval_10;
+      int condval_14;
       if ((((e < tile_tokens) && (e < (len_q - (((int)blockIdx.x) * tile_tokens)))) && (((int)threadIdx.x) < topk))) {
-        int condval_11;
+        int condval_15;
         if (((((e + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) && (0 <= ((e + q0) + (((int)blockIdx.x) * tile_tokens))))) {
-          condval_11 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+          condval_15 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
         } else {
-          condval_11 = 0;
+          condval_15 = 0;
         }
-        condval_10 = condval_11;
+        condval_14 = condval_15;
       } else {
-        condval_10 = -1;
+        condval_14 = -1;
       }
-      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_10;
+      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_14;
     }
     __syncthreads();
     for (int e_1 = 0; e_1 < 8; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
       my_mask[e_1] = 0;
-      int condval_12;
+      int condval_16;
       if ((((0 <= v) && (v <= ((((e_1 + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
-        condval_12 = 1;
+        condval_16 = 1;
       } else {
-        condval_12 = 0;
+        condval_16 = 0;
       }
-      my_keep[e_1] = condval_12;
+      my_keep[e_1] = condval_16;
     }
     for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
@@ -215,36 +239,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 8; ++e_5) {
-      int condval_13;
+      int condval_17;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_13 = 1;
+        condval_17 = 1;
       } else {
-        condval_13 = 0;
+        condval_17 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_17;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 1024);
     __syncthreads();
     for (int e_6 = 0; e_6 < 8; ++e_6) {
       __syncthreads();
-      int condval_14;
+      int condval_18;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_14 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_18 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_14 = 0;
+        condval_18 = 0;
       }
-      if (condval_14 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_18 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
       }
       __syncthreads();
-      int condval_15;
+      int condval_19;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_15 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_19 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_15 = 0;
+        condval_19 = 0;
       }
-      if (condval_15 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_19 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -258,15 +282,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     n_it = ((int*)n_union)[0];
     #pragma unroll
     for (int i_6 = 0; i_6 < 2; ++i_6) {
-      int condval_16;
+      int condval_20;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups))) {
         int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_16 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
+        condval_20 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
       } else {
-        condval_16 = 31;
+        condval_20 = 31;
       }
-      rtok[i_6] = condval_16;
+      rtok[i_6] = condval_20;
     }
     #pragma unroll
     for (int i_7 = 0; i_7 < 8; ++i_7) {
@@ -310,13 +334,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          float condval_17;
+          float condval_21;
           if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_11 & 3) >> 1)]) - len_q)))) {
-            condval_17 = 0x0p+0f/*0.000000e+00*/;
+            condval_21 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_17 = -CUDART_INF_F;
+            condval_21 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_17;
+          acc_s[i_11] = condval_21;
         }
       }
       tl::cp_async_wait<1>();
@@ -356,13 +380,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       }
       #pragma unroll
       for (int i_15 = 0; i_15 < 2; ++i_15) {
-        float condval_18;
+        float condval_22;
         if ((m_cur[i_15] == -CUDART_INF_F)) {
-          condval_18 = 0x0p+0f/*0.000000e+00*/;
+          condval_22 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_18 = m_cur[i_15];
+          condval_22 = m_cur[i_15];
         }
-        m_safe[i_15] = condval_18;
+        m_safe[i_15] = condval_22;
         r_scale[i_15] = exp2f(((m_prev[i_15] - m_safe[i_15]) * scale_log2));
       }
       #pragma unroll
@@ -453,13 +477,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       } else {
         #pragma unroll
         for (int i_23 = 0; i_23 < 32; ++i_23) {
-          float condval_19;
+          float condval_23;
           if (((((um_1 >> rtok[((i_23 & 3) >> 1)]) & 1) == 1) && (((((blk_5 * 64) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_23 & 3) >> 1)]) - len_q)))) {
-            condval_19 = 0x0p+0f/*0.000000e+00*/;
+            condval_23 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_19 = -CUDART_INF_F;
+            condval_23 = -CUDART_INF_F;
           }
-          acc_s[i_23] = condval_19;
+          acc_s[i_23] = condval_23;
         }
       }
     }
@@ -494,13 +518,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
       }
       #pragma unroll
       for (int i_26 = 0; i_26 < 2; ++i_26) {
-        float condval_20;
+        float condval_24;
         if ((m_cur[i_26] == -CUDART_INF_F)) {
-          condval_20 = 0x0p+0f/*0.000000e+00*/;
+          condval_24 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_20 = m_cur[i_26];
+          condval_24 = m_cur[i_26];
         }
-        m_safe[i_26] = condval_20;
+        m_safe[i_26] = condval_24;
         r_scale[i_26] = exp2f(((m_prev[i_26] - m_safe[i_26]) * scale_log2));
       }
       #pragma unroll
@@ -576,18 +600,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
     #pragma unroll
     for (int i_32 = 0; i_32 < 16; ++i_32) {
       float broadcast_var_11 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_21;
+      float2 condval_25;
       if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_32 & 1)])) {
         float2 __15;
           float2 v__18 = *(float2*)(acc_o + (i_32 * 2));
           float2 v__19 = make_float2(l_sum[(i_32 & 1)], l_sum[(i_32 & 1)]);
           __15.x = (v__18.x/v__19.x);
           __15.y = (v__18.y/v__19.y);
-        condval_21 = __15;
+        condval_25 = __15;
       } else {
-        condval_21 = make_float2(broadcast_var_11, broadcast_var_11);
+        condval_25 = make_float2(broadcast_var_11, broadcast_var_11);
       }
-      *(float2*)(acc_o + (i_32 * 2)) = condval_21;
+      *(float2*)(acc_o + (i_32 * 2)) = condval_25;
     }
     if (groups == 16) {
       #pragma unroll
@@ -734,11 +758,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
                 int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_39 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
-                  float condval_22;
+                  float condval_26;
                   if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_39])) {
-                    condval_22 = (((m_cur[i_39] * scale_log2) + log2f(l_sum[i_39])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                    condval_26 = (((m_cur[i_39] * scale_log2) + log2f(l_sum[i_39])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_22 = -CUDART_INF_F;
+                    condval_26 = -CUDART_INF_F;
                   }
                   int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -746,7 +770,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_fwd_bf
                   int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_39) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_22;
+                  LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_26;
                 }
               }
             }

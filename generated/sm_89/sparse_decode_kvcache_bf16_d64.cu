@@ -60,15 +60,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
   } else {
     condval = 0;
   }
-  int q0 = condval;
-  cap = (page_size * max(pages_per_seq, 1));
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int len_q = (condval_1 - q0);
+  int condval_2;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int64_t)((int)blockIdx.y))];
+  } else {
+    condval_2 = 0;
+  }
+  int condval_3;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int64_t)((int)blockIdx.y))];
+  } else {
+    condval_3 = 0;
+  }
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
+  cap = (page_size * max(pages_per_seq, 1));
   int len_k = max(min(cache_seqlens[((int64_t)((int)blockIdx.y))], cap), 0);
   int rmod = (((int)blockIdx.x) % splits);
   int rdiv = (((int)blockIdx.x) / splits);
@@ -82,65 +94,65 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_2;
+        uint4 condval_4;
         if ((((((((int)blockIdx.z) * 16) + (((int)threadIdx.x) >> 3)) < heads) && (0 <= ((min(i, (n_tok - 1)) + q0) + t0))) && (((min(i, (n_tok - 1)) + q0) + t0) < total_q))) {
-          condval_2 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          condval_4 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
         } else {
-          condval_2 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+          condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((bfloat16_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_2;
+        *(uint4*)(((bfloat16_t*)Q_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
       }
     } else {
       if (groups == 8) {
         #pragma unroll
         for (int i_1 = 0; i_1 < 4; ++i_1) {
           bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-          uint4 condval_3;
+          uint4 condval_5;
           if ((((((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 63) >> 3)) < heads) && (0 <= ((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (n_tok - 1)) + q0) + t0))) && (((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (n_tok - 1)) + q0) + t0) < total_q))) {
-            condval_3 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            condval_5 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
           } else {
-            condval_3 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+            condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((bfloat16_t*)Q_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_3;
+          *(uint4*)(((bfloat16_t*)Q_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
         }
       } else {
         if (groups == 4) {
           #pragma unroll
           for (int i_2 = 0; i_2 < 4; ++i_2) {
             bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-            uint4 condval_4;
+            uint4 condval_6;
             if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 31) >> 3)) < heads) && (0 <= ((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (n_tok - 1)) + q0) + t0))) && (((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (n_tok - 1)) + q0) + t0) < total_q))) {
-              condval_4 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              condval_6 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
             } else {
-              condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+              condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((bfloat16_t*)Q_s) + (((((i_2 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_4;
+            *(uint4*)(((bfloat16_t*)Q_s) + (((((i_2 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
           }
         } else {
           if (groups == 2) {
             #pragma unroll
             for (int i_3 = 0; i_3 < 4; ++i_3) {
               bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-              uint4 condval_5;
+              uint4 condval_7;
               if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 15) >> 3)) < heads) && (0 <= ((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (n_tok - 1)) + q0) + t0))) && (((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (n_tok - 1)) + q0) + t0) < total_q))) {
-                condval_5 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                condval_7 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
               } else {
-                condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+                condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((bfloat16_t*)Q_s) + (((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+              *(uint4*)(((bfloat16_t*)Q_s) + (((((i_3 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
             }
           } else {
             if (groups == 1) {
               #pragma unroll
               for (int i_4 = 0; i_4 < 4; ++i_4) {
                 bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-                uint4 condval_6;
+                uint4 condval_8;
                 if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (n_tok - 1)) + q0) + t0))) && (((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (n_tok - 1)) + q0) + t0) < total_q))) {
-                  condval_6 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
+                  condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_4 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_8;
               }
             } else {
               #pragma unroll
@@ -152,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
                 int rdiv_1 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
                 int rmod_5 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) % groups);
                 int rdiv_2 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
-                uint4 condval_7;
+                uint4 condval_9;
                 if ((((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (n_tok * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rmod_2 : (rmod_2 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups))) < heads)) && (0 <= ((q0 + t0) + ((((0 <= groups) && (0 <= rmod_4)) || ((groups < 0) && (rmod_4 <= 0))) ? rdiv_1 : (rdiv_1 - 1))))) && (((q0 + t0) + ((((0 <= groups) && (0 <= rmod_5)) || ((groups < 0) && (rmod_5 <= 0))) ? rdiv_2 : (rdiv_2 - 1))) < total_q))) {
                   int64_t rmod_6 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
@@ -160,11 +172,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
                   int64_t rmod_8 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_9 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rdiv_4 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-                  condval_7 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_8)) || ((((int64_t)groups) < (int64_t)0) && (rmod_8 <= (int64_t)0))) ? rmod_8 : (rmod_8 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)groups) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rdiv_4 : (rdiv_4 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_9 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_8)) || ((((int64_t)groups) < (int64_t)0) && (rmod_8 <= (int64_t)0))) ? rmod_8 : (rmod_8 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + ((int64_t)t0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)groups) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rdiv_4 : (rdiv_4 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
+                  condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_7;
+                *(uint4*)(((bfloat16_t*)Q_s) + (((((i_5 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
               }
             }
           }
@@ -172,45 +184,45 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
     }
     for (int e = 0; e < 4; ++e) {
-      int condval_8;
+      int condval_10;
       if (((e < n_tok) && (((int)threadIdx.x) < topk))) {
-        int condval_9;
+        int condval_11;
         if (((0 <= ((e + q0) + t0)) && (((e + q0) + t0) < total_q))) {
-          condval_9 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+          condval_11 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + ((int64_t)t0)) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
         } else {
-          condval_9 = 0;
+          condval_11 = 0;
         }
-        condval_8 = condval_9;
+        condval_10 = condval_11;
       } else {
-        condval_8 = -1;
+        condval_10 = -1;
       }
-      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_8;
+      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_10;
     }
     __syncthreads();
     for (int e_1 = 0; e_1 < 4; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
-      int condval_10;
+      int condval_12;
       if ((n_tok == 1)) {
-        condval_10 = 1;
+        condval_12 = 1;
       } else {
-        condval_10 = 0;
+        condval_12 = 0;
       }
-      my_mask[e_1] = condval_10;
-      int condval_11;
+      my_mask[e_1] = condval_12;
+      int condval_13;
       if ((((0 <= v) && (v <= ((e_1 + p0) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
-        condval_11 = 1;
+        condval_13 = 1;
       } else {
-        condval_11 = 0;
+        condval_13 = 0;
       }
-      my_keep[e_1] = condval_11;
+      my_keep[e_1] = condval_13;
     }
-    int condval_12;
+    int condval_14;
     if ((n_tok == 1)) {
-      condval_12 = 0;
+      condval_14 = 0;
     } else {
-      condval_12 = ((((p0 + n_tok) - 1) >> 17) + 1);
+      condval_14 = ((((p0 + n_tok) - 1) >> 17) + 1);
     }
-    for (int w = 0; w < condval_12; ++w) {
+    for (int w = 0; w < condval_14; ++w) {
       for (int e_2 = 0; e_2 < 16; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
       }
@@ -230,36 +242,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 4; ++e_5) {
-      int condval_13;
+      int condval_15;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_13 = 1;
+        condval_15 = 1;
       } else {
-        condval_13 = 0;
+        condval_15 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_15;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 512);
     __syncthreads();
     for (int e_6 = 0; e_6 < n_tok; ++e_6) {
       __syncthreads();
-      int condval_14;
+      int condval_16;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_14 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
+        condval_16 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_14 = 0;
+        condval_16 = 0;
       }
-      if (condval_14 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
+      if (condval_16 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
         ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))];
       }
       __syncthreads();
-      int condval_15;
+      int condval_17;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_15 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
+        condval_17 = ((int*)keep_s)[(((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) - (int64_t)1)];
       } else {
-        condval_15 = 0;
+        condval_17 = 0;
       }
-      if (condval_15 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
+      if (condval_17 < ((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -273,13 +285,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     int rmod_10 = (((int*)n_union)[0] % splits);
     int rdiv_5 = (((int*)n_union)[0] / splits);
     int rmod_11 = (((int*)n_union)[0] % splits);
-    int condval_16;
+    int condval_18;
     if ((split < ((((0 <= splits) && (0 <= rmod_11)) || ((splits < 0) && (rmod_11 <= 0))) ? rmod_11 : (rmod_11 + splits)))) {
-      condval_16 = 1;
+      condval_18 = 1;
     } else {
-      condval_16 = 0;
+      condval_18 = 0;
     }
-    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_16);
+    n_it = (((((0 <= splits) && (0 <= rmod_10)) || ((splits < 0) && (rmod_10 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) + condval_18);
     int rmod_12 = (((int*)n_union)[0] % splits);
     int rmod_13 = (((int*)n_union)[0] % splits);
     int rdiv_6 = (((int*)n_union)[0] / splits);
@@ -299,19 +311,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     }
     __syncthreads();
     for (int e_8 = 0; e_8 < ((n_it + 127) >> 7); ++e_8) {
-      int condval_17;
+      int condval_19;
       if ((((e_8 * 128) + ((int)threadIdx.x)) < ((int*)part_at)[0])) {
-        condval_17 = ((e_8 * 128) + ((int)threadIdx.x));
+        condval_19 = ((e_8 * 128) + ((int)threadIdx.x));
       } else {
-        int condval_18;
+        int condval_20;
         if ((((e_8 * 128) + ((int)threadIdx.x)) == (n_it - 1))) {
-          condval_18 = ((int*)part_at)[0];
+          condval_20 = ((int*)part_at)[0];
         } else {
-          condval_18 = (((e_8 * 128) + ((int)threadIdx.x)) + 1);
+          condval_20 = (((e_8 * 128) + ((int)threadIdx.x)) + 1);
         }
-        condval_17 = condval_18;
+        condval_19 = condval_20;
       }
-      int src = condval_17;
+      int src = condval_19;
       __syncthreads();
       if (((e_8 * 128) + ((int)threadIdx.x)) < n_it) {
         ((int*)idx_s)[((((int64_t)e_8) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))];
@@ -322,49 +334,49 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       __syncthreads();
       if (((e_8 * 128) + ((int)threadIdx.x)) < n_it) {
-        int condval_19;
+        int condval_21;
         if ((0 < pages_per_seq)) {
           int rmod_14 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) % page_size);
           int rdiv_7 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) / page_size);
           int rmod_15 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) % page_size);
           int rdiv_8 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) / page_size);
-          int condval_20;
+          int condval_22;
           if (((0 <= ((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_14)) || ((page_size < 0) && (rmod_14 <= 0))) ? rdiv_7 : (rdiv_7 - 1)))) && (((((int)blockIdx.y) * pages_per_seq) + ((((0 <= page_size) && (0 <= rmod_15)) || ((page_size < 0) && (rmod_15 <= 0))) ? rdiv_8 : (rdiv_8 - 1))) < table_len))) {
             int64_t rmod_16 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) % ((int64_t)page_size));
             int64_t rdiv_9 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) / ((int64_t)page_size));
             int64_t rmod_17 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) % ((int64_t)page_size));
             int64_t rdiv_10 = ((((int64_t)((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))]) * (int64_t)64) / ((int64_t)page_size));
-            condval_20 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_10 : (rdiv_10 - (int64_t)1)))];
+            condval_22 = block_table[((((int64_t)((int)blockIdx.y)) * ((int64_t)pages_per_seq)) + (((((int64_t)0 <= ((int64_t)page_size)) && ((int64_t)0 <= rmod_17)) || ((((int64_t)page_size) < (int64_t)0) && (rmod_17 <= (int64_t)0))) ? rdiv_10 : (rdiv_10 - (int64_t)1)))];
           } else {
-            condval_20 = 0;
+            condval_22 = 0;
           }
-          condval_19 = min(max(condval_20, 0), (num_pages - 1));
+          condval_21 = min(max(condval_22, 0), (num_pages - 1));
         } else {
-          condval_19 = ((int)blockIdx.y);
+          condval_21 = ((int)blockIdx.y);
         }
         int rmod_18 = ((((int*)ublk_s)[(((int64_t)lo) + ((int64_t)src))] * 64) % page_size);
-        ((int*)rows_s)[((((int64_t)e_8) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((condval_19 * page_size) + ((((0 <= page_size) && (0 <= rmod_18)) || ((page_size < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + page_size)));
+        ((int*)rows_s)[((((int64_t)e_8) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))] = ((condval_21 * page_size) + ((((0 <= page_size) && (0 <= rmod_18)) || ((page_size < 0) && (rmod_18 <= 0))) ? rmod_18 : (rmod_18 + page_size)));
       }
     }
-    int condval_21;
+    int condval_23;
     if ((((int*)part_at)[0] < n_it)) {
-      condval_21 = 1;
+      condval_23 = 1;
     } else {
-      condval_21 = 0;
+      condval_23 = 0;
     }
-    n_full = (n_it - condval_21);
+    n_full = (n_it - condval_23);
     __syncthreads();
     #pragma unroll
     for (int i_6 = 0; i_6 < 2; ++i_6) {
-      int condval_22;
+      int condval_24;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok * groups))) {
         int rmod_19 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_11 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_22 = ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_11 : (rdiv_11 - 1));
+        condval_24 = ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rdiv_11 : (rdiv_11 - 1));
       } else {
-        condval_22 = 31;
+        condval_24 = 31;
       }
-      rtok[i_6] = condval_22;
+      rtok[i_6] = condval_24;
     }
     #pragma unroll
     for (int i_7 = 0; i_7 < 8; ++i_7) {
@@ -409,13 +421,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_11 = 0; i_11 < 32; ++i_11) {
-          float condval_23;
+          float condval_25;
           if (((((um >> rtok[((i_11 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_11 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_11 & 1)) <= (p0 + rtok[((i_11 & 3) >> 1)])))) {
-            condval_23 = 0x0p+0f/*0.000000e+00*/;
+            condval_25 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_23 = -CUDART_INF_F;
+            condval_25 = -CUDART_INF_F;
           }
-          acc_s[i_11] = condval_23;
+          acc_s[i_11] = condval_25;
         }
       }
       tl::cp_async_wait<1>();
@@ -455,13 +467,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_15 = 0; i_15 < 2; ++i_15) {
-        float condval_24;
+        float condval_26;
         if ((m_cur[i_15] == -CUDART_INF_F)) {
-          condval_24 = 0x0p+0f/*0.000000e+00*/;
+          condval_26 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_24 = m_cur[i_15];
+          condval_26 = m_cur[i_15];
         }
-        m_safe[i_15] = condval_24;
+        m_safe[i_15] = condval_26;
         r_scale[i_15] = exp2f(((m_prev[i_15] - m_safe[i_15]) * scale_log2));
       }
       #pragma unroll
@@ -552,13 +564,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_23 = 0; i_23 < 32; ++i_23) {
-          float condval_25;
+          float condval_27;
           if (((((um_1 >> rtok[((i_23 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_23 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_23 & 1)) <= (p0 + rtok[((i_23 & 3) >> 1)])))) {
-            condval_25 = 0x0p+0f/*0.000000e+00*/;
+            condval_27 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_25 = -CUDART_INF_F;
+            condval_27 = -CUDART_INF_F;
           }
-          acc_s[i_23] = condval_25;
+          acc_s[i_23] = condval_27;
         }
       }
     }
@@ -593,13 +605,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_26 = 0; i_26 < 2; ++i_26) {
-        float condval_26;
+        float condval_28;
         if ((m_cur[i_26] == -CUDART_INF_F)) {
-          condval_26 = 0x0p+0f/*0.000000e+00*/;
+          condval_28 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_26 = m_cur[i_26];
+          condval_28 = m_cur[i_26];
         }
-        m_safe[i_26] = condval_26;
+        m_safe[i_26] = condval_28;
         r_scale[i_26] = exp2f(((m_prev[i_26] - m_safe[i_26]) * scale_log2));
       }
       #pragma unroll
@@ -679,24 +691,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       #pragma unroll
       for (int i_32 = 0; i_32 < 4; ++i_32) {
         bfloat16_t broadcast_var_11 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_27;
+        uint4 condval_29;
         if (((((((blk_2 * 64) + (i_32 * 16)) + (((int)threadIdx.x) >> 3)) < len_k) && (0 <= (((i_32 * 16) + (((int)threadIdx.x) >> 3)) + r0_4))) && ((((i_32 * 16) + (((int)threadIdx.x) >> 3)) + r0_4) < total_k))) {
-          condval_27 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_32) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+          condval_29 = *(uint4*)(K + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_32) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
         } else {
-          condval_27 = make_uint4(__pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11));
+          condval_29 = make_uint4(__pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11), __pack_nv_bfloat162(broadcast_var_11, broadcast_var_11));
         }
-        *(uint4*)(((bfloat16_t*)K_s) + (((((i_32 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_27;
+        *(uint4*)(((bfloat16_t*)K_s) + (((((i_32 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_29;
       }
       #pragma unroll
       for (int i_33 = 0; i_33 < 4; ++i_33) {
         bfloat16_t broadcast_var_12 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_28;
+        uint4 condval_30;
         if (((((((blk_2 * 64) + (i_33 * 16)) + (((int)threadIdx.x) >> 3)) < len_k) && (0 <= (((i_33 * 16) + (((int)threadIdx.x) >> 3)) + r0_4))) && ((((i_33 * 16) + (((int)threadIdx.x) >> 3)) + r0_4) < total_k))) {
-          condval_28 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_33) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+          condval_30 = *(uint4*)(V + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((((((int64_t)i_33) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)r0_4)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
         } else {
-          condval_28 = make_uint4(__pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12));
+          condval_30 = make_uint4(__pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12), __pack_nv_bfloat162(broadcast_var_12, broadcast_var_12));
         }
-        *(uint4*)(((bfloat16_t*)V_s) + (((((i_33 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_28;
+        *(uint4*)(((bfloat16_t*)V_s) + (((((i_33 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_30;
       }
       __syncthreads();
       int um_2 = ((int*)keep_s)[((int64_t)it_1)];
@@ -709,13 +721,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       } else {
         #pragma unroll
         for (int i_35 = 0; i_35 < 32; ++i_35) {
-          float condval_29;
+          float condval_31;
           if (((((um_2 >> rtok[((i_35 & 3) >> 1)]) & 1) == 1) && (((((blk_2 * 64) + ((i_35 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_35 & 1)) <= (p0 + rtok[((i_35 & 3) >> 1)])))) {
-            condval_29 = 0x0p+0f/*0.000000e+00*/;
+            condval_31 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_29 = -CUDART_INF_F;
+            condval_31 = -CUDART_INF_F;
           }
-          acc_s[i_35] = condval_29;
+          acc_s[i_35] = condval_31;
         }
       }
       {
@@ -746,13 +758,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
       }
       #pragma unroll
       for (int i_38 = 0; i_38 < 2; ++i_38) {
-        float condval_30;
+        float condval_32;
         if ((m_cur[i_38] == -CUDART_INF_F)) {
-          condval_30 = 0x0p+0f/*0.000000e+00*/;
+          condval_32 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_30 = m_cur[i_38];
+          condval_32 = m_cur[i_38];
         }
-        m_safe[i_38] = condval_30;
+        m_safe[i_38] = condval_32;
         r_scale[i_38] = exp2f(((m_prev[i_38] - m_safe[i_38]) * scale_log2));
       }
       #pragma unroll
@@ -825,18 +837,18 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
     #pragma unroll
     for (int i_44 = 0; i_44 < 16; ++i_44) {
       float broadcast_var_14 = 0x0p+0f/*0.000000e+00*/;
-      float2 condval_31;
+      float2 condval_33;
       if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_44 & 1)])) {
         float2 __22;
           float2 v__27 = *(float2*)(acc_o + (i_44 * 2));
           float2 v__28 = make_float2(l_sum[(i_44 & 1)], l_sum[(i_44 & 1)]);
           __22.x = (v__27.x/v__28.x);
           __22.y = (v__27.y/v__28.y);
-        condval_31 = __22;
+        condval_33 = __22;
       } else {
-        condval_31 = make_float2(broadcast_var_14, broadcast_var_14);
+        condval_33 = make_float2(broadcast_var_14, broadcast_var_14);
       }
-      *(float2*)(acc_o + (i_44 * 2)) = condval_31;
+      *(float2*)(acc_o + (i_44 * 2)) = condval_33;
     }
     if (groups == 16) {
       if (((((int)threadIdx.x) >> 5) - n_tok) < 0) {
@@ -953,11 +965,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
               if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_30)) || ((groups < 0) && (rmod_30 <= 0))) ? rmod_30 : (rmod_30 + groups)))) {
                 int rmod_31 = (((((((int)threadIdx.x) >> 5) * 16) + (i_51 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                 if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_31)) || ((groups < 0) && (rmod_31 <= 0))) ? rmod_31 : (rmod_31 + groups))) < heads) {
-                  float condval_32;
+                  float condval_34;
                   if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_51])) {
-                    condval_32 = (((m_cur[i_51] * scale_log2) + log2f(l_sum[i_51])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                    condval_34 = (((m_cur[i_51] * scale_log2) + log2f(l_sum[i_51])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                   } else {
-                    condval_32 = -CUDART_INF_F;
+                    condval_34 = -CUDART_INF_F;
                   }
                   int64_t rmod_32 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_33 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -965,7 +977,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_decode_kvca
                   int64_t rmod_34 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rmod_35 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                   int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_51) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_32;
+                  LSE_part[(((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_34)) || ((((int64_t)groups) < (int64_t)0) && (rmod_34 <= (int64_t)0))) ? rmod_34 : (rmod_34 + ((int64_t)groups)))) * ((int64_t)part_rows)) + ((int64_t)row0)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_35)) || ((((int64_t)groups) < (int64_t)0) && (rmod_35 <= (int64_t)0))) ? rdiv_19 : (rdiv_19 - (int64_t)1)))] = condval_34;
                 }
               }
             }

@@ -19,8 +19,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k);
-extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k) {
+extern "C" __global__ void infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Stats_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dV, int batch, int batch_plus_one, int causal, int groups, int heads_k, int max_kblocks, float scale_log2, int total_k, int total_q) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
@@ -72,14 +72,26 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
   } else {
     condval = 0;
   }
-  int k0 = condval;
+  int k0 = min(max(condval, 0), total_k);
   int condval_1;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int len_k = (condval_1 - k0);
+  int condval_2;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_2 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_2 = 0;
+  }
+  int condval_3;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_3 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_3 = 0;
+  }
+  int len_k = (min(max(condval_1, min(max(condval_2, 0), total_k)), total_k) - min(max(condval_3, 0), total_k));
   if ((((int)blockIdx.z) * 128) < len_k) {
     if (tl::tl_shuffle_elect<384>()) {
       mbarrier[16].arrive_and_expect_tx(16384);
@@ -90,82 +102,94 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
     __syncthreads();
     if (((int)threadIdx.x) < 128) {
       tl::warpgroup_reg_dealloc<24>();
-      int condval_2;
-      if ((((int)blockIdx.y) < batch_plus_one)) {
-        condval_2 = cu_seqlens_q[((int)blockIdx.y)];
-      } else {
-        condval_2 = 0;
-      }
-      int q0 = condval_2;
-      int condval_3;
-      if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-        condval_3 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-      } else {
-        condval_3 = 0;
-      }
-      int len_q = (condval_3 - q0);
       int condval_4;
-      if ((causal != 0)) {
-        condval_4 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+      if ((((int)blockIdx.y) < batch_plus_one)) {
+        condval_4 = cu_seqlens_q[((int)blockIdx.y)];
       } else {
         condval_4 = 0;
       }
-      for (int j = 0; j < (max((((len_q + 63) >> 6) - condval_4), 0) * groups); ++j) {
+      int q0 = min(max(condval_4, 0), total_q);
+      int condval_5;
+      if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+        condval_5 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+      } else {
+        condval_5 = 0;
+      }
+      int condval_6;
+      if ((((int)blockIdx.y) < batch_plus_one)) {
+        condval_6 = cu_seqlens_q[((int)blockIdx.y)];
+      } else {
+        condval_6 = 0;
+      }
+      int condval_7;
+      if ((((int)blockIdx.y) < batch_plus_one)) {
+        condval_7 = cu_seqlens_q[((int)blockIdx.y)];
+      } else {
+        condval_7 = 0;
+      }
+      int len_q = (min(max(condval_5, min(max(condval_6, 0), total_q)), total_q) - min(max(condval_7, 0), total_q));
+      int condval_8;
+      if ((causal != 0)) {
+        condval_8 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+      } else {
+        condval_8 = 0;
+      }
+      for (int j = 0; j < (max((((len_q + 63) >> 6) - condval_8), 0) * groups); ++j) {
         mbarrier[((j & 1) + 8)].wait((((j & 3) >> 1) ^ 1));
         if (tl::tl_shuffle_elect<128>()) {
           mbarrier[(j & 1)].arrive_and_expect_tx(8192);
-          int condval_5;
+          int condval_9;
           if ((causal != 0)) {
-            condval_5 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+            condval_9 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
           } else {
-            condval_5 = 0;
+            condval_9 = 0;
           }
           int rmod = (j % groups);
           int rdiv = (j / groups);
           int rmod_1 = (j % groups);
-          tl::tma_load(Q_desc, mbarrier[(j & 1)], (&(((bfloat16_t*)Q_s)[((j & 1) * 4096)])), 0, (((condval_5 * 64) + (((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * 64)) + q0), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))));
+          tl::tma_load(Q_desc, mbarrier[(j & 1)], (&(((bfloat16_t*)Q_s)[((j & 1) * 4096)])), 0, (((condval_9 * 64) + (((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rdiv : (rdiv - 1)) * 64)) + q0), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))));
         }
         mbarrier[((j & 1) + 10)].wait((((j & 3) >> 1) ^ 1));
         if (tl::tl_shuffle_elect<128>()) {
           mbarrier[((j & 1) + 2)].arrive_and_expect_tx(8192);
-          int condval_6;
+          int condval_10;
           if ((causal != 0)) {
-            condval_6 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+            condval_10 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
           } else {
-            condval_6 = 0;
+            condval_10 = 0;
           }
           int rmod_2 = (j % groups);
           int rdiv_1 = (j / groups);
           int rmod_3 = (j % groups);
-          tl::tma_load(dO_desc, mbarrier[((j & 1) + 2)], (&(((bfloat16_t*)dO_s)[((j & 1) * 4096)])), 0, (((condval_6 * 64) + (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) * 64)) + q0), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups))));
+          tl::tma_load(dO_desc, mbarrier[((j & 1) + 2)], (&(((bfloat16_t*)dO_s)[((j & 1) * 4096)])), 0, (((condval_10 * 64) + (((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv_1 : (rdiv_1 - 1)) * 64)) + q0), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups))));
         }
         mbarrier[((j & 1) + 12)].wait((((j & 3) >> 1) ^ 1));
         if (tl::tl_shuffle_elect<128>()) {
           mbarrier[((j & 1) + 4)].arrive_and_expect_tx(384);
-          int condval_7;
+          int condval_11;
           if ((causal != 0)) {
-            condval_7 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+            condval_11 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
           } else {
-            condval_7 = 0;
+            condval_11 = 0;
           }
           int rmod_4 = (j % groups);
           int rdiv_2 = (j / groups);
           int rmod_5 = (j % groups);
-          tl::tma_load(Stats_desc, mbarrier[((j & 1) + 4)], (&(((float*)lse_s)[((j & 1) * 96)])), (((condval_7 * 64) + (((((0 <= groups) && (0 <= rmod_4)) || ((groups < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) * 64)) + ((q0 >> 2) * 4)), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_5)) || ((groups < 0) && (rmod_5 <= 0))) ? rmod_5 : (rmod_5 + groups))), 0);
+          tl::tma_load(Stats_desc, mbarrier[((j & 1) + 4)], (&(((float*)lse_s)[((j & 1) * 96)])), (((condval_11 * 64) + (((((0 <= groups) && (0 <= rmod_4)) || ((groups < 0) && (rmod_4 <= 0))) ? rdiv_2 : (rdiv_2 - 1)) * 64)) + ((q0 >> 2) * 4)), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_5)) || ((groups < 0) && (rmod_5 <= 0))) ? rmod_5 : (rmod_5 + groups))), 0);
         }
         mbarrier[((j & 1) + 14)].wait((((j & 3) >> 1) ^ 1));
         if (tl::tl_shuffle_elect<128>()) {
           mbarrier[((j & 1) + 6)].arrive_and_expect_tx(384);
-          int condval_8;
+          int condval_12;
           if ((causal != 0)) {
-            condval_8 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
+            condval_12 = (max((((((int)blockIdx.z) * 128) + len_q) - len_k), 0) >> 6);
           } else {
-            condval_8 = 0;
+            condval_12 = 0;
           }
           int rmod_6 = (j % groups);
           int rdiv_3 = (j / groups);
           int rmod_7 = (j % groups);
-          tl::tma_load(Stats_desc, mbarrier[((j & 1) + 6)], (&(((float*)delta_s)[((j & 1) * 96)])), (((condval_8 * 64) + (((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_3 : (rdiv_3 - 1)) * 64)) + ((q0 >> 2) * 4)), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_7)) || ((groups < 0) && (rmod_7 <= 0))) ? rmod_7 : (rmod_7 + groups))), 1);
+          tl::tma_load(Stats_desc, mbarrier[((j & 1) + 6)], (&(((float*)delta_s)[((j & 1) * 96)])), (((condval_12 * 64) + (((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_3 : (rdiv_3 - 1)) * 64)) + ((q0 >> 2) * 4)), ((((int)blockIdx.x) * groups) + ((((0 <= groups) && (0 <= rmod_7)) || ((groups < 0) && (rmod_7 <= 0))) ? rmod_7 : (rmod_7 + groups))), 1);
         }
       }
     } else {
@@ -180,27 +204,39 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
         float broadcast_var_1 = 0x0p+0f/*0.000000e+00*/;
         *(float4*)(acc_dv + (i_1 * 4)) = make_float4(broadcast_var_1, broadcast_var_1, broadcast_var_1, broadcast_var_1);
       }
-      int condval_9;
+      int condval_13;
       if ((((int)blockIdx.y) < batch_plus_one)) {
-        condval_9 = cu_seqlens_q[((int)blockIdx.y)];
+        condval_13 = cu_seqlens_q[((int)blockIdx.y)];
       } else {
-        condval_9 = 0;
+        condval_13 = 0;
       }
-      int q0_1 = condval_9;
-      int condval_10;
+      int q0_1 = min(max(condval_13, 0), total_q);
+      int condval_14;
       if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-        condval_10 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+        condval_14 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
       } else {
-        condval_10 = 0;
+        condval_14 = 0;
       }
-      int len_q_1 = (condval_10 - q0_1);
-      int condval_11;
+      int condval_15;
+      if ((((int)blockIdx.y) < batch_plus_one)) {
+        condval_15 = cu_seqlens_q[((int)blockIdx.y)];
+      } else {
+        condval_15 = 0;
+      }
+      int condval_16;
+      if ((((int)blockIdx.y) < batch_plus_one)) {
+        condval_16 = cu_seqlens_q[((int)blockIdx.y)];
+      } else {
+        condval_16 = 0;
+      }
+      int len_q_1 = (min(max(condval_14, min(max(condval_15, 0), total_q)), total_q) - min(max(condval_16, 0), total_q));
+      int condval_17;
       if ((causal != 0)) {
-        condval_11 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
+        condval_17 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
       } else {
-        condval_11 = 0;
+        condval_17 = 0;
       }
-      for (int j_1 = 0; j_1 < (max((((len_q_1 + 63) >> 6) - condval_11), 0) * groups); ++j_1) {
+      for (int j_1 = 0; j_1 < (max((((len_q_1 + 63) >> 6) - condval_17), 0) * groups); ++j_1) {
         #pragma unroll
         for (int i_2 = 0; i_2 < 8; ++i_2) {
           float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
@@ -252,23 +288,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
         }
         mbarrier[((j_1 & 1) + 4)].wait(((j_1 & 3) >> 1));
-        int condval_12;
+        int condval_18;
         if ((causal != 0)) {
-          condval_12 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
+          condval_18 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
         } else {
-          condval_12 = 0;
+          condval_18 = 0;
         }
         int rmod_8 = (j_1 % groups);
         int rdiv_4 = (j_1 / groups);
-        int condval_13;
+        int condval_19;
         if ((causal != 0)) {
           int rmod_9 = (j_1 % groups);
           int rdiv_5 = (j_1 / groups);
-          condval_13 = min(((((((max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) * 64)) + len_k) + 1) - len_q_1), len_k);
+          condval_19 = min(((((((max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6) * 64) + (((((0 <= groups) && (0 <= rmod_9)) || ((groups < 0) && (rmod_9 <= 0))) ? rdiv_5 : (rdiv_5 - 1)) * 64)) + len_k) + 1) - len_q_1), len_k);
         } else {
-          condval_13 = len_k;
+          condval_19 = len_k;
         }
-        if ((min(64, ((len_q_1 - (condval_12 * 64)) - (((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 128) + 128) <= condval_13)) {
+        if ((min(64, ((len_q_1 - (condval_18 * 64)) - (((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1)) * 64))) == 64) && (((((int)blockIdx.z) * 128) + 128) <= condval_19)) {
           #pragma unroll
           for (int i_4 = 0; i_4 < 32; ++i_4) {
             acc_sT[i_4] = exp2f(((acc_sT[i_4] * scale_log2) - ((float*)lse_s)[((((((j_1 & 1) * 96) + ((i_4 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (q0_1 & 3)) + (i_4 & 1))]));
@@ -276,29 +312,29 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dkd
         } else {
           #pragma unroll
           for (int i_5 = 0; i_5 < 32; ++i_5) {
-            int condval_15;
+            int condval_21;
             if ((causal != 0)) {
-              condval_15 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
+              condval_21 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
             } else {
-              condval_15 = 0;
+              condval_21 = 0;
             }
             int rmod_10 = (j_1 % groups);
             int rdiv_6 = (j_1 / groups);
-            int condval_16;
+            int condval_22;
             if ((causal != 0)) {
-              condval_16 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
+              condval_22 = (max((((((int)blockIdx.z) * 128) + len_q_1) - len_k), 0) >> 6);
             } else {
-              condval_16 = 0;
+              condval_22 = 0;
             }
             int rmod_11 = (j_1 % groups);
             int rdiv_7 = (j_1 / groups);
-            float condval_14;
-            if ((((((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < ((len_q_1 - (condval_15 * 64)) - (((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) * 64))) && (((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_k + 64))) && ((causal == 0) || (((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((((((((condval_16 * 64) + (((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) * 64)) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_5 & 1)) + 64) - len_q_1))))) {
-              condval_14 = exp2f(((acc_sT[i_5] * scale_log2) - ((float*)lse_s)[((((((j_1 & 1) * 96) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (q0_1 & 3)) + (i_5 & 1))]));
+            float condval_20;
+            if ((((((((i_5 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_5 & 1)) < ((len_q_1 - (condval_21 * 64)) - (((((0 <= groups) && (0 <= rmod_10)) || ((groups < 0) && (rmod_10 <= 0))) ? rdiv_6 : (rdiv_6 - 1)) * 64))) && (((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_k + 64))) && ((causal == 0) || (((((((int)blockIdx.z) * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_5 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((((((((condval_22 * 64) + (((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) * 64)) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + len_k) + (i_5 & 1)) + 64) - len_q_1))))) {
+              condval_20 = exp2f(((acc_sT[i_5] * scale_log2) - ((float*)lse_s)[((((((j_1 & 1) * 96) + ((i_5 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (q0_1 & 3)) + (i_5 & 1))]));
             } else {
-              condval_14 = 0x0p+0f/*0.000000e+00*/;
+              condval_20 = 0x0p+0f/*0.000000e+00*/;
             }
-            acc_sT[i_5] = condval_14;
+            acc_sT[i_5] = condval_20;
           }
         }
         mbarrier[((j_1 & 1) + 12)].arrive();
@@ -521,7 +557,7 @@ extern "C" int infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_call(bfloat16_t* __re
 		config.gridDim = dim3(heads_k, batch, max_kblocks);
 		config.blockDim = dim3(384, 1, 1);
 		config.dynamicSmemBytes = 67072;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel, K_desc, Q_desc, Stats_desc, V_desc, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dV, batch, batch_plus_one, causal, groups, heads_k, max_kblocks, scale_log2, total_k);
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel, K_desc, Q_desc, Stats_desc, V_desc, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dV, batch, batch_plus_one, causal, groups, heads_k, max_kblocks, scale_log2, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dkdv_bf16_d64_sm90a_kernel");
 

@@ -20,8 +20,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_q);
-extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, __grid_constant__ const CUtensorMap Q_desc, const float* __restrict__ Stats, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, __grid_constant__ const CUtensorMap dO_desc, bfloat16_t* __restrict__ dQ, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, int q_pad, float scale_log2, int total_k, int total_q) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
@@ -62,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
@@ -75,7 +75,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
   } else {
     condval_2 = 0;
   }
-  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + condval_1) + 128) - condval_2) - (max_tiles * 128))), 0);
+  int condval_3;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_3 = 0;
+  }
+  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_1, min(max(condval_2, 0), total_q)), total_q)) + 128) - min(max(condval_3, 0), total_q)) - (max_tiles * 128))), 0);
   if (0 < n_tok) {
     if (tl::tl_shuffle_elect<384>()) {
       mbarrier[8].arrive_and_expect_tx(32768);
@@ -92,30 +98,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
     __syncthreads();
     if (((int)threadIdx.x) < 128) {
       tl::warpgroup_reg_dealloc<24>();
-      int condval_3;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_3 = cu_seqlens_k[((int)blockIdx.z)];
-      } else {
-        condval_3 = 0;
-      }
-      int k0 = condval_3;
       int condval_4;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_4 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_4 = 0;
+      }
+      int k0 = min(max(condval_4, 0), total_k);
+      int condval_5;
       if ((causal != 0)) {
-        int condval_5;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_5 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_5 = 0;
-        }
         int condval_6;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_6 = cu_seqlens_q[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_6 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_6 = 0;
         }
         int condval_7;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_7 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_7 = cu_seqlens_k[((int)blockIdx.z)];
         } else {
           condval_7 = 0;
         }
@@ -126,20 +126,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
           condval_8 = 0;
         }
         int condval_9;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_9 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_9 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_9 = 0;
         }
         int condval_10;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_10 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_10 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_10 = 0;
         }
         int condval_11;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_11 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_11 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_11 = 0;
         }
@@ -149,23 +149,59 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
         } else {
           condval_12 = 0;
         }
-        condval_4 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_5) + 128) - condval_6) - (max_tiles * 128))), 0)) + condval_7) + condval_8) - condval_9) - condval_10) - (((int)blockIdx.x) * 128)) - 128), (condval_11 - condval_12)), 0) + 63) >> 6);
-      } else {
         int condval_13;
         if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_13 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+          condval_13 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_13 = 0;
         }
         int condval_14;
         if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_14 = cu_seqlens_k[((int)blockIdx.z)];
+          condval_14 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_14 = 0;
         }
-        condval_4 = (((condval_13 + 63) - condval_14) >> 6);
+        int condval_15;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_15 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_15 = 0;
+        }
+        int condval_16;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_16 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_16 = 0;
+        }
+        int condval_17;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_17 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_17 = 0;
+        }
+        condval_5 = ((max(min(((((((((max_tiles * 128) + min(max(condval_6, min(max(condval_7, 0), total_k)), total_k)) + min(max(condval_8, 0), total_q)) + max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_9, min(max(condval_10, 0), total_q)), total_q)) + 128) - min(max(condval_11, 0), total_q)) - (max_tiles * 128))), 0)) - min(max(condval_12, 0), total_k)) - min(max(condval_13, min(max(condval_14, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128), (min(max(condval_15, min(max(condval_16, 0), total_k)), total_k) - min(max(condval_17, 0), total_k))), 0) + 63) >> 6);
+      } else {
+        int condval_18;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_18 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_18 = 0;
+        }
+        int condval_19;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_19 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_19 = 0;
+        }
+        int condval_20;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_20 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_20 = 0;
+        }
+        condval_5 = (((min(max(condval_18, min(max(condval_19, 0), total_k)), total_k) + 63) - min(max(condval_20, 0), total_k)) >> 6);
       }
-      int n_blk = condval_4;
+      int n_blk = condval_5;
       for (int blk = 0; blk < n_blk; ++blk) {
         mbarrier[((blk & 1) + 4)].wait((((blk & 3) >> 1) ^ 1));
         if (tl::tl_shuffle_elect<128>()) {
@@ -192,192 +228,264 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
       tl::warpgroup_reg_alloc<240>();
       #pragma unroll
       for (int i_4 = 0; i_4 < 2; ++i_4) {
-        float condval_15;
+        float condval_21;
         if ((((((((int)threadIdx.x) >> 5) * 16) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64))) {
-          float condval_16;
+          float condval_22;
           if (((192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128))) && (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (q_pad + 192)))) {
-            condval_16 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_4) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)];
+            condval_22 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_4) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)];
           } else {
-            condval_16 = 0x0p+0f/*0.000000e+00*/;
+            condval_22 = 0x0p+0f/*0.000000e+00*/;
           }
-          condval_15 = condval_16;
+          condval_21 = condval_22;
         } else {
-          condval_15 = -CUDART_INF_F;
+          condval_21 = -CUDART_INF_F;
         }
-        lse_r[i_4] = condval_15;
-        float condval_17;
+        lse_r[i_4] = condval_21;
+        float condval_23;
         if ((((((((((int)threadIdx.x) >> 5) * 16) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64)) && (192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)))) && (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_4 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (q_pad + 192)))) {
-          condval_17 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_4) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((((int64_t)heads) + ((int64_t)((int)blockIdx.y))) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)];
+          condval_23 = Stats[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_4) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((((int64_t)heads) + ((int64_t)((int)blockIdx.y))) * ((int64_t)q_pad))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)];
         } else {
-          condval_17 = 0x0p+0f/*0.000000e+00*/;
+          condval_23 = 0x0p+0f/*0.000000e+00*/;
         }
-        delta_r[i_4] = condval_17;
+        delta_r[i_4] = condval_23;
       }
       #pragma unroll
       for (int i_5 = 0; i_5 < 16; ++i_5) {
         float broadcast_var = 0x0p+0f/*0.000000e+00*/;
         *(float4*)(acc_dq + (i_5 * 4)) = make_float4(broadcast_var, broadcast_var, broadcast_var, broadcast_var);
       }
-      int condval_18;
-      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-        condval_18 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-      } else {
-        condval_18 = 0;
-      }
-      int condval_19;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_19 = cu_seqlens_k[((int)blockIdx.z)];
-      } else {
-        condval_19 = 0;
-      }
-      int len_k = (condval_18 - condval_19);
-      int condval_20;
-      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-        condval_20 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-      } else {
-        condval_20 = 0;
-      }
-      int condval_21;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_21 = cu_seqlens_q[((int)blockIdx.z)];
-      } else {
-        condval_21 = 0;
-      }
-      int condval_22;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_22 = cu_seqlens_k[((int)blockIdx.z)];
-      } else {
-        condval_22 = 0;
-      }
-      int condval_23;
-      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-        condval_23 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-      } else {
-        condval_23 = 0;
-      }
-      int p0 = (((((((max_tiles * 128) + condval_20) + condval_21) - condval_22) - condval_23) - (((int)blockIdx.x) * 128)) - 128);
       int condval_24;
-      if ((causal != 0)) {
-        int condval_25;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_25 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_25 = 0;
-        }
-        int condval_26;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_26 = cu_seqlens_q[((int)blockIdx.z)];
-        } else {
-          condval_26 = 0;
-        }
-        int condval_27;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_27 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_27 = 0;
-        }
-        int condval_28;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_28 = cu_seqlens_q[((int)blockIdx.z)];
-        } else {
-          condval_28 = 0;
-        }
-        int condval_29;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_29 = cu_seqlens_k[((int)blockIdx.z)];
-        } else {
-          condval_29 = 0;
-        }
-        int condval_30;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_30 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_30 = 0;
-        }
-        int condval_31;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_31 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_31 = 0;
-        }
-        int condval_32;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_32 = cu_seqlens_k[((int)blockIdx.z)];
-        } else {
-          condval_32 = 0;
-        }
-        condval_24 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_25) + 128) - condval_26) - (max_tiles * 128))), 0)) + condval_27) + condval_28) - condval_29) - condval_30) - (((int)blockIdx.x) * 128)) - 128), (condval_31 - condval_32)), 0) + 63) >> 6);
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_24 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
       } else {
-        int condval_33;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_33 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_33 = 0;
-        }
+        condval_24 = 0;
+      }
+      int condval_25;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_25 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_25 = 0;
+      }
+      int condval_26;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_26 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_26 = 0;
+      }
+      int len_k = (min(max(condval_24, min(max(condval_25, 0), total_k)), total_k) - min(max(condval_26, 0), total_k));
+      int condval_27;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_27 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_27 = 0;
+      }
+      int condval_28;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_28 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_28 = 0;
+      }
+      int condval_29;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_29 = cu_seqlens_q[((int)blockIdx.z)];
+      } else {
+        condval_29 = 0;
+      }
+      int condval_30;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_30 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_30 = 0;
+      }
+      int condval_31;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_31 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_31 = 0;
+      }
+      int condval_32;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_32 = cu_seqlens_q[((int)blockIdx.z)];
+      } else {
+        condval_32 = 0;
+      }
+      int p0 = (((((((max_tiles * 128) + min(max(condval_27, min(max(condval_28, 0), total_k)), total_k)) + min(max(condval_29, 0), total_q)) - min(max(condval_30, 0), total_k)) - min(max(condval_31, min(max(condval_32, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128);
+      int condval_33;
+      if ((causal != 0)) {
         int condval_34;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_34 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_34 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_34 = 0;
         }
-        condval_24 = (((condval_33 + 63) - condval_34) >> 6);
-      }
-      int n_blk_1 = condval_24;
-      int condval_35;
-      if ((causal != 0)) {
+        int condval_35;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_35 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_35 = 0;
+        }
         int condval_36;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_36 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_36 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_36 = 0;
         }
         int condval_37;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_37 = cu_seqlens_q[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_37 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_37 = 0;
         }
         int condval_38;
         if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_38 = cu_seqlens_k[((int)blockIdx.z)];
+          condval_38 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_38 = 0;
         }
         int condval_39;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_39 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_39 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_39 = 0;
         }
         int condval_40;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_40 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_40 = cu_seqlens_k[((int)blockIdx.z)];
         } else {
           condval_40 = 0;
         }
         int condval_41;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_41 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_41 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_41 = 0;
         }
-        condval_35 = (max(min((((((((max_tiles * 128) + condval_36) + condval_37) - condval_38) - condval_39) - (((int)blockIdx.x) * 128)) - 127), (condval_40 - condval_41)), 0) >> 6);
-      } else {
         int condval_42;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_42 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_42 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_42 = 0;
         }
         int condval_43;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_43 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_43 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_43 = 0;
         }
-        condval_35 = ((condval_42 - condval_43) >> 6);
+        int condval_44;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_44 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_44 = 0;
+        }
+        int condval_45;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_45 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_45 = 0;
+        }
+        condval_33 = ((max(min(((((((((max_tiles * 128) + min(max(condval_34, min(max(condval_35, 0), total_k)), total_k)) + min(max(condval_36, 0), total_q)) + max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_37, min(max(condval_38, 0), total_q)), total_q)) + 128) - min(max(condval_39, 0), total_q)) - (max_tiles * 128))), 0)) - min(max(condval_40, 0), total_k)) - min(max(condval_41, min(max(condval_42, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128), (min(max(condval_43, min(max(condval_44, 0), total_k)), total_k) - min(max(condval_45, 0), total_k))), 0) + 63) >> 6);
+      } else {
+        int condval_46;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_46 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_46 = 0;
+        }
+        int condval_47;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_47 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_47 = 0;
+        }
+        int condval_48;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_48 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_48 = 0;
+        }
+        condval_33 = (((min(max(condval_46, min(max(condval_47, 0), total_k)), total_k) + 63) - min(max(condval_48, 0), total_k)) >> 6);
       }
-      int n_full = condval_35;
+      int n_blk_1 = condval_33;
+      int condval_49;
+      if ((causal != 0)) {
+        int condval_50;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_50 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_50 = 0;
+        }
+        int condval_51;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_51 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_51 = 0;
+        }
+        int condval_52;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_52 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_52 = 0;
+        }
+        int condval_53;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_53 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_53 = 0;
+        }
+        int condval_54;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_54 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_54 = 0;
+        }
+        int condval_55;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_55 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_55 = 0;
+        }
+        int condval_56;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_56 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_56 = 0;
+        }
+        int condval_57;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_57 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_57 = 0;
+        }
+        int condval_58;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_58 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_58 = 0;
+        }
+        condval_49 = (max(min((((((((max_tiles * 128) + min(max(condval_50, min(max(condval_51, 0), total_k)), total_k)) + min(max(condval_52, 0), total_q)) - min(max(condval_53, 0), total_k)) - min(max(condval_54, min(max(condval_55, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 127), (min(max(condval_56, min(max(condval_57, 0), total_k)), total_k) - min(max(condval_58, 0), total_k))), 0) >> 6);
+      } else {
+        int condval_59;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_59 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_59 = 0;
+        }
+        int condval_60;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_60 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_60 = 0;
+        }
+        int condval_61;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_61 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_61 = 0;
+        }
+        condval_49 = ((min(max(condval_59, min(max(condval_60, 0), total_k)), total_k) - min(max(condval_61, 0), total_k)) >> 6);
+      }
+      int n_full = condval_49;
       for (int blk_1 = 0; blk_1 < n_blk_1; ++blk_1) {
         #pragma unroll
         for (int i_6 = 0; i_6 < 8; ++i_6) {
@@ -460,13 +568,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_bwd_dq_
         } else {
           #pragma unroll
           for (int i_9 = 0; i_9 < 32; ++i_9) {
-            float condval_44;
+            float condval_62;
             if ((((((((blk_1 * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) < len_k) && ((causal == 0) || ((((((blk_1 * 64) + ((i_9 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_9 & 1)) + 64) <= (((((((int)threadIdx.x) >> 5) * 16) + (((i_9 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0)))) && (lse_r[((i_9 & 3) >> 1)] != -CUDART_INF_F))) {
-              condval_44 = (exp2f(((acc_s[i_9] * scale_log2) - lse_r[((i_9 & 3) >> 1)])) * (acc_dp[i_9] - delta_r[((i_9 & 3) >> 1)]));
+              condval_62 = (exp2f(((acc_s[i_9] * scale_log2) - lse_r[((i_9 & 3) >> 1)])) * (acc_dp[i_9] - delta_r[((i_9 & 3) >> 1)]));
             } else {
-              condval_44 = 0x0p+0f/*0.000000e+00*/;
+              condval_62 = 0x0p+0f/*0.000000e+00*/;
             }
-            ds_cast[i_9] = ((bfloat16_t)condval_44);
+            ds_cast[i_9] = ((bfloat16_t)condval_62);
           }
         }
         {
@@ -634,7 +742,7 @@ extern "C" int infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_call(bfloat16_t* __res
 		config.gridDim = dim3(max_tiles, heads, batch);
 		config.blockDim = dim3(384, 1, 1);
 		config.dynamicSmemBytes = 131072;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel, K_desc, Q_desc, Stats, V_desc, cu_seqlens_k, cu_seqlens_q, dO_desc, dQ, batch, batch_plus_one, causal, groups, heads, max_tiles, q_pad, scale_log2, total_q);
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel, K_desc, Q_desc, Stats, V_desc, cu_seqlens_k, cu_seqlens_q, dO_desc, dQ, batch, batch_plus_one, causal, groups, heads, max_tiles, q_pad, scale_log2, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_bwd_dq_bf16_d128_sm90a_kernel");
 

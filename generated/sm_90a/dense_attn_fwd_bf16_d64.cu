@@ -20,8 +20,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_q);
-extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_q) {
+extern "C" __global__ void infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int batch, int batch_plus_one, int causal, int groups, int heads, int max_tiles, float scale_log2, int total_k, int total_q) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
@@ -76,7 +76,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
   } else {
     condval_2 = 0;
   }
-  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + condval_1) + 128) - condval_2) - (max_tiles * 128))), 0);
+  int condval_3;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.z)];
+  } else {
+    condval_3 = 0;
+  }
+  int n_tok = max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_1, min(max(condval_2, 0), total_q)), total_q)) + 128) - min(max(condval_3, 0), total_q)) - (max_tiles * 128))), 0);
   if (0 < n_tok) {
     if (tl::tl_shuffle_elect<384>()) {
       mbarrier[8].arrive_and_expect_tx(16384);
@@ -85,30 +91,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
     __syncthreads();
     if (((int)threadIdx.x) < 128) {
       tl::warpgroup_reg_dealloc<24>();
-      int condval_3;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_3 = cu_seqlens_k[((int)blockIdx.z)];
-      } else {
-        condval_3 = 0;
-      }
-      int k0 = condval_3;
       int condval_4;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_4 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_4 = 0;
+      }
+      int k0 = min(max(condval_4, 0), total_k);
+      int condval_5;
       if ((causal != 0)) {
-        int condval_5;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_5 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_5 = 0;
-        }
         int condval_6;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_6 = cu_seqlens_q[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_6 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_6 = 0;
         }
         int condval_7;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_7 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_7 = cu_seqlens_k[((int)blockIdx.z)];
         } else {
           condval_7 = 0;
         }
@@ -119,20 +119,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
           condval_8 = 0;
         }
         int condval_9;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_9 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_9 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_9 = 0;
         }
         int condval_10;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_10 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_10 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_10 = 0;
         }
         int condval_11;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_11 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_11 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_11 = 0;
         }
@@ -142,23 +142,59 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
         } else {
           condval_12 = 0;
         }
-        condval_4 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_5) + 128) - condval_6) - (max_tiles * 128))), 0)) + condval_7) + condval_8) - condval_9) - condval_10) - (((int)blockIdx.x) * 128)) - 128), (condval_11 - condval_12)), 0) + 127) >> 7);
-      } else {
         int condval_13;
         if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_13 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+          condval_13 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_13 = 0;
         }
         int condval_14;
         if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_14 = cu_seqlens_k[((int)blockIdx.z)];
+          condval_14 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_14 = 0;
         }
-        condval_4 = (((condval_13 + 127) - condval_14) >> 7);
+        int condval_15;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_15 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_15 = 0;
+        }
+        int condval_16;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_16 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_16 = 0;
+        }
+        int condval_17;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_17 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_17 = 0;
+        }
+        condval_5 = ((max(min(((((((((max_tiles * 128) + min(max(condval_6, min(max(condval_7, 0), total_k)), total_k)) + min(max(condval_8, 0), total_q)) + max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_9, min(max(condval_10, 0), total_q)), total_q)) + 128) - min(max(condval_11, 0), total_q)) - (max_tiles * 128))), 0)) - min(max(condval_12, 0), total_k)) - min(max(condval_13, min(max(condval_14, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128), (min(max(condval_15, min(max(condval_16, 0), total_k)), total_k) - min(max(condval_17, 0), total_k))), 0) + 127) >> 7);
+      } else {
+        int condval_18;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_18 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_18 = 0;
+        }
+        int condval_19;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_19 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_19 = 0;
+        }
+        int condval_20;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_20 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_20 = 0;
+        }
+        condval_5 = (((min(max(condval_18, min(max(condval_19, 0), total_k)), total_k) + 127) - min(max(condval_20, 0), total_k)) >> 7);
       }
-      int n_blk = condval_4;
+      int n_blk = condval_5;
       for (int blk = 0; blk < n_blk; ++blk) {
         mbarrier[((blk & 1) + 4)].wait((((blk & 3) >> 1) ^ 1));
         if (tl::tl_shuffle_elect<128>()) {
@@ -186,166 +222,238 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
       *(float2*)(l_sum + 0) = make_float2(broadcast_var_1, broadcast_var_1);
       float broadcast_var_2 = -CUDART_INF_F;
       *(float2*)(m_cur + 0) = make_float2(broadcast_var_2, broadcast_var_2);
-      int condval_15;
-      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-        condval_15 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-      } else {
-        condval_15 = 0;
-      }
-      int condval_16;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_16 = cu_seqlens_k[((int)blockIdx.z)];
-      } else {
-        condval_16 = 0;
-      }
-      int len_k = (condval_15 - condval_16);
-      int condval_17;
-      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-        condval_17 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-      } else {
-        condval_17 = 0;
-      }
-      int condval_18;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_18 = cu_seqlens_q[((int)blockIdx.z)];
-      } else {
-        condval_18 = 0;
-      }
-      int condval_19;
-      if ((((int)blockIdx.z) < batch_plus_one)) {
-        condval_19 = cu_seqlens_k[((int)blockIdx.z)];
-      } else {
-        condval_19 = 0;
-      }
-      int condval_20;
-      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-        condval_20 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-      } else {
-        condval_20 = 0;
-      }
-      int p0 = (((((((max_tiles * 128) + condval_17) + condval_18) - condval_19) - condval_20) - (((int)blockIdx.x) * 128)) - 128);
       int condval_21;
-      if ((causal != 0)) {
-        int condval_22;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_22 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_22 = 0;
-        }
-        int condval_23;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_23 = cu_seqlens_q[((int)blockIdx.z)];
-        } else {
-          condval_23 = 0;
-        }
-        int condval_24;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_24 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_24 = 0;
-        }
-        int condval_25;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_25 = cu_seqlens_q[((int)blockIdx.z)];
-        } else {
-          condval_25 = 0;
-        }
-        int condval_26;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_26 = cu_seqlens_k[((int)blockIdx.z)];
-        } else {
-          condval_26 = 0;
-        }
-        int condval_27;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_27 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_27 = 0;
-        }
-        int condval_28;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_28 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_28 = 0;
-        }
-        int condval_29;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_29 = cu_seqlens_k[((int)blockIdx.z)];
-        } else {
-          condval_29 = 0;
-        }
-        condval_21 = ((max(min(((((((((max_tiles * 128) + max(min(128, (((((((int)blockIdx.x) * 128) + condval_22) + 128) - condval_23) - (max_tiles * 128))), 0)) + condval_24) + condval_25) - condval_26) - condval_27) - (((int)blockIdx.x) * 128)) - 128), (condval_28 - condval_29)), 0) + 127) >> 7);
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_21 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
       } else {
-        int condval_30;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_30 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
-        } else {
-          condval_30 = 0;
-        }
+        condval_21 = 0;
+      }
+      int condval_22;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_22 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_22 = 0;
+      }
+      int condval_23;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_23 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_23 = 0;
+      }
+      int len_k = (min(max(condval_21, min(max(condval_22, 0), total_k)), total_k) - min(max(condval_23, 0), total_k));
+      int condval_24;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_24 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_24 = 0;
+      }
+      int condval_25;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_25 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_25 = 0;
+      }
+      int condval_26;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_26 = cu_seqlens_q[((int)blockIdx.z)];
+      } else {
+        condval_26 = 0;
+      }
+      int condval_27;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_27 = cu_seqlens_k[((int)blockIdx.z)];
+      } else {
+        condval_27 = 0;
+      }
+      int condval_28;
+      if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+        condval_28 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+      } else {
+        condval_28 = 0;
+      }
+      int condval_29;
+      if ((((int)blockIdx.z) < batch_plus_one)) {
+        condval_29 = cu_seqlens_q[((int)blockIdx.z)];
+      } else {
+        condval_29 = 0;
+      }
+      int p0 = (((((((max_tiles * 128) + min(max(condval_24, min(max(condval_25, 0), total_k)), total_k)) + min(max(condval_26, 0), total_q)) - min(max(condval_27, 0), total_k)) - min(max(condval_28, min(max(condval_29, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128);
+      int condval_30;
+      if ((causal != 0)) {
         int condval_31;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_31 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_31 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_31 = 0;
         }
-        condval_21 = (((condval_30 + 127) - condval_31) >> 7);
-      }
-      int n_blk_1 = condval_21;
-      int condval_32;
-      if ((causal != 0)) {
+        int condval_32;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_32 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_32 = 0;
+        }
         int condval_33;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_33 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_33 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_33 = 0;
         }
         int condval_34;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_34 = cu_seqlens_q[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_34 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_34 = 0;
         }
         int condval_35;
         if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_35 = cu_seqlens_k[((int)blockIdx.z)];
+          condval_35 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_35 = 0;
         }
         int condval_36;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_36 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_36 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_36 = 0;
         }
         int condval_37;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_37 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_37 = cu_seqlens_k[((int)blockIdx.z)];
         } else {
           condval_37 = 0;
         }
         int condval_38;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_38 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_38 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_38 = 0;
         }
-        condval_32 = (max(min((((((((max_tiles * 128) + condval_33) + condval_34) - condval_35) - condval_36) - (((int)blockIdx.x) * 128)) - 127), (condval_37 - condval_38)), 0) >> 7);
-      } else {
         int condval_39;
-        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-          condval_39 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_39 = cu_seqlens_q[((int)blockIdx.z)];
         } else {
           condval_39 = 0;
         }
         int condval_40;
-        if ((((int)blockIdx.z) < batch_plus_one)) {
-          condval_40 = cu_seqlens_k[((int)blockIdx.z)];
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_40 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
         } else {
           condval_40 = 0;
         }
-        condval_32 = ((condval_39 - condval_40) >> 7);
+        int condval_41;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_41 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_41 = 0;
+        }
+        int condval_42;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_42 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_42 = 0;
+        }
+        condval_30 = ((max(min(((((((((max_tiles * 128) + min(max(condval_31, min(max(condval_32, 0), total_k)), total_k)) + min(max(condval_33, 0), total_q)) + max(min(128, (((((((int)blockIdx.x) * 128) + min(max(condval_34, min(max(condval_35, 0), total_q)), total_q)) + 128) - min(max(condval_36, 0), total_q)) - (max_tiles * 128))), 0)) - min(max(condval_37, 0), total_k)) - min(max(condval_38, min(max(condval_39, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 128), (min(max(condval_40, min(max(condval_41, 0), total_k)), total_k) - min(max(condval_42, 0), total_k))), 0) + 127) >> 7);
+      } else {
+        int condval_43;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_43 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_43 = 0;
+        }
+        int condval_44;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_44 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_44 = 0;
+        }
+        int condval_45;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_45 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_45 = 0;
+        }
+        condval_30 = (((min(max(condval_43, min(max(condval_44, 0), total_k)), total_k) + 127) - min(max(condval_45, 0), total_k)) >> 7);
       }
-      int n_full = condval_32;
+      int n_blk_1 = condval_30;
+      int condval_46;
+      if ((causal != 0)) {
+        int condval_47;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_47 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_47 = 0;
+        }
+        int condval_48;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_48 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_48 = 0;
+        }
+        int condval_49;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_49 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_49 = 0;
+        }
+        int condval_50;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_50 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_50 = 0;
+        }
+        int condval_51;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_51 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_51 = 0;
+        }
+        int condval_52;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_52 = cu_seqlens_q[((int)blockIdx.z)];
+        } else {
+          condval_52 = 0;
+        }
+        int condval_53;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_53 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_53 = 0;
+        }
+        int condval_54;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_54 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_54 = 0;
+        }
+        int condval_55;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_55 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_55 = 0;
+        }
+        condval_46 = (max(min((((((((max_tiles * 128) + min(max(condval_47, min(max(condval_48, 0), total_k)), total_k)) + min(max(condval_49, 0), total_q)) - min(max(condval_50, 0), total_k)) - min(max(condval_51, min(max(condval_52, 0), total_q)), total_q)) - (((int)blockIdx.x) * 128)) - 127), (min(max(condval_53, min(max(condval_54, 0), total_k)), total_k) - min(max(condval_55, 0), total_k))), 0) >> 7);
+      } else {
+        int condval_56;
+        if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+          condval_56 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+        } else {
+          condval_56 = 0;
+        }
+        int condval_57;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_57 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_57 = 0;
+        }
+        int condval_58;
+        if ((((int)blockIdx.z) < batch_plus_one)) {
+          condval_58 = cu_seqlens_k[((int)blockIdx.z)];
+        } else {
+          condval_58 = 0;
+        }
+        condval_46 = ((min(max(condval_56, min(max(condval_57, 0), total_k)), total_k) - min(max(condval_58, 0), total_k)) >> 7);
+      }
+      int n_full = condval_46;
       for (int blk_1 = 0; blk_1 < n_blk_1; ++blk_1) {
         if (blk_1 < n_full) {
           #pragma unroll
@@ -356,13 +464,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
         } else {
           #pragma unroll
           for (int i_2 = 0; i_2 < 64; ++i_2) {
-            float condval_41;
+            float condval_59;
             if (((((((blk_1 * 128) + ((i_2 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_2 & 1)) < len_k) && ((causal == 0) || ((((((blk_1 * 128) + ((i_2 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_2 & 1)) + 64) <= (((((((int)threadIdx.x) >> 5) * 16) + (((i_2 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + p0))))) {
-              condval_41 = 0x0p+0f/*0.000000e+00*/;
+              condval_59 = 0x0p+0f/*0.000000e+00*/;
             } else {
-              condval_41 = -CUDART_INF_F;
+              condval_59 = -CUDART_INF_F;
             }
-            acc_s[i_2] = condval_41;
+            acc_s[i_2] = condval_59;
           }
         }
         if (blk_1 == 0) {
@@ -399,13 +507,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
         }
         #pragma unroll
         for (int i_4 = 0; i_4 < 2; ++i_4) {
-          float condval_42;
+          float condval_60;
           if ((m_cur[i_4] == -CUDART_INF_F)) {
-            condval_42 = 0x0p+0f/*0.000000e+00*/;
+            condval_60 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_42 = m_cur[i_4];
+            condval_60 = m_cur[i_4];
           }
-          m_safe[i_4] = condval_42;
+          m_safe[i_4] = condval_60;
           r_scale[i_4] = exp2f(((m_prev[i_4] - m_safe[i_4]) * scale_log2));
         }
         #pragma unroll
@@ -485,18 +593,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
         if (((((((int)threadIdx.x) >> 5) * 16) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64)) {
           float broadcast_var_4 = 0x0p+0f/*0.000000e+00*/;
           uint1 __8;
-          float2 condval_43;
+          float2 condval_61;
           if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_9 & 1)])) {
             float2 __9;
               float2 v__9 = *(float2*)(acc_o + (i_9 * 2));
               float2 v__10 = make_float2(l_sum[(i_9 & 1)], l_sum[(i_9 & 1)]);
               __9.x = (v__9.x/v__10.x);
               __9.y = (v__9.y/v__10.y);
-            condval_43 = __9;
+            condval_61 = __9;
           } else {
-            condval_43 = make_float2(broadcast_var_4, broadcast_var_4);
+            condval_61 = make_float2(broadcast_var_4, broadcast_var_4);
           }
-          (reinterpret_cast<__nv_bfloat162*>(&__8))[0] = __float22bfloat162_rn(((float2*)(&condval_43))[0]);
+          (reinterpret_cast<__nv_bfloat162*>(&__8))[0] = __float22bfloat162_rn(((float2*)(&condval_61))[0]);
           *(uint1*)(O_local_cast + 0) = __8;
           if (192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128))) {
             if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_9 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 192)) {
@@ -511,13 +619,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) infllmv2_dense_attn_fwd_bf1
           if (((((((int)threadIdx.x) >> 5) * 16) + (i_10 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (n_tok + 64)) {
             if (192 <= ((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_10 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128))) {
               if (((((((max_tiles * 128) + ((((int)threadIdx.x) >> 5) * 16)) + (i_10 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) - (((int)blockIdx.x) * 128)) < (total_q + 192)) {
-                float condval_44;
+                float condval_62;
                 if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_10])) {
-                  condval_44 = (((m_cur[i_10] * scale_log2) + log2f(l_sum[i_10])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                  condval_62 = (((m_cur[i_10] * scale_log2) + log2f(l_sum[i_10])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                 } else {
-                  condval_44 = -CUDART_INF_F;
+                  condval_62 = -CUDART_INF_F;
                 }
-                LSE[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_10) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)total_q))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)] = condval_44;
+                LSE[((((((((((int64_t)max_tiles) * (int64_t)128) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_10) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)total_q))) + ((int64_t)q0)) - (((int64_t)((int)blockIdx.x)) * (int64_t)128)) - (int64_t)192)] = condval_62;
               }
             }
           }
@@ -630,7 +738,7 @@ extern "C" int infllmv2_dense_attn_fwd_bf16_d64_sm90a_call(bfloat16_t* __restric
 		config.gridDim = dim3(max_tiles, heads, batch);
 		config.blockDim = dim3(384, 1, 1);
 		config.dynamicSmemBytes = 81920;
-		cudaLaunchKernelEx(&config, infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel, K_desc, LSE, O, Q_desc, V_desc, cu_seqlens_k, cu_seqlens_q, batch, batch_plus_one, causal, groups, heads, max_tiles, scale_log2, total_q);
+		cudaLaunchKernelEx(&config, infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel, K_desc, LSE, O, Q_desc, V_desc, cu_seqlens_k, cu_seqlens_q, batch, batch_plus_one, causal, groups, heads, max_tiles, scale_log2, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_dense_attn_fwd_bf16_d64_sm90a_kernel");
 

@@ -26,40 +26,52 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_max_pool_blocks_sm
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int len_q = (condval_1 - q0);
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_2 = 0;
   }
   int condval_3;
   if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[((int)blockIdx.y)];
+    condval_3 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_2 - condval_3);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
   int condval_4;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_4 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+    condval_4 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_4 = 0;
   }
   int condval_5;
   if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_5 = cu_seqlens_c[((int)blockIdx.y)];
+    condval_5 = cu_seqlens_k[((int)blockIdx.y)];
   } else {
     condval_5 = 0;
   }
-  int n_c = min((condval_4 - condval_5), width);
+  int len_k = (condval_4 - condval_5);
+  int condval_6;
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_6 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_7 = cu_seqlens_c[((int)blockIdx.y)];
+  } else {
+    condval_7 = 0;
+  }
+  int n_c = min((condval_6 - condval_7), width);
   for (int e = 0; e < ((n_blocks + 31) >> 5); ++e) {
     int rmod = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
     int rdiv = (((e * 128) + ((int)threadIdx.x)) / n_blocks);
@@ -77,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_max_pool_blocks_sm
           int rdiv_2 = (((e * 128) + ((int)threadIdx.x)) / n_blocks);
           int rmod_7 = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
           int rdiv_3 = (((e * 128) + ((int)threadIdx.x)) / n_blocks);
-          float condval_6;
+          float condval_8;
           if ((((((((((0 <= n_blocks) && (0 <= rmod_5)) || ((n_blocks < 0) && (rmod_5 <= 0))) ? rmod_5 : (rmod_5 + n_blocks)) * 4) + w) <= width) && (0 <= (((((int)blockIdx.x) * 4) + q0) + ((((0 <= n_blocks) && (0 <= rmod_6)) || ((n_blocks < 0) && (rmod_6 <= 0))) ? rdiv_2 : (rdiv_2 - 1))))) && ((((((int)blockIdx.x) * 4) + q0) + ((((0 <= n_blocks) && (0 <= rmod_7)) || ((n_blocks < 0) && (rmod_7 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) < total_q))) {
             int64_t rmod_8 = (((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) % ((int64_t)n_blocks));
             int64_t rmod_9 = (((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) % ((int64_t)n_blocks));
@@ -85,11 +97,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_max_pool_blocks_sm
             int64_t rmod_10 = (((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) % ((int64_t)n_blocks));
             int64_t rmod_11 = (((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) % ((int64_t)n_blocks));
             int64_t rdiv_5 = (((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) / ((int64_t)n_blocks));
-            condval_6 = S[((((((((((int64_t)0 <= ((int64_t)n_blocks)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)n_blocks) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rmod_10 : (rmod_10 + ((int64_t)n_blocks))) * (int64_t)4) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + ((((((int64_t)((int)blockIdx.x)) * (int64_t)4) + ((int64_t)q0)) + (((((int64_t)0 <= ((int64_t)n_blocks)) && ((int64_t)0 <= rmod_11)) || ((((int64_t)n_blocks) < (int64_t)0) && (rmod_11 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1))) * ((int64_t)width))) + ((int64_t)w)) - (int64_t)1)];
+            condval_8 = S[((((((((((int64_t)0 <= ((int64_t)n_blocks)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)n_blocks) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rmod_10 : (rmod_10 + ((int64_t)n_blocks))) * (int64_t)4) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)width)) * ((int64_t)total_q))) + ((((((int64_t)((int)blockIdx.x)) * (int64_t)4) + ((int64_t)q0)) + (((((int64_t)0 <= ((int64_t)n_blocks)) && ((int64_t)0 <= rmod_11)) || ((((int64_t)n_blocks) < (int64_t)0) && (rmod_11 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1))) * ((int64_t)width))) + ((int64_t)w)) - (int64_t)1)];
           } else {
-            condval_6 = 0x0p+0f/*0.000000e+00*/;
+            condval_8 = 0x0p+0f/*0.000000e+00*/;
           }
-          m[0] = max(m[0], condval_6);
+          m[0] = max(m[0], condval_8);
         }
       }
       int rmod_12 = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
@@ -102,23 +114,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_max_pool_blocks_sm
           int rdiv_8 = (((e * 128) + ((int)threadIdx.x)) / n_blocks);
           int rmod_15 = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
           int rmod_16 = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
-          float condval_7;
+          float condval_9;
           if ((((((((((int)blockIdx.x) * 4) + len_k) + ((((0 <= n_blocks) && (0 <= rmod_14)) || ((n_blocks < 0) && (rmod_14 <= 0))) ? rdiv_8 : (rdiv_8 - 1))) - len_q) >> 6) < ((((0 <= n_blocks) && (0 <= rmod_15)) || ((n_blocks < 0) && (rmod_15 <= 0))) ? rmod_15 : (rmod_15 + n_blocks))) || (((len_k + 63) >> 6) <= ((((0 <= n_blocks) && (0 <= rmod_16)) || ((n_blocks < 0) && (rmod_16 <= 0))) ? rmod_16 : (rmod_16 + n_blocks))))) {
-            condval_7 = -CUDART_INF_F;
+            condval_9 = -CUDART_INF_F;
           } else {
             int rmod_17 = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
             int rmod_18 = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
             int rdiv_9 = (((e * 128) + ((int)threadIdx.x)) / n_blocks);
             int rmod_19 = (((e * 128) + ((int)threadIdx.x)) % n_blocks);
-            float condval_8;
+            float condval_10;
             if (((((((0 <= n_blocks) && (0 <= rmod_17)) || ((n_blocks < 0) && (rmod_17 <= 0))) ? rmod_17 : (rmod_17 + n_blocks)) < init_blocks) || (((((((((int)blockIdx.x) * 4) + len_k) + ((((0 <= n_blocks) && (0 <= rmod_18)) || ((n_blocks < 0) && (rmod_18 <= 0))) ? rdiv_9 : (rdiv_9 - 1))) - len_q) >> 6) - local_blocks) <= ((((0 <= n_blocks) && (0 <= rmod_19)) || ((n_blocks < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + n_blocks))))) {
-              condval_8 = CUDART_INF_F;
+              condval_10 = CUDART_INF_F;
             } else {
-              condval_8 = m[0];
+              condval_10 = m[0];
             }
-            condval_7 = condval_8;
+            condval_9 = condval_10;
           }
-          B[((((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)n_blocks)) * ((int64_t)total_q))) + (((((int64_t)((int)blockIdx.x)) * (int64_t)4) + ((int64_t)q0)) * ((int64_t)n_blocks)))] = condval_7;
+          B[((((((int64_t)e) * (int64_t)128) + ((int64_t)((int)threadIdx.x))) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)n_blocks)) * ((int64_t)total_q))) + (((((int64_t)((int)blockIdx.x)) * (int64_t)4) + ((int64_t)q0)) * ((int64_t)n_blocks)))] = condval_9;
         }
       }
     }

@@ -52,14 +52,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
   } else {
     condval = 0;
   }
-  iv[0] = condval;
+  iv[0] = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  iv[2] = max(min(tile_tokens, ((condval_1 - iv[0]) - iv[1])), 0);
+  int len_q = (min(max(condval_1, iv[0]), total_q) - iv[0]);
+  iv[2] = max(min(tile_tokens, (len_q - iv[1])), 0);
   int condval_2;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
@@ -72,28 +73,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
   } else {
     condval_3 = 0;
   }
+  iv[3] = (((condval_2 + iv[1]) - condval_3) - len_q);
+  iv[4] = ((iv[3] + iv[2]) - 1);
   int condval_4;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_4 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_4 = cu_seqlens_n[((int)blockIdx.y)];
   } else {
     condval_4 = 0;
   }
-  iv[3] = ((((condval_2 + iv[0]) + iv[1]) - condval_3) - condval_4);
-  iv[4] = ((iv[3] + iv[2]) - 1);
+  iv[15] = min(max(condval_4, 0), total_n);
   int condval_5;
   if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_5 = cu_seqlens_n[((int)blockIdx.y)];
+    condval_5 = cu_seqlens_c[((int)blockIdx.y)];
   } else {
     condval_5 = 0;
   }
-  iv[15] = condval_5;
+  iv[14] = min(max(condval_5, 0), total_c);
   int condval_6;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_6 = cu_seqlens_c[((int)blockIdx.y)];
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_6 = cu_seqlens_n[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_6 = 0;
   }
-  iv[14] = condval_6;
+  int n_n = (min(max(condval_6, iv[15]), total_n) - iv[15]);
+  int condval_7;
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_7 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  } else {
+    condval_7 = 0;
+  }
+  int n_c = (min(max(condval_7, iv[14]), total_c) - iv[14]);
   if (0 < iv[2]) {
     int row0 = (iv[0] + iv[1]);
     int n_tok = iv[2];
@@ -101,65 +110,65 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_7;
+        uint4 condval_8;
         if ((((((((int)blockIdx.z) * 16) + (((int)threadIdx.x) >> 3)) < heads) && (0 <= (min(i, (n_tok - 1)) + row0))) && ((min(i, (n_tok - 1)) + row0) < total_q))) {
-          condval_7 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((min(((int64_t)i), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((min(((int64_t)i), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
         } else {
-          condval_7 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+          condval_8 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((half_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_7;
+        *(uint4*)(((half_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
       }
     } else {
       if (groups == 8) {
         #pragma unroll
         for (int i_1 = 0; i_1 < 4; ++i_1) {
           half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
-          uint4 condval_8;
+          uint4 condval_9;
           if ((((((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 63) >> 3)) < heads) && (0 <= (min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (n_tok - 1)) + row0))) && ((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (n_tok - 1)) + row0) < total_q))) {
-            condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            condval_9 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
           } else {
-            condval_8 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
+            condval_9 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((half_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
+          *(uint4*)(((half_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
         }
       } else {
         if (groups == 4) {
           #pragma unroll
           for (int i_2 = 0; i_2 < 4; ++i_2) {
             half_t broadcast_var_2 = half_t(0x0p+0f/*0.000000e+00*/);
-            uint4 condval_9;
+            uint4 condval_10;
             if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 31) >> 3)) < heads) && (0 <= (min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (n_tok - 1)) + row0))) && ((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (n_tok - 1)) + row0) < total_q))) {
-              condval_9 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
             } else {
-              condval_9 = make_uint4(__pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2));
+              condval_10 = make_uint4(__pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2), __pack_half2(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((half_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
+            *(uint4*)(((half_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_10;
           }
         } else {
           if (groups == 2) {
             #pragma unroll
             for (int i_3 = 0; i_3 < 4; ++i_3) {
               half_t broadcast_var_3 = half_t(0x0p+0f/*0.000000e+00*/);
-              uint4 condval_10;
+              uint4 condval_11;
               if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 15) >> 3)) < heads) && (0 <= (min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (n_tok - 1)) + row0))) && ((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (n_tok - 1)) + row0) < total_q))) {
-                condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + (((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
               } else {
-                condval_10 = make_uint4(__pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3));
+                condval_11 = make_uint4(__pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3), __pack_half2(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((half_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_10;
+              *(uint4*)(((half_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_11;
             }
           } else {
             if (groups == 1) {
               #pragma unroll
               for (int i_4 = 0; i_4 < 4; ++i_4) {
                 half_t broadcast_var_4 = half_t(0x0p+0f/*0.000000e+00*/);
-                uint4 condval_11;
+                uint4 condval_12;
                 if ((((((int)blockIdx.z) < heads) && (0 <= (min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (n_tok - 1)) + row0))) && ((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (n_tok - 1)) + row0) < total_q))) {
-                  condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_12 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + (((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (((int64_t)n_tok) - (int64_t)1)) + ((int64_t)row0)) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_11 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
+                  condval_12 = make_uint4(__pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4), __pack_half2(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((half_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_11;
+                *(uint4*)(((half_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_12;
               }
             } else {
               #pragma unroll
@@ -171,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
                 int rdiv_2 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
                 int rmod_6 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) % groups);
                 int rdiv_3 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
-                uint4 condval_12;
+                uint4 condval_13;
                 if ((((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (n_tok * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_4)) || ((groups < 0) && (rmod_4 <= 0))) ? rmod_4 : (rmod_4 + groups))) < heads)) && (0 <= (row0 + ((((0 <= groups) && (0 <= rmod_5)) || ((groups < 0) && (rmod_5 <= 0))) ? rdiv_2 : (rdiv_2 - 1))))) && ((row0 + ((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_3 : (rdiv_3 - 1))) < total_q))) {
                   int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_8 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
@@ -179,11 +188,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
                   int64_t rmod_9 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_10 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rdiv_5 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-                  condval_12 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)groups) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rmod_9 : (rmod_9 + ((int64_t)groups))) * (int64_t)64)) + (((((int64_t)row0) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)groups) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_13 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_9)) || ((((int64_t)groups) < (int64_t)0) && (rmod_9 <= (int64_t)0))) ? rmod_9 : (rmod_9 + ((int64_t)groups))) * (int64_t)64)) + (((((int64_t)row0) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)groups) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rdiv_5 : (rdiv_5 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_12 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
+                  condval_13 = make_uint4(__pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5), __pack_half2(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((half_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_12;
+                *(uint4*)(((half_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_13;
               }
             }
           }
@@ -198,42 +207,30 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
     __syncthreads();
     #pragma unroll
     for (int i_7 = 0; i_7 < 2; ++i_7) {
-      int condval_13;
+      int condval_14;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (iv[2] * groups))) {
         int rmod_11 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_6 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_13 = (iv[3] + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_6 : (rdiv_6 - 1)));
+        condval_14 = (iv[3] + ((((0 <= groups) && (0 <= rmod_11)) || ((groups < 0) && (rmod_11 <= 0))) ? rdiv_6 : (rdiv_6 - 1)));
       } else {
-        condval_13 = -1;
+        condval_14 = -1;
       }
-      rowpos[i_7] = condval_13;
+      rowpos[i_7] = condval_14;
     }
-    int condval_14;
+    int condval_15;
     if ((norm_window <= (iv[4] + 1))) {
-      int condval_15;
-      if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-        condval_15 = cu_seqlens_n[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-      } else {
-        condval_15 = 0;
-      }
       int rmod_12 = (((iv[4] + 1) - norm_window) % norm_stride);
       int rdiv_7 = (((iv[4] + 1) - norm_window) / norm_stride);
-      condval_14 = min((condval_15 - iv[15]), (((((0 <= norm_stride) && (0 <= rmod_12)) || ((norm_stride < 0) && (rmod_12 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
+      condval_15 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_12)) || ((norm_stride < 0) && (rmod_12 <= 0))) ? rdiv_7 : (rdiv_7 - 1)) + 1));
     } else {
-      condval_14 = 0;
+      condval_15 = 0;
     }
-    iv[11] = condval_14;
+    iv[11] = condval_15;
     int condval_16;
     if ((norm_window <= (iv[3] + 1))) {
-      int condval_17;
-      if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-        condval_17 = cu_seqlens_n[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-      } else {
-        condval_17 = 0;
-      }
       int rmod_13 = (((iv[3] + 1) - norm_window) % norm_stride);
       int rdiv_8 = (((iv[3] + 1) - norm_window) / norm_stride);
-      condval_16 = min((condval_17 - iv[15]), (((((0 <= norm_stride) && (0 <= rmod_13)) || ((norm_stride < 0) && (rmod_13 <= 0))) ? rdiv_8 : (rdiv_8 - 1)) + 1));
+      condval_16 = min(n_n, (((((0 <= norm_stride) && (0 <= rmod_13)) || ((norm_stride < 0) && (rmod_13 <= 0))) ? rdiv_8 : (rdiv_8 - 1)) + 1));
     } else {
       condval_16 = 0;
     }
@@ -286,13 +283,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
       if (n_vis0 < (((lo * 64) + (ch * 64)) + 64)) {
         #pragma unroll
         for (int i_10 = 0; i_10 < 32; ++i_10) {
-          float condval_18;
+          float condval_17;
           if ((((((((lo * 64) + (ch * 64)) + ((i_10 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_vis) && ((((((((lo * 64) + (ch * 64)) + ((i_10 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) * norm_stride) + norm_window) <= (rowpos[((i_10 & 3) >> 1)] + 1)))) {
-            condval_18 = acc_s[i_10];
+            condval_17 = acc_s[i_10];
           } else {
-            condval_18 = -CUDART_INF_F;
+            condval_17 = -CUDART_INF_F;
           }
-          acc_s[i_10] = condval_18;
+          acc_s[i_10] = condval_17;
         }
       }
       *(float2*)(m_prev + 0) = *(float2*)(m_run + 0);
@@ -308,13 +305,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
       }
       #pragma unroll
       for (int i_12 = 0; i_12 < 2; ++i_12) {
-        float condval_19;
+        float condval_18;
         if ((m_run[i_12] == -CUDART_INF_F)) {
-          condval_19 = 0x0p+0f/*0.000000e+00*/;
+          condval_18 = 0x0p+0f/*0.000000e+00*/;
         } else {
-          condval_19 = m_run[i_12];
+          condval_18 = m_run[i_12];
         }
-        m_safe[i_12] = condval_19;
+        m_safe[i_12] = condval_18;
         r_scale[i_12] = exp2f(((m_prev[i_12] - m_safe[i_12]) * scale_log2));
       }
       #pragma unroll
@@ -369,32 +366,20 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
     }
     bool if_condition = (((iv[6] == 0) && (approx != 0)) && ((iv[3] + 1) < norm_window));
     if (if_condition) {
-      int condval_20;
+      int condval_19;
       if (((31 <= iv[4]) && (33 <= norm_window))) {
-        int condval_21;
-        if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-          condval_21 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-        } else {
-          condval_21 = 0;
-        }
-        condval_20 = min((condval_21 - iv[14]), (((min(iv[4], (norm_window - 2)) - 31) >> 4) + 1));
+        condval_19 = min(n_c, (((min(iv[4], (norm_window - 2)) - 31) >> 4) + 1));
+      } else {
+        condval_19 = 0;
+      }
+      iv[11] = condval_19;
+      int condval_20;
+      if (((31 <= iv[3]) && (33 <= norm_window))) {
+        condval_20 = min(n_c, (((min(iv[3], (norm_window - 2)) - 31) >> 4) + 1));
       } else {
         condval_20 = 0;
       }
-      iv[11] = condval_20;
-      int condval_22;
-      if (((31 <= iv[3]) && (33 <= norm_window))) {
-        int condval_23;
-        if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-          condval_23 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-        } else {
-          condval_23 = 0;
-        }
-        condval_22 = min((condval_23 - iv[14]), (((min(iv[3], (norm_window - 2)) - 31) >> 4) + 1));
-      } else {
-        condval_22 = 0;
-      }
-      iv[12] = condval_22;
+      iv[12] = condval_20;
       int key0_1 = iv[14];
       int hi_1 = ((iv[11] + 63) >> 6);
       int n_vis_1 = iv[11];
@@ -435,13 +420,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
         if (n_vis0_1 < ((ch_1 * 64) + 64)) {
           #pragma unroll
           for (int i_18 = 0; i_18 < 32; ++i_18) {
-            float condval_24;
+            float condval_21;
             if (((((((ch_1 * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) < n_vis_1) && ((((((ch_1 * 1024) + ((i_18 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_18 & 1) * 16)) + 31) <= rowpos[((i_18 & 3) >> 1)]))) {
-              condval_24 = acc_s[i_18];
+              condval_21 = acc_s[i_18];
             } else {
-              condval_24 = -CUDART_INF_F;
+              condval_21 = -CUDART_INF_F;
             }
-            acc_s[i_18] = condval_24;
+            acc_s[i_18] = condval_21;
           }
         }
         *(float2*)(m_prev + 0) = *(float2*)(m_run + 0);
@@ -457,13 +442,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_lse_
         }
         #pragma unroll
         for (int i_20 = 0; i_20 < 2; ++i_20) {
-          float condval_25;
+          float condval_22;
           if ((m_run[i_20] == -CUDART_INF_F)) {
-            condval_25 = 0x0p+0f/*0.000000e+00*/;
+            condval_22 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_25 = m_run[i_20];
+            condval_22 = m_run[i_20];
           }
-          m_safe[i_20] = condval_25;
+          m_safe[i_20] = condval_22;
           r_scale[i_20] = exp2f(((m_prev[i_20] - m_safe[i_20]) * scale_log2));
         }
         #pragma unroll

@@ -54,14 +54,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
   } else {
     condval = 0;
   }
-  iv[0] = condval;
+  iv[0] = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  iv[2] = max(min(tile_tokens, ((condval_1 - iv[0]) - iv[1])), 0);
+  int len_q = (min(max(condval_1, iv[0]), total_q) - iv[0]);
+  iv[2] = max(min(tile_tokens, (len_q - iv[1])), 0);
   int condval_2;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
@@ -74,47 +75,36 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
   } else {
     condval_3 = 0;
   }
+  iv[3] = (((condval_2 + iv[1]) - condval_3) - len_q);
+  iv[4] = ((iv[3] + iv[2]) - 1);
   int condval_4;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_4 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_4 = cu_seqlens_c[((int)blockIdx.y)];
   } else {
     condval_4 = 0;
   }
-  iv[3] = ((((condval_2 + iv[0]) + iv[1]) - condval_3) - condval_4);
-  iv[4] = ((iv[3] + iv[2]) - 1);
+  iv[14] = min(max(condval_4, 0), total_c);
   int condval_5;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_5 = cu_seqlens_c[((int)blockIdx.y)];
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_5 = 0;
   }
-  iv[14] = condval_5;
+  int n_c = (min(max(condval_5, iv[14]), total_c) - iv[14]);
   int condval_6;
   if ((31 <= iv[4])) {
-    int condval_7;
-    if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-      condval_7 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-    } else {
-      condval_7 = 0;
-    }
-    condval_6 = min((condval_7 - iv[14]), (((iv[4] - 31) >> 4) + 1));
+    condval_6 = min(n_c, (((iv[4] - 31) >> 4) + 1));
   } else {
     condval_6 = 0;
   }
   iv[13] = condval_6;
-  int condval_8;
+  int condval_7;
   if ((31 <= iv[4])) {
-    int condval_9;
-    if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-      condval_9 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-    } else {
-      condval_9 = 0;
-    }
-    condval_8 = min((condval_9 - iv[14]), (((iv[4] - 31) >> 4) + 1));
+    condval_7 = min(n_c, (((iv[4] - 31) >> 4) + 1));
   } else {
-    condval_8 = 0;
+    condval_7 = 0;
   }
-  iv[10] = ((min(condval_8, (max(((iv[4] >> 6) - local_blocks), 0) * 4)) + 63) >> 6);
+  iv[10] = ((min(condval_7, (max(((iv[4] >> 6) - local_blocks), 0) * 4)) + 63) >> 6);
   int n_chunks = iv[10];
   iv[8] = n_chunks;
   int rmod_3 = (((iv[8] + splits) - 1) % splits);
@@ -128,65 +118,65 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_10;
+        uint4 condval_8;
         if ((((((((int)blockIdx.z) * 16) + (((int)threadIdx.x) >> 3)) < heads) && (0 <= ((min(i, (iv[2] - 1)) + iv[0]) + iv[1]))) && (((min(i, (iv[2] - 1)) + iv[0]) + iv[1]) < total_q))) {
-          condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
         } else {
-          condval_10 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+          condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((bfloat16_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_10;
+        *(uint4*)(((bfloat16_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
       }
     } else {
       if (groups == 8) {
         #pragma unroll
         for (int i_1 = 0; i_1 < 4; ++i_1) {
           bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-          uint4 condval_11;
+          uint4 condval_9;
           if ((((((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 63) >> 3)) < heads) && (0 <= ((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (iv[2] - 1)) + iv[0]) + iv[1]))) && (((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), (iv[2] - 1)) + iv[0]) + iv[1]) < total_q))) {
-            condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            condval_9 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
           } else {
-            condval_11 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+            condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((bfloat16_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_11;
+          *(uint4*)(((bfloat16_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
         }
       } else {
         if (groups == 4) {
           #pragma unroll
           for (int i_2 = 0; i_2 < 4; ++i_2) {
             bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-            uint4 condval_12;
+            uint4 condval_10;
             if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 31) >> 3)) < heads) && (0 <= ((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (iv[2] - 1)) + iv[0]) + iv[1]))) && (((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), (iv[2] - 1)) + iv[0]) + iv[1]) < total_q))) {
-              condval_12 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
             } else {
-              condval_12 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+              condval_10 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((bfloat16_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_12;
+            *(uint4*)(((bfloat16_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_10;
           }
         } else {
           if (groups == 2) {
             #pragma unroll
             for (int i_3 = 0; i_3 < 4; ++i_3) {
               bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-              uint4 condval_13;
+              uint4 condval_11;
               if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 15) >> 3)) < heads) && (0 <= ((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (iv[2] - 1)) + iv[0]) + iv[1]))) && (((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), (iv[2] - 1)) + iv[0]) + iv[1]) < total_q))) {
-                condval_13 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
               } else {
-                condval_13 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+                condval_11 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((bfloat16_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_13;
+              *(uint4*)(((bfloat16_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_11;
             }
           } else {
             if (groups == 1) {
               #pragma unroll
               for (int i_4 = 0; i_4 < 4; ++i_4) {
                 bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-                uint4 condval_14;
+                uint4 condval_12;
                 if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (iv[2] - 1)) + iv[0]) + iv[1]))) && (((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), (iv[2] - 1)) + iv[0]) + iv[1]) < total_q))) {
-                  condval_14 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_12 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), (((int64_t)iv[(int64_t)2]) - (int64_t)1)) + ((int64_t)iv[(int64_t)0])) + ((int64_t)iv[(int64_t)1])) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_14 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
+                  condval_12 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_14;
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_12;
               }
             } else {
               #pragma unroll
@@ -198,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
                 int rdiv_3 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
                 int rmod_7 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) % groups);
                 int rdiv_4 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
-                uint4 condval_15;
+                uint4 condval_13;
                 if ((((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (iv[2] * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_4)) || ((groups < 0) && (rmod_4 <= 0))) ? rmod_4 : (rmod_4 + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_5)) || ((groups < 0) && (rmod_5 <= 0))) ? rmod_5 : (rmod_5 + groups))) < heads)) && (0 <= ((iv[0] + iv[1]) + ((((0 <= groups) && (0 <= rmod_6)) || ((groups < 0) && (rmod_6 <= 0))) ? rdiv_3 : (rdiv_3 - 1))))) && (((iv[0] + iv[1]) + ((((0 <= groups) && (0 <= rmod_7)) || ((groups < 0) && (rmod_7 <= 0))) ? rdiv_4 : (rdiv_4 - 1))) < total_q))) {
                   int64_t rmod_8 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_9 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
@@ -206,11 +196,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
                   int64_t rmod_10 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_11 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rdiv_6 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-                  condval_15 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)groups) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rmod_10 : (rmod_10 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_11)) || ((((int64_t)groups) < (int64_t)0) && (rmod_11 <= (int64_t)0))) ? rdiv_6 : (rdiv_6 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_13 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_10)) || ((((int64_t)groups) < (int64_t)0) && (rmod_10 <= (int64_t)0))) ? rmod_10 : (rmod_10 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_11)) || ((((int64_t)groups) < (int64_t)0) && (rmod_11 <= (int64_t)0))) ? rdiv_6 : (rdiv_6 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_15 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
+                  condval_13 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_15;
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_13;
               }
             }
           }
@@ -231,15 +221,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
     #pragma unroll
     for (int i_7 = 0; i_7 < 2; ++i_7) {
-      int condval_16;
+      int condval_14;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (iv[2] * groups))) {
         int rmod_12 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_7 = (((((((int)threadIdx.x) >> 5) * 16) + (i_7 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_16 = (iv[3] + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_7 : (rdiv_7 - 1)));
+        condval_14 = (iv[3] + ((((0 <= groups) && (0 <= rmod_12)) || ((groups < 0) && (rmod_12 <= 0))) ? rdiv_7 : (rdiv_7 - 1)));
       } else {
-        condval_16 = -1;
+        condval_14 = -1;
       }
-      rowpos[i_7] = condval_16;
+      rowpos[i_7] = condval_14;
     }
   }
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
@@ -247,27 +237,27 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
     for (int i_8 = 0; i_8 < 8; ++i_8) {
       float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
       float broadcast_var_7 = -CUDART_INF_F;
-      float4 condval_17;
+      float4 condval_15;
       if ((((i_8 * 8) + (((int)threadIdx.x) >> 4)) < splits)) {
-        float4 condval_18;
+        float4 condval_16;
         if (((0 <= (((i_8 * 8) + (((int)threadIdx.x) >> 4)) + (iv[5] * splits))) && ((((i_8 * 8) + (((int)threadIdx.x) >> 4)) + (iv[5] * splits)) < part_rows))) {
-          condval_18 = *(float4*)(M_part + ((((((int64_t)i_8) * (int64_t)512) + ((((int64_t)iv[(int64_t)5]) * ((int64_t)splits)) * (int64_t)64)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)part_rows)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
+          condval_16 = *(float4*)(M_part + ((((((int64_t)i_8) * (int64_t)512) + ((((int64_t)iv[(int64_t)5]) * ((int64_t)splits)) * (int64_t)64)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)part_rows)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
         } else {
-          condval_18 = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+          condval_16 = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
         }
-        condval_17 = condval_18;
+        condval_15 = condval_16;
       } else {
-        condval_17 = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
+        condval_15 = make_float4(broadcast_var_7, broadcast_var_7, broadcast_var_7, broadcast_var_7);
       }
-      *(float4*)(((float*)Mp_s) + ((i_8 * 512) + (((int)threadIdx.x) * 4))) = condval_17;
+      *(float4*)(((float*)Mp_s) + ((i_8 * 512) + (((int)threadIdx.x) * 4))) = condval_15;
       float broadcast_var_8 = 0x0p+0f/*0.000000e+00*/;
-      float4 condval_19;
+      float4 condval_17;
       if ((((((i_8 * 8) + (((int)threadIdx.x) >> 4)) < splits) && (0 <= (((i_8 * 8) + (((int)threadIdx.x) >> 4)) + (iv[5] * splits)))) && ((((i_8 * 8) + (((int)threadIdx.x) >> 4)) + (iv[5] * splits)) < part_rows))) {
-        condval_19 = *(float4*)(L_part + ((((((int64_t)i_8) * (int64_t)512) + ((((int64_t)iv[(int64_t)5]) * ((int64_t)splits)) * (int64_t)64)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)part_rows)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
+        condval_17 = *(float4*)(L_part + ((((((int64_t)i_8) * (int64_t)512) + ((((int64_t)iv[(int64_t)5]) * ((int64_t)splits)) * (int64_t)64)) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)part_rows)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)));
       } else {
-        condval_19 = make_float4(broadcast_var_8, broadcast_var_8, broadcast_var_8, broadcast_var_8);
+        condval_17 = make_float4(broadcast_var_8, broadcast_var_8, broadcast_var_8, broadcast_var_8);
       }
-      *(float4*)(((float*)Lp_s) + ((i_8 * 512) + (((int)threadIdx.x) * 4))) = condval_19;
+      *(float4*)(((float*)Lp_s) + ((i_8 * 512) + (((int)threadIdx.x) * 4))) = condval_17;
     }
   }
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
@@ -292,26 +282,26 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
     #pragma unroll
     for (int i_10 = 0; i_10 < 2; ++i_10) {
-      float condval_20;
+      float condval_18;
       if ((m_run[i_10] == -CUDART_INF_F)) {
-        condval_20 = 0x0p+0f/*0.000000e+00*/;
+        condval_18 = 0x0p+0f/*0.000000e+00*/;
       } else {
-        condval_20 = m_run[i_10];
+        condval_18 = m_run[i_10];
       }
-      m_safe[i_10] = condval_20;
+      m_safe[i_10] = condval_18;
     }
   }
   if ((0 < iv[2]) && (iv[7] < iv[8])) {
     for (int s_1 = 0; s_1 < splits; ++s_1) {
       #pragma unroll
       for (int i_11 = 0; i_11 < 2; ++i_11) {
-        float condval_21;
+        float condval_19;
         if ((0x0p+0f/*0.000000e+00*/ < ((float*)Lp_s)[((((((int64_t)s_1) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_11) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))])) {
-          condval_21 = (((float*)Lp_s)[((((((int64_t)s_1) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_11) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))] * exp2f(((((float*)Mp_s)[((((((int64_t)s_1) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_11) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))] - m_safe[i_11]) * scale_log2)));
+          condval_19 = (((float*)Lp_s)[((((((int64_t)s_1) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_11) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))] * exp2f(((((float*)Mp_s)[((((((int64_t)s_1) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_11) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))] - m_safe[i_11]) * scale_log2)));
         } else {
-          condval_21 = 0x0p+0f/*0.000000e+00*/;
+          condval_19 = 0x0p+0f/*0.000000e+00*/;
         }
-        l_run[i_11] = (l_run[i_11] + condval_21);
+        l_run[i_11] = (l_run[i_11] + condval_19);
       }
     }
   }
@@ -335,19 +325,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
       #pragma unroll
       for (int i_12 = 0; i_12 < 2; ++i_12) {
         if (l_run[i_12] == 0x0p+0f/*0.000000e+00*/) {
-          float condval_22;
+          float condval_20;
           if (((0 <= iv[5]) && (iv[5] < tile_rows))) {
-            condval_22 = M_fine[(((((((int64_t)iv[(int64_t)5]) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)tile_rows)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))];
+            condval_20 = M_fine[(((((((int64_t)iv[(int64_t)5]) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)tile_rows)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))];
           } else {
-            condval_22 = 0x0p+0f/*0.000000e+00*/;
+            condval_20 = 0x0p+0f/*0.000000e+00*/;
           }
-          float condval_23;
+          float condval_21;
           if (((0 <= iv[5]) && (iv[5] < tile_rows))) {
-            condval_23 = L_fine[(((((((int64_t)iv[(int64_t)5]) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)tile_rows)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))];
+            condval_21 = L_fine[(((((((int64_t)iv[(int64_t)5]) * (int64_t)64) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)tile_rows)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + (((int64_t)i_12) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2))];
           } else {
-            condval_23 = 0x0p+0f/*0.000000e+00*/;
+            condval_21 = 0x0p+0f/*0.000000e+00*/;
           }
-          lse2[i_12] = ((condval_22 * scale_log2) + log2f(condval_23));
+          lse2[i_12] = ((condval_20 * scale_log2) + log2f(condval_21));
         }
       }
     }
@@ -394,13 +384,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_select_decode_scor
       __syncthreads();
       #pragma unroll
       for (int i_16 = 0; i_16 < 32; ++i_16) {
-        float condval_24;
+        float condval_22;
         if ((((((((iv[9] * 64) + (i_13 * 64)) + ((i_16 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_16 & 1)) < iv[13]) && (((((((iv[9] * 1024) + (i_13 * 1024)) + ((i_16 >> 2) * 128)) + ((((int)threadIdx.x) & 3) * 32)) + ((i_16 & 1) * 16)) + 31) <= rowpos[((i_16 & 3) >> 1)]))) {
-          condval_24 = exp2f(((acc_s[i_16] * scale_log2) - lse2[((i_16 & 3) >> 1)]));
+          condval_22 = exp2f(((acc_s[i_16] * scale_log2) - lse2[((i_16 & 3) >> 1)]));
         } else {
-          condval_24 = -CUDART_INF_F;
+          condval_22 = -CUDART_INF_F;
         }
-        ((float*)P_s)[(((((((((int)threadIdx.x) >> 5) * 1152) + (((i_16 & 3) >> 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_16 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_16 & 1))] = condval_24;
+        ((float*)P_s)[(((((((((int)threadIdx.x) >> 5) * 1152) + (((i_16 & 3) >> 1) * 576)) + (((((int)threadIdx.x) & 31) >> 2) * 72)) + ((i_16 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_16 & 1))] = condval_22;
       }
       __syncthreads();
       #pragma unroll

@@ -39,14 +39,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
   } else {
     condval = 0;
   }
-  iv[0] = condval;
+  iv[0] = min(max(condval, 0), total_q);
   int condval_1;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  iv[2] = max(min(tile_tokens, ((condval_1 - iv[0]) - iv[1])), 0);
+  int len_q = (min(max(condval_1, iv[0]), total_q) - iv[0]);
+  iv[2] = max(min(tile_tokens, (len_q - iv[1])), 0);
   int condval_2;
   if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
     condval_2 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
@@ -59,40 +60,34 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
   } else {
     condval_3 = 0;
   }
-  int condval_4;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_4 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
-  } else {
-    condval_4 = 0;
-  }
-  iv[3] = ((((condval_2 + iv[0]) + iv[1]) - condval_3) - condval_4);
+  iv[3] = (((condval_2 + iv[1]) - condval_3) - len_q);
   iv[4] = ((iv[3] + iv[2]) - 1);
-  int condval_5;
+  int condval_4;
   if ((31 <= iv[4])) {
-    int condval_6;
+    int condval_5;
     if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-      condval_6 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+      condval_5 = cu_seqlens_c[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+    } else {
+      condval_5 = 0;
+    }
+    int condval_6;
+    if ((((int)blockIdx.y) < batch_plus_one)) {
+      condval_6 = cu_seqlens_c[((int)blockIdx.y)];
     } else {
       condval_6 = 0;
     }
-    int condval_7;
-    if ((((int)blockIdx.y) < batch_plus_one)) {
-      condval_7 = cu_seqlens_c[((int)blockIdx.y)];
-    } else {
-      condval_7 = 0;
-    }
-    condval_5 = min((condval_6 - condval_7), (((iv[4] - 31) >> 4) + 1));
+    condval_4 = min((condval_5 - condval_6), (((iv[4] - 31) >> 4) + 1));
   } else {
-    condval_5 = 0;
+    condval_4 = 0;
   }
-  iv[10] = ((min(condval_5, (max(((iv[4] >> 6) - local_blocks), 0) * 4)) + 63) >> 6);
-  int condval_8;
+  iv[10] = ((min(condval_4, (max(((iv[4] >> 6) - local_blocks), 0) * 4)) + 63) >> 6);
+  int condval_7;
   if ((0 < iv[10])) {
-    condval_8 = ((iv[10] * 16) + 1);
+    condval_7 = ((iv[10] * 16) + 1);
   } else {
-    condval_8 = 0;
+    condval_7 = 0;
   }
-  iv[8] = condval_8;
+  iv[8] = condval_7;
   if (0 < iv[2]) {
     for (int e = 0; e < (((iv[2] * score_stride) + 511) >> 9); ++e) {
       if (((e * 512) + ((int)threadIdx.x)) < (iv[2] * score_stride)) {
@@ -100,24 +95,24 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
         int rmod_1 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
         int rmod_2 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
         int rdiv = (((e * 512) + ((int)threadIdx.x)) / score_stride);
-        float condval_9;
+        float condval_8;
         if (((((((0 <= score_stride) && (0 <= rmod)) || ((score_stride < 0) && (rmod <= 0))) ? rmod : (rmod + score_stride)) < iv[8]) && (((((0 <= score_stride) && (0 <= rmod_1)) || ((score_stride < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + score_stride)) <= ((iv[3] + ((((0 <= score_stride) && (0 <= rmod_2)) || ((score_stride < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))) >> 6)))) {
           int rmod_3 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
           int rmod_4 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
           int rdiv_1 = (((e * 512) + ((int)threadIdx.x)) / score_stride);
           int rmod_5 = (((e * 512) + ((int)threadIdx.x)) % score_stride);
           int rdiv_2 = (((e * 512) + ((int)threadIdx.x)) / score_stride);
-          float condval_10;
+          float condval_9;
           if ((((((((0 <= score_stride) && (0 <= rmod_3)) || ((score_stride < 0) && (rmod_3 <= 0))) ? rmod_3 : (rmod_3 + score_stride)) < score_stride) && (0 <= ((iv[0] + iv[1]) + ((((0 <= score_stride) && (0 <= rmod_4)) || ((score_stride < 0) && (rmod_4 <= 0))) ? rdiv_1 : (rdiv_1 - 1))))) && (((iv[0] + iv[1]) + ((((0 <= score_stride) && (0 <= rmod_5)) || ((score_stride < 0) && (rmod_5 <= 0))) ? rdiv_2 : (rdiv_2 - 1))) < total_q))) {
-            condval_10 = SC[((((((int64_t)e) * (int64_t)512) + ((int64_t)((int)threadIdx.x))) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + ((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) * ((int64_t)score_stride)))];
+            condval_9 = SC[((((((int64_t)e) * (int64_t)512) + ((int64_t)((int)threadIdx.x))) + ((((int64_t)((int)blockIdx.z)) * ((int64_t)score_stride)) * ((int64_t)total_q))) + ((((int64_t)iv[(int64_t)0]) + ((int64_t)iv[(int64_t)1])) * ((int64_t)score_stride)))];
           } else {
-            condval_10 = 0x0p+0f/*0.000000e+00*/;
+            condval_9 = 0x0p+0f/*0.000000e+00*/;
           }
-          condval_9 = condval_10;
+          condval_8 = condval_9;
         } else {
-          condval_9 = -CUDART_INF_F;
+          condval_8 = -CUDART_INF_F;
         }
-        ((float*)SC_s)[((((int64_t)e) * (int64_t)512) + ((int64_t)((int)threadIdx.x)))] = condval_9;
+        ((float*)SC_s)[((((int64_t)e) * (int64_t)512) + ((int64_t)((int)threadIdx.x)))] = condval_8;
       }
     }
   }
@@ -130,23 +125,23 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
       __syncthreads();
       for (int i = 0; i < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 511) >> 9); ++i) {
         if ((((i * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 512) + ((int)threadIdx.x)) < score_stride)) {
-          float condval_11;
+          float condval_10;
           if (((((i * 512) + ((int)threadIdx.x)) < init_blocks) || ((((iv[3] + t) >> 6) - local_blocks) <= ((i * 512) + ((int)threadIdx.x))))) {
-            condval_11 = CUDART_INF_F;
+            condval_10 = CUDART_INF_F;
           } else {
-            condval_11 = ((float*)SC_s)[(((((int64_t)i) * (int64_t)512) + (((int64_t)t) * ((int64_t)score_stride))) + ((int64_t)((int)threadIdx.x)))];
+            condval_10 = ((float*)SC_s)[(((((int64_t)i) * (int64_t)512) + (((int64_t)t) * ((int64_t)score_stride))) + ((int64_t)((int)threadIdx.x)))];
           }
-          float _reinterpret_tmp = condval_11;
+          float _reinterpret_tmp = condval_10;
           ru[2] = (*(uint *)(&(_reinterpret_tmp)));
         }
         if ((((i * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 512) + ((int)threadIdx.x)) < score_stride)) {
-          uint condval_12;
+          uint condval_11;
           if (((ru[2] >> (uint)31) != (uint)0)) {
-            condval_12 = (~ru[2]);
+            condval_11 = (~ru[2]);
           } else {
-            condval_12 = (ru[2] | (uint)2147483648);
+            condval_11 = (ru[2] | (uint)2147483648);
           }
-          ru[2] = condval_12;
+          ru[2] = condval_11;
         }
         if ((((i * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i * 512) + ((int)threadIdx.x)) < score_stride)) {
           uint v_ = ru[2];
@@ -164,13 +159,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
         ((int*)cnt_s)[((((int)threadIdx.x) >> 5) + 64)] = rs[0];
       }
       __syncthreads();
-      int condval_13;
+      int condval_12;
       if (((((int)threadIdx.x) & 31) < 16)) {
-        condval_13 = ((int*)cnt_s)[((((int)threadIdx.x) & 31) + 64)];
+        condval_12 = ((int*)cnt_s)[((((int)threadIdx.x) & 31) + 64)];
       } else {
-        condval_13 = 0;
+        condval_12 = 0;
       }
-      rs[5] = condval_13;
+      rs[5] = condval_12;
       for (int sh = 0; sh < 5; ++sh) {
         rs[0] = __shfl_up_sync((uint)4294967295, rs[5], (1 << sh), 32);
         if ((1 << sh) <= (((int)threadIdx.x) & 31)) {
@@ -201,13 +196,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
               rs[5] = (((i_1 * 2048) + (u * 512)) + ((int)threadIdx.x));
               float v__1 = ((float*)SC_s)[(min(((int64_t)rs[(int64_t)5]), min(((((int64_t)iv[(int64_t)3]) + ((int64_t)t)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((int64_t)t) * ((int64_t)score_stride)))];
               kk[u] = (*(uint *)(&(v__1)));
-              int condval_14;
+              int condval_13;
               if (((((rs[5] <= ((iv[3] + t) >> 6)) && (rs[5] < score_stride)) && ((uint)8388607 < kk[u])) && ((kk[u] & ru[1]) == ru[0]))) {
-                condval_14 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
+                condval_13 = ((int)((kk[u] >> ((uint)(24 - (dgt * 8)))) & (uint)255));
               } else {
-                condval_14 = 256;
+                condval_13 = 256;
               }
-              bins[u] = condval_14;
+              bins[u] = condval_13;
             }
             __syncthreads();
             #pragma unroll
@@ -260,14 +255,14 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
       rs[2] = 0;
       rs[3] = 0;
       for (int i_2 = 0; i_2 < ((min((((iv[3] + t) >> 6) + 1), score_stride) + 511) >> 9); ++i_2) {
-        uint condval_15;
+        uint condval_14;
         if (((((i_2 * 512) + ((int)threadIdx.x)) <= ((iv[3] + t) >> 6)) && (((i_2 * 512) + ((int)threadIdx.x)) < score_stride))) {
           float v__2 = ((float*)SC_s)[(min(((((int64_t)i_2) * (int64_t)512) + ((int64_t)((int)threadIdx.x))), min(((((int64_t)iv[(int64_t)3]) + ((int64_t)t)) >> (int64_t)6), (((int64_t)score_stride) - (int64_t)1))) + (((int64_t)t) * ((int64_t)score_stride)))];
-          condval_15 = (*(uint *)(&(v__2)));
+          condval_14 = (*(uint *)(&(v__2)));
         } else {
-          condval_15 = (uint)0;
+          condval_14 = (uint)0;
         }
-        ru[2] = condval_15;
+        ru[2] = condval_14;
         rs[8] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, (ru[3] < ru[2]))));
         rs[9] = ((int)((unsigned long long)__ballot_sync((uint)4294967295, ((ru[2] == ru[3]) && ((uint)8388607 < ru[2])))));
         __syncthreads();
@@ -276,13 +271,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
           ((int*)cnt_s)[((((i_2 & 1) * 32) + (((int)threadIdx.x) >> 5)) + 16)] = ((int)__popc(((uint)rs[9])));
         }
         __syncthreads();
-        int condval_16;
+        int condval_15;
         if (((((int)threadIdx.x) & 31) < 16)) {
-          condval_16 = ((int*)cnt_s)[(((i_2 & 1) * 32) + (((int)threadIdx.x) & 31))];
+          condval_15 = ((int*)cnt_s)[(((i_2 & 1) * 32) + (((int)threadIdx.x) & 31))];
         } else {
-          condval_16 = 0;
+          condval_15 = 0;
         }
-        rs[5] = condval_16;
+        rs[5] = condval_15;
         for (int sh_2 = 0; sh_2 < 5; ++sh_2) {
           rs[6] = __shfl_up_sync((uint)4294967295, rs[5], (1 << sh_2), 32);
           if ((1 << sh_2) <= (((int)threadIdx.x) & 31)) {
@@ -296,13 +291,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) infllmv2_select_decode_topk
         }
         rs[5] = ((int)(((uint)rs[5]) + (((uint)rs[2]) + __popc((((uint)rs[8]) & (((uint)1 << ((uint)(((int)threadIdx.x) & 31))) - (uint)1))))));
         rs[2] = (rs[2] + rs[6]);
-        int condval_17;
+        int condval_16;
         if (((((int)threadIdx.x) & 31) < 16)) {
-          condval_17 = ((int*)cnt_s)[((((i_2 & 1) * 32) + (((int)threadIdx.x) & 31)) + 16)];
+          condval_16 = ((int*)cnt_s)[((((i_2 & 1) * 32) + (((int)threadIdx.x) & 31)) + 16)];
         } else {
-          condval_17 = 0;
+          condval_16 = 0;
         }
-        rs[7] = condval_17;
+        rs[7] = condval_16;
         for (int sh_3 = 0; sh_3 < 5; ++sh_3) {
           rs[6] = __shfl_up_sync((uint)4294967295, rs[7], (1 << sh_3), 32);
           if ((1 << sh_3) <= (((int)threadIdx.x) & 31)) {

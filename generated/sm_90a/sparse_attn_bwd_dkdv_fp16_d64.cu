@@ -62,28 +62,52 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
-  if ((((int)blockIdx.z) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.z)];
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (min(condval_2, total_q) - q0);
   int condval_3;
-  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.z)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_3 - k0);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
+  int condval_4;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_4 = 0;
+  }
+  int k0 = min(max(condval_4, 0), total_k);
+  int condval_5;
+  if (((((int)blockIdx.z) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_k[(((int64_t)((int)blockIdx.z)) + (int64_t)1)];
+  } else {
+    condval_5 = 0;
+  }
+  int condval_6;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.z) < batch_plus_one)) {
+    condval_7 = cu_seqlens_k[((int)blockIdx.z)];
+  } else {
+    condval_7 = 0;
+  }
+  int len_k = (min(max(condval_5, min(max(condval_6, 0), total_k)), total_k) - min(max(condval_7, 0), total_k));
   kb = ((int)blockIdx.x);
   j = 0;
   if (((int)blockIdx.x) < (pieces * 4)) {
@@ -95,13 +119,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   } else {
     kb = ((((int)blockIdx.x) + 4) - (pieces * 4));
   }
-  int condval_4;
+  int condval_8;
   if ((((((int)blockIdx.x) < (pieces * 4)) && (8192 < len_q)) && (1 < pieces))) {
-    condval_4 = 1;
+    condval_8 = 1;
   } else {
-    condval_4 = 0;
+    condval_8 = 0;
   }
-  split = condval_4;
+  split = condval_8;
   int piece = ((q0 >> 13) + j);
   t_a = max(((piece * 8192) - q0), 0);
   t_b = min(len_q, (((piece * 8192) + 8192) - q0));
@@ -119,26 +143,26 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       half_t broadcast_var = half_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_5;
+      uint4 condval_9;
       if (((((((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (0 <= ((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((kb * 64) + (i * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k))) {
-        condval_5 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        condval_9 = *(uint4*)(K + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_5 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
+        condval_9 = make_uint4(__pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var), __pack_half2(broadcast_var, broadcast_var));
       }
-      *(uint4*)(((half_t*)K_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_5;
+      *(uint4*)(((half_t*)K_s) + (((((i * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_9;
     }
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     #pragma unroll
     for (int i_1 = 0; i_1 < 4; ++i_1) {
       half_t broadcast_var_1 = half_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_6;
+      uint4 condval_10;
       if (((((((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k) && (0 <= ((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (0 <= ((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 3)) + k0))) && (((((kb * 64) + (i_1 * 16)) + (((int)threadIdx.x) >> 3)) + k0) < total_k))) {
-        condval_6 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+        condval_10 = *(uint4*)(V + (((((int64_t)((int)blockIdx.y)) * (int64_t)64) + ((((((((int64_t)kb) * (int64_t)64) + (((int64_t)i_1) * (int64_t)16)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
       } else {
-        condval_6 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
+        condval_10 = make_uint4(__pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1), __pack_half2(broadcast_var_1, broadcast_var_1));
       }
-      *(uint4*)(((half_t*)V_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_6;
+      *(uint4*)(((half_t*)V_s) + (((((i_1 * 1024) + ((((int)threadIdx.x) >> 3) * 64)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 31) >> 4) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))) = condval_10;
     }
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
@@ -156,22 +180,22 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     }
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
-    int condval_7;
+    int condval_11;
     if (((gb < n_off) && (0 <= gb))) {
-      condval_7 = offsets[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_off)) + ((int64_t)gb))];
+      condval_11 = offsets[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_off)) + ((int64_t)gb))];
     } else {
-      condval_7 = 0;
+      condval_11 = 0;
     }
-    m_a[0] = min(max(condval_7, 0), n_entries);
+    m_a[0] = min(max(condval_11, 0), n_entries);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
-    int condval_8;
+    int condval_12;
     if ((((gb + 1) < n_off) && (-1 <= gb))) {
-      condval_8 = offsets[(((((int64_t)((int)blockIdx.y)) * ((int64_t)n_off)) + ((int64_t)gb)) + (int64_t)1)];
+      condval_12 = offsets[(((((int64_t)((int)blockIdx.y)) * ((int64_t)n_off)) + ((int64_t)gb)) + (int64_t)1)];
     } else {
-      condval_8 = 0;
+      condval_12 = 0;
     }
-    m_b[0] = max(min(min(condval_8, n_entries), (max(len_q, 0) + m_a[0])), m_a[0]);
+    m_b[0] = max(min(min(condval_12, n_entries), (max(len_q, 0) + m_a[0])), m_a[0]);
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
@@ -181,13 +205,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       m_rot[0] = lo;
       for (int s = 0; s < 31; ++s) {
         if ((1 << (30 - s)) <= (hi - m_rot[0])) {
-          int condval_9;
+          int condval_13;
           if (((1 <= (m_rot[0] + (1 << (30 - s)))) && ((m_rot[0] + (1 << (30 - s))) <= n_entries))) {
-            condval_9 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s)))) - (int64_t)1)];
+            condval_13 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s)))) - (int64_t)1)];
           } else {
-            condval_9 = 0;
+            condval_13 = 0;
           }
-          if (condval_9 < target) {
+          if (condval_13 < target) {
             m_rot[0] = (m_rot[0] + (1 << (30 - s)));
           }
         }
@@ -199,13 +223,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       m_rot[0] = lo_1;
       for (int s_1 = 0; s_1 < 31; ++s_1) {
         if ((1 << (30 - s_1)) <= (hi_1 - m_rot[0])) {
-          int condval_10;
+          int condval_14;
           if (((1 <= (m_rot[0] + (1 << (30 - s_1)))) && ((m_rot[0] + (1 << (30 - s_1))) <= n_entries))) {
-            condval_10 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s_1)))) - (int64_t)1)];
+            condval_14 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s_1)))) - (int64_t)1)];
           } else {
-            condval_10 = 0;
+            condval_14 = 0;
           }
-          if (condval_10 < target_1) {
+          if (condval_14 < target_1) {
             m_rot[0] = (m_rot[0] + (1 << (30 - s_1)));
           }
         }
@@ -218,13 +242,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (m_a[0] < m_b[0]) {
-      int condval_11;
+      int condval_15;
       if (((0 <= m_a[0]) && (m_a[0] < n_entries))) {
-        condval_11 = members[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_a[(int64_t)0]))];
+        condval_15 = members[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_a[(int64_t)0]))];
       } else {
-        condval_11 = 0;
+        condval_15 = 0;
       }
-      t_rot = (((((q0 + condval_11) + 2047) >> 11) * 2048) - q0);
+      t_rot = (((((q0 + condval_15) + 2047) >> 11) * 2048) - q0);
     }
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
@@ -233,13 +257,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       m_rot[0] = m_a[0];
       for (int s_2 = 0; s_2 < 31; ++s_2) {
         if ((1 << (30 - s_2)) <= (m_b[0] - m_rot[0])) {
-          int condval_12;
+          int condval_16;
           if (((1 <= (m_rot[0] + (1 << (30 - s_2)))) && ((m_rot[0] + (1 << (30 - s_2))) <= n_entries))) {
-            condval_12 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s_2)))) - (int64_t)1)];
+            condval_16 = members[((((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)m_rot[(int64_t)0])) + ((int64_t)1 << ((int64_t)30 - ((int64_t)s_2)))) - (int64_t)1)];
           } else {
-            condval_12 = 0;
+            condval_16 = 0;
           }
-          if (condval_12 < target_2) {
+          if (condval_16 < target_2) {
             m_rot[0] = (m_rot[0] + (1 << (30 - s_2)));
           }
         }
@@ -251,31 +275,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   }
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     for (int seg = 0; seg < 2; ++seg) {
-      int condval_13;
+      int condval_17;
       if ((seg == 0)) {
-        condval_13 = m_rot[0];
+        condval_17 = m_rot[0];
       } else {
-        condval_13 = m_a[0];
+        condval_17 = m_a[0];
       }
-      int seg0 = condval_13;
-      int condval_14;
+      int seg0 = condval_17;
+      int condval_18;
       if ((seg == 0)) {
-        condval_14 = (m_b[0] - m_rot[0]);
+        condval_18 = (m_b[0] - m_rot[0]);
       } else {
-        condval_14 = (m_rot[0] - m_a[0]);
+        condval_18 = (m_rot[0] - m_a[0]);
       }
-      int seg_len = condval_14;
+      int seg_len = condval_18;
       for (int sl = 0; sl < ((seg_len + 2047) >> 11); ++sl) {
         n_toks = min(2048, (seg_len - (sl * 2048)));
         for (int i_4 = 0; i_4 < 16; ++i_4) {
           if (((i_4 * 128) + ((int)threadIdx.x)) < n_toks) {
-            int condval_15;
+            int condval_19;
             if (((((((sl * 2048) + (i_4 * 128)) + seg0) + ((int)threadIdx.x)) < n_entries) && (0 <= ((((sl * 2048) + (i_4 * 128)) + seg0) + ((int)threadIdx.x))))) {
-              condval_15 = members[(((((((int64_t)sl) * (int64_t)2048) + (((int64_t)i_4) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries))) + ((int64_t)seg0)) + ((int64_t)((int)threadIdx.x)))];
+              condval_19 = members[(((((((int64_t)sl) * (int64_t)2048) + (((int64_t)i_4) * (int64_t)128)) + (((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries))) + ((int64_t)seg0)) + ((int64_t)((int)threadIdx.x)))];
             } else {
-              condval_15 = 0;
+              condval_19 = 0;
             }
-            ((int*)tok_s)[((i_4 * 128) + ((int)threadIdx.x))] = condval_15;
+            ((int*)tok_s)[((i_4 * 128) + ((int)threadIdx.x))] = condval_19;
           }
         }
         __syncthreads();
@@ -285,25 +309,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         if (0 < n_m) {
           #pragma unroll
           for (int p = 0; p < 2; ++p) {
-            int condval_16;
+            int condval_20;
             if ((((p * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups))) {
-              condval_16 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)p) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]];
+              condval_20 = ((int*)tok_s)[((int*)rtok_s)[((((int64_t)p) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]];
             } else {
-              condval_16 = 0;
+              condval_20 = 0;
             }
-            rowl[p] = min(max((q0 + condval_16), 0), (total_q - 1));
+            rowl[p] = min(max((q0 + condval_20), 0), (total_q - 1));
             headl[p] = ((int*)rhead_s)[((p * 32) + (((int)threadIdx.x) >> 2))];
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            int condval_17;
+            int condval_21;
             if ((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups))) {
-              condval_17 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
+              condval_21 = ((int*)tok_s)[((int*)rtok_s)[((int64_t)((int)threadIdx.x))]];
             } else {
-              condval_17 = 0;
+              condval_21 = 0;
             }
-            rowl[2] = min(max((q0 + condval_17), 0), (total_q - 1));
+            rowl[2] = min(max((q0 + condval_21), 0), (total_q - 1));
           }
         }
         if (0 < n_m) {
@@ -345,23 +369,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               int n_rows = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
               #pragma unroll
               for (int p_2 = 0; p_2 < 2; ++p_2) {
-                int condval_18;
+                int condval_22;
                 if ((((p_2 * 32) + (((int)threadIdx.x) >> 2)) < n_rows)) {
-                  condval_18 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_2) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
+                  condval_22 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_2) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
                 } else {
-                  condval_18 = 0;
+                  condval_22 = 0;
                 }
-                rowl[p_2] = min(max((q0 + condval_18), 0), (total_q - 1));
+                rowl[p_2] = min(max((q0 + condval_22), 0), (total_q - 1));
                 headl[p_2] = ((int*)rhead_s)[((p_2 * 32) + (((int)threadIdx.x) >> 2))];
               }
               if (((int)threadIdx.x) < 64) {
-                int condval_19;
+                int condval_23;
                 if ((((int)threadIdx.x) < n_rows)) {
-                  condval_19 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                  condval_23 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
                 } else {
-                  condval_19 = 0;
+                  condval_23 = 0;
                 }
-                rowl[2] = min(max((q0 + condval_19), 0), (total_q - 1));
+                rowl[2] = min(max((q0 + condval_23), 0), (total_q - 1));
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               #pragma unroll
@@ -380,23 +404,23 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
               #pragma unroll
               for (int p_4 = 0; p_4 < 2; ++p_4) {
-                int condval_20;
+                int condval_24;
                 if ((((p_4 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1)) {
-                  condval_20 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
+                  condval_24 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((int64_t)p_4) * (int64_t)32) + (((int64_t)((int)threadIdx.x)) >> (int64_t)2))]))];
                 } else {
-                  condval_20 = 0;
+                  condval_24 = 0;
                 }
-                rowl[p_4] = min(max((q0 + condval_20), 0), (total_q - 1));
+                rowl[p_4] = min(max((q0 + condval_24), 0), (total_q - 1));
                 headl[p_4] = ((int*)rhead_s)[((p_4 * 32) + (((int)threadIdx.x) >> 2))];
               }
               if (((int)threadIdx.x) < 64) {
-                int condval_21;
+                int condval_25;
                 if ((((int)threadIdx.x) < n_rows_1)) {
-                  condval_21 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
+                  condval_25 = ((int*)tok_s)[(((((int64_t)m) + (int64_t)1) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((int64_t)((int)threadIdx.x))]))];
                 } else {
-                  condval_21 = 0;
+                  condval_25 = 0;
                 }
-                rowl[2] = min(max((q0 + condval_21), 0), (total_q - 1));
+                rowl[2] = min(max((q0 + condval_25), 0), (total_q - 1));
                 headl[2] = ((int*)rhead_s)[((int)threadIdx.x)];
               }
               #pragma unroll
@@ -475,13 +499,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             } else {
               #pragma unroll
               for (int i_6 = 0; i_6 < 32; ++i_6) {
-                float condval_22;
+                float condval_26;
                 if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
-                  condval_22 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                  condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
-                  condval_22 = 0x0p+0f/*0.000000e+00*/;
+                  condval_26 = 0x0p+0f/*0.000000e+00*/;
                 }
-                acc_sT[i_6] = condval_22;
+                acc_sT[i_6] = condval_26;
               }
             }
             #pragma unroll
@@ -598,13 +622,13 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             } else {
               #pragma unroll
               for (int i_10 = 0; i_10 < 32; ++i_10) {
-                float condval_23;
+                float condval_27;
                 if ((((((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_10) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_10) & (int64_t)1))]))]) - len_q)))) {
-                  condval_23 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)lse_s1)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                  condval_27 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)lse_s1)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
-                  condval_23 = 0x0p+0f/*0.000000e+00*/;
+                  condval_27 = 0x0p+0f/*0.000000e+00*/;
                 }
-                acc_sT[i_10] = condval_23;
+                acc_sT[i_10] = condval_27;
               }
             }
             #pragma unroll
@@ -677,48 +701,6 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
     if (split == 1) {
       #pragma unroll
       for (int i_13 = 0; i_13 < 16; ++i_13) {
-        int condval_24;
-        if ((j == 0)) {
-          condval_24 = 1;
-        } else {
-          condval_24 = 0;
-        }
-        if (0 <= condval_24) {
-          int condval_25;
-          if ((j == 0)) {
-            condval_25 = 1;
-          } else {
-            condval_25 = 0;
-          }
-          if (condval_25 < 2) {
-            if (0 <= piece) {
-              if (piece < n_pieces) {
-                if (0 <= kb) {
-                  if (kb < 4) {
-                    float2 __17;
-                      float2 v__16 = *(float2*)(acc_dk + (i_13 * 2));
-                      float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                      __17.x = (v__16.x*v__17.x);
-                      __17.y = (v__16.y*v__17.y);
-                    int64_t condval_26;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_26 = (int64_t)1;
-                    } else {
-                      condval_26 = (int64_t)0;
-                    }
-                    int64_t condval_27;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_27 = (int64_t)1;
-                    } else {
-                      condval_27 = (int64_t)0;
-                    }
-                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_27 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
-                  }
-                }
-              }
-            }
-          }
-        }
         int condval_28;
         if ((j == 0)) {
           condval_28 = 1;
@@ -737,6 +719,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
+                    float2 __17;
+                      float2 v__16 = *(float2*)(acc_dk + (i_13 * 2));
+                      float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                      __17.x = (v__16.x*v__17.x);
+                      __17.y = (v__16.y*v__17.y);
                     int64_t condval_30;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_30 = (int64_t)1;
@@ -749,7 +736,44 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                     } else {
                       condval_31 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_31 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_13 * 2));
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_31 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+                  }
+                }
+              }
+            }
+          }
+        }
+        int condval_32;
+        if ((j == 0)) {
+          condval_32 = 1;
+        } else {
+          condval_32 = 0;
+        }
+        if (0 <= condval_32) {
+          int condval_33;
+          if ((j == 0)) {
+            condval_33 = 1;
+          } else {
+            condval_33 = 0;
+          }
+          if (condval_33 < 2) {
+            if (0 <= piece) {
+              if (piece < n_pieces) {
+                if (0 <= kb) {
+                  if (kb < 4) {
+                    int64_t condval_34;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_34 = (int64_t)1;
+                    } else {
+                      condval_34 = (int64_t)0;
+                    }
+                    int64_t condval_35;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_35 = (int64_t)1;
+                    } else {
+                      condval_35 = (int64_t)0;
+                    }
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_35 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)4096)) = *(float2*)(acc_dv + (i_13 * 2));
                   }
                 }
               }

@@ -22,8 +22,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel(__grid_constant__ const CUtensorMap K_desc, float* __restrict__ LSE, bfloat16_t* __restrict__ O, const bfloat16_t* __restrict__ Q, __grid_constant__ const CUtensorMap V_desc, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_tiles, float scale_log2, int tile_tokens, int topk, int total_k, int total_q) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* K_s = ((void*)((char*)buf_dyn_shmem + 0));
@@ -75,92 +75,116 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
   } else {
     condval = 0;
   }
-  int q0 = condval;
+  int q0 = min(max(condval, 0), total_q);
   int condval_1;
-  if ((((int)blockIdx.y) < batch_plus_one)) {
-    condval_1 = cu_seqlens_k[((int)blockIdx.y)];
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_1 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
   } else {
     condval_1 = 0;
   }
-  int k0 = condval_1;
   int condval_2;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_2 = cu_seqlens_q[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_2 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_2 = 0;
   }
-  int len_q = (condval_2 - q0);
   int condval_3;
-  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
-    condval_3 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_3 = cu_seqlens_q[((int)blockIdx.y)];
   } else {
     condval_3 = 0;
   }
-  int len_k = (condval_3 - k0);
+  int len_q = (min(max(condval_1, min(max(condval_2, 0), total_q)), total_q) - min(max(condval_3, 0), total_q));
+  int condval_4;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_4 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_4 = 0;
+  }
+  int k0 = min(max(condval_4, 0), total_k);
+  int condval_5;
+  if (((((int)blockIdx.y) + 1) < batch_plus_one)) {
+    condval_5 = cu_seqlens_k[(((int64_t)((int)blockIdx.y)) + (int64_t)1)];
+  } else {
+    condval_5 = 0;
+  }
+  int condval_6;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_6 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_6 = 0;
+  }
+  int condval_7;
+  if ((((int)blockIdx.y) < batch_plus_one)) {
+    condval_7 = cu_seqlens_k[((int)blockIdx.y)];
+  } else {
+    condval_7 = 0;
+  }
+  int len_k = (min(max(condval_5, min(max(condval_6, 0), total_k)), total_k) - min(max(condval_7, 0), total_k));
   if ((0 < tile_tokens) && (0 < (len_q - ((((int)blockIdx.x) - (((int)blockIdx.x) & 1)) * tile_tokens)))) {
     if (groups == 16) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
         bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-        uint4 condval_4;
+        uint4 condval_8;
         if ((((((((int)blockIdx.z) * 16) + (((int)threadIdx.x) >> 3)) < heads) && (0 <= ((min(i, max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(i, max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-          condval_4 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
+          condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + ((((min(((int64_t)i), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)((int)threadIdx.x)) * (int64_t)8)));
         } else {
-          condval_4 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
+          condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
         }
-        *(uint4*)(((bfloat16_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_4;
+        *(uint4*)(((bfloat16_t*)Q_s) + ((i * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
       }
     } else {
       if (groups == 8) {
         #pragma unroll
         for (int i_1 = 0; i_1 < 4; ++i_1) {
           bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-          uint4 condval_5;
+          uint4 condval_9;
           if ((((((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 63) >> 3)) < heads) && (0 <= ((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_1 * 2) + (((int)threadIdx.x) >> 6)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-            condval_5 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
+            condval_9 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)512) + ((((min(((((int64_t)i_1) * (int64_t)2) + (((int64_t)((int)threadIdx.x)) >> (int64_t)6)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)63) * (int64_t)8)));
           } else {
-            condval_5 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
+            condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
           }
-          *(uint4*)(((bfloat16_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_5;
+          *(uint4*)(((bfloat16_t*)Q_s) + ((i_1 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
         }
       } else {
         if (groups == 4) {
           #pragma unroll
           for (int i_2 = 0; i_2 < 4; ++i_2) {
             bfloat16_t broadcast_var_2 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-            uint4 condval_6;
+            uint4 condval_10;
             if ((((((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 31) >> 3)) < heads) && (0 <= ((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_2 * 4) + (((int)threadIdx.x) >> 5)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-              condval_6 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
+              condval_10 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)256) + ((((min(((((int64_t)i_2) * (int64_t)4) + (((int64_t)((int)threadIdx.x)) >> (int64_t)5)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) * (int64_t)8)));
             } else {
-              condval_6 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
+              condval_10 = make_uint4(__pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2), __pack_nv_bfloat162(broadcast_var_2, broadcast_var_2));
             }
-            *(uint4*)(((bfloat16_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_6;
+            *(uint4*)(((bfloat16_t*)Q_s) + ((i_2 * 1024) + (((int)threadIdx.x) * 8))) = condval_10;
           }
         } else {
           if (groups == 2) {
             #pragma unroll
             for (int i_3 = 0; i_3 < 4; ++i_3) {
               bfloat16_t broadcast_var_3 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-              uint4 condval_7;
+              uint4 condval_11;
               if ((((((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 15) >> 3)) < heads) && (0 <= ((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_3 * 8) + (((int)threadIdx.x) >> 4)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-                condval_7 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
+                condval_11 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((min(((((int64_t)i_3) * (int64_t)8) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
               } else {
-                condval_7 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
+                condval_11 = make_uint4(__pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3), __pack_nv_bfloat162(broadcast_var_3, broadcast_var_3));
               }
-              *(uint4*)(((bfloat16_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_7;
+              *(uint4*)(((bfloat16_t*)Q_s) + ((i_3 * 1024) + (((int)threadIdx.x) * 8))) = condval_11;
             }
           } else {
             if (groups == 1) {
               #pragma unroll
               for (int i_4 = 0; i_4 < 4; ++i_4) {
                 bfloat16_t broadcast_var_4 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-                uint4 condval_8;
+                uint4 condval_12;
                 if ((((((int)blockIdx.z) < heads) && (0 <= ((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)))) && (((min(((i_4 * 16) + (((int)threadIdx.x) >> 3)), max((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) - 1), 0)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q))) {
-                  condval_8 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_12 = *(uint4*)(Q + (((((int64_t)((int)blockIdx.z)) * (int64_t)64) + ((((min(((((int64_t)i_4) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)), max((min(((int64_t)tile_tokens), (((int64_t)len_q) - (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens)))) - (int64_t)1), (int64_t)0)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_8 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
+                  condval_12 = make_uint4(__pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4), __pack_nv_bfloat162(broadcast_var_4, broadcast_var_4));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_8;
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_4 * 1024) + (((int)threadIdx.x) * 8))) = condval_12;
               }
             } else {
               #pragma unroll
@@ -172,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                 int rdiv = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
                 int rmod_3 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) % groups);
                 int rdiv_1 = (((i_5 * 16) + (((int)threadIdx.x) >> 3)) / groups);
-                uint4 condval_9;
+                uint4 condval_13;
                 if ((((((((i_5 * 16) + (((int)threadIdx.x) >> 3)) < (max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 1) * groups)) && (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod)) || ((groups < 0) && (rmod <= 0))) ? rmod : (rmod + groups))))) && (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_1)) || ((groups < 0) && (rmod_1 <= 0))) ? rmod_1 : (rmod_1 + groups))) < heads)) && (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_2)) || ((groups < 0) && (rmod_2 <= 0))) ? rdiv : (rdiv - 1))))) && (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_3)) || ((groups < 0) && (rmod_3 <= 0))) ? rdiv_1 : (rdiv_1 - 1))) < total_q))) {
                   int64_t rmod_4 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_5 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
@@ -180,11 +204,11 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                   int64_t rmod_6 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rmod_7 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) % ((int64_t)groups));
                   int64_t rdiv_3 = (((((int64_t)i_5) * (int64_t)16) + (((int64_t)((int)threadIdx.x)) >> (int64_t)3)) / ((int64_t)groups));
-                  condval_9 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
+                  condval_13 = *(uint4*)(Q + (((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)64) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_6)) || ((((int64_t)groups) < (int64_t)0) && (rmod_6 <= (int64_t)0))) ? rmod_6 : (rmod_6 + ((int64_t)groups))) * (int64_t)64)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_7)) || ((((int64_t)groups) < (int64_t)0) && (rmod_7 <= (int64_t)0))) ? rdiv_3 : (rdiv_3 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)64)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)8)));
                 } else {
-                  condval_9 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
+                  condval_13 = make_uint4(__pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5), __pack_nv_bfloat162(broadcast_var_5, broadcast_var_5));
                 }
-                *(uint4*)(((bfloat16_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_9;
+                *(uint4*)(((bfloat16_t*)Q_s) + ((i_5 * 1024) + (((int)threadIdx.x) * 8))) = condval_13;
               }
             }
           }
@@ -195,31 +219,31 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       ((int*)own_s)[((int)threadIdx.x)] = 0;
     }
     for (int e = 0; e < 8; ++e) {
-      int condval_10;
+      int condval_14;
       if ((((e < (tile_tokens * 2)) && (e < (len_q - ((((int)blockIdx.x) - (((int)blockIdx.x) & 1)) * tile_tokens)))) && (((int)threadIdx.x) < topk))) {
-        int condval_11;
+        int condval_15;
         if (((0 <= ((e + q0) + ((((int)blockIdx.x) - (((int)blockIdx.x) & 1)) * tile_tokens))) && (((e + q0) + ((((int)blockIdx.x) - (((int)blockIdx.x) & 1)) * tile_tokens)) < total_q))) {
-          condval_11 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + ((((int64_t)((int)blockIdx.x)) - (((int64_t)((int)blockIdx.x)) & (int64_t)1)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+          condval_15 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e) + ((int64_t)q0)) + ((((int64_t)((int)blockIdx.x)) - (((int64_t)((int)blockIdx.x)) & (int64_t)1)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
         } else {
-          condval_11 = 0;
+          condval_15 = 0;
         }
-        condval_10 = condval_11;
+        condval_14 = condval_15;
       } else {
-        condval_10 = -1;
+        condval_14 = -1;
       }
-      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_10;
+      ((int*)idx_s)[((e * 128) + ((int)threadIdx.x))] = condval_14;
     }
     __syncthreads();
     for (int e_1 = 0; e_1 < 8; ++e_1) {
       int v = ((int*)idx_s)[((e_1 * 128) + ((int)threadIdx.x))];
       my_mask[e_1] = 0;
-      int condval_12;
+      int condval_16;
       if ((((0 <= v) && (v <= ((((e_1 + len_k) + ((((int)blockIdx.x) - (((int)blockIdx.x) & 1)) * tile_tokens)) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_1 * 128) + ((int)threadIdx.x)) - 1)] != v)))) {
-        condval_12 = 1;
+        condval_16 = 1;
       } else {
-        condval_12 = 0;
+        condval_16 = 0;
       }
-      my_keep[e_1] = condval_12;
+      my_keep[e_1] = condval_16;
     }
     __syncthreads();
     for (int w = 0; w < ((((((min((tile_tokens * 2), (len_q - ((((int)blockIdx.x) - (((int)blockIdx.x) & 1)) * tile_tokens))) + len_k) + ((((int)blockIdx.x) - (((int)blockIdx.x) & 1)) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
@@ -242,36 +266,36 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       __syncthreads();
     }
     for (int e_5 = 0; e_5 < 8; ++e_5) {
-      int condval_13;
+      int condval_17;
       if (((my_keep[e_5] == 1) && ((my_mask[e_5] & ((1 << e_5) - 1)) == 0))) {
-        condval_13 = 1;
+        condval_17 = 1;
       } else {
-        condval_13 = 0;
+        condval_17 = 0;
       }
-      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_13;
+      ((int*)keep_s)[((e_5 * 128) + ((int)threadIdx.x))] = condval_17;
     }
     __syncthreads();
     tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 1024);
     __syncthreads();
     for (int e_6 = 0; e_6 < 8; ++e_6) {
       __syncthreads();
-      int condval_14;
+      int condval_18;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_14 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_18 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_14 = 0;
+        condval_18 = 0;
       }
-      if (condval_14 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_18 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_6 * 128) + ((int)threadIdx.x))];
       }
       __syncthreads();
-      int condval_15;
+      int condval_19;
       if ((0 < ((e_6 * 128) + ((int)threadIdx.x)))) {
-        condval_15 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
+        condval_19 = ((int*)keep_s)[(((e_6 * 128) + ((int)threadIdx.x)) - 1)];
       } else {
-        condval_15 = 0;
+        condval_19 = 0;
       }
-      if (condval_15 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
+      if (condval_19 < ((int*)keep_s)[((e_6 * 128) + ((int)threadIdx.x))]) {
         ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_6) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_6];
       }
     }
@@ -296,24 +320,24 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       }
     }
     __syncthreads();
-    int condval_16;
+    int condval_20;
     if (((n_it * 8) <= (max(((int*)own_s)[0], ((int*)own_s)[1]) * 9))) {
-      condval_16 = 1;
+      condval_20 = 1;
     } else {
-      condval_16 = 0;
+      condval_20 = 0;
     }
-    shared_walk = condval_16;
+    shared_walk = condval_20;
     #pragma unroll
     for (int i_6 = 0; i_6 < 2; ++i_6) {
-      int condval_17;
+      int condval_21;
       if ((((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0) * groups))) {
         int rmod_8 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
         int rdiv_4 = (((((((int)threadIdx.x) >> 5) * 16) + (i_6 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
-        condval_17 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
+        condval_21 = ((((0 <= groups) && (0 <= rmod_8)) || ((groups < 0) && (rmod_8 <= 0))) ? rdiv_4 : (rdiv_4 - 1));
       } else {
-        condval_17 = 31;
+        condval_21 = 31;
       }
-      rtok[i_6] = condval_17;
+      rtok[i_6] = condval_21;
     }
     #pragma unroll
     for (int i_7 = 0; i_7 < 8; ++i_7) {
@@ -330,13 +354,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
     }
     if (shared_walk == 1) {
       int n_it_1 = n_it;
-      int condval_18;
+      int condval_22;
       if ((0 < n_it_1)) {
-        condval_18 = ((int*)ublk_s)[0];
+        condval_22 = ((int*)ublk_s)[0];
       } else {
-        condval_18 = 0;
+        condval_22 = 0;
       }
-      int first = condval_18;
+      int first = condval_22;
       __syncthreads();
       if (tl::tl_shuffle_elect<128>()) {
         full[0].expect_transaction(8192);
@@ -377,13 +401,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         } else {
           #pragma unroll
           for (int i_10 = 0; i_10 < 32; ++i_10) {
-            float condval_19;
+            float condval_23;
             if (((((um >> rtok[((i_10 & 3) >> 1)]) & 1) == 1) && (((((blk * 64) + ((i_10 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_10 & 3) >> 1)]) - len_q)))) {
-              condval_19 = 0x0p+0f/*0.000000e+00*/;
+              condval_23 = 0x0p+0f/*0.000000e+00*/;
             } else {
-              condval_19 = -CUDART_INF_F;
+              condval_23 = -CUDART_INF_F;
             }
-            acc_s[i_10] = condval_19;
+            acc_s[i_10] = condval_23;
           }
         }
         full[0].wait((it & 1));
@@ -433,13 +457,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         }
         #pragma unroll
         for (int i_12 = 0; i_12 < 2; ++i_12) {
-          float condval_20;
+          float condval_24;
           if ((m_cur[i_12] == -CUDART_INF_F)) {
-            condval_20 = 0x0p+0f/*0.000000e+00*/;
+            condval_24 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_20 = m_cur[i_12];
+            condval_24 = m_cur[i_12];
           }
-          m_safe[i_12] = condval_20;
+          m_safe[i_12] = condval_24;
           r_scale[i_12] = exp2f(((m_prev[i_12] - m_safe[i_12]) * scale_log2));
         }
         #pragma unroll
@@ -535,18 +559,18 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         #pragma unroll
         for (int i_17 = 0; i_17 < 16; ++i_17) {
           float broadcast_var_10 = 0x0p+0f/*0.000000e+00*/;
-          float2 condval_21;
+          float2 condval_25;
           if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_17 & 1)])) {
             float2 __8;
               float2 v__9 = *(float2*)(acc_o + (i_17 * 2));
               float2 v__10 = make_float2(l_sum[(i_17 & 1)], l_sum[(i_17 & 1)]);
               __8.x = (v__9.x/v__10.x);
               __8.y = (v__9.y/v__10.y);
-            condval_21 = __8;
+            condval_25 = __8;
           } else {
-            condval_21 = make_float2(broadcast_var_10, broadcast_var_10);
+            condval_25 = make_float2(broadcast_var_10, broadcast_var_10);
           }
-          *(float2*)(acc_o + (i_17 * 2)) = condval_21;
+          *(float2*)(acc_o + (i_17 * 2)) = condval_25;
         }
         if (groups == 16) {
           #pragma unroll
@@ -693,11 +717,11 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_19)) || ((groups < 0) && (rmod_19 <= 0))) ? rmod_19 : (rmod_19 + groups)))) {
                     int rmod_20 = (((((((int)threadIdx.x) >> 5) * 16) + (i_24 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_20)) || ((groups < 0) && (rmod_20 <= 0))) ? rmod_20 : (rmod_20 + groups))) < heads) {
-                      float condval_22;
+                      float condval_26;
                       if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_24])) {
-                        condval_22 = (((m_cur[i_24] * scale_log2) + log2f(l_sum[i_24])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                        condval_26 = (((m_cur[i_24] * scale_log2) + log2f(l_sum[i_24])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                       } else {
-                        condval_22 = -CUDART_INF_F;
+                        condval_26 = -CUDART_INF_F;
                       }
                       int64_t rmod_21 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                       int64_t rmod_22 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -705,7 +729,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                       int64_t rmod_23 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                       int64_t rmod_24 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                       int64_t rdiv_12 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_24) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_22;
+                      LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_23)) || ((((int64_t)groups) < (int64_t)0) && (rmod_23 <= (int64_t)0))) ? rmod_23 : (rmod_23 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_24)) || ((((int64_t)groups) < (int64_t)0) && (rmod_24 <= (int64_t)0))) ? rdiv_12 : (rdiv_12 - (int64_t)1)))] = condval_26;
                     }
                   }
                 }
@@ -718,31 +742,31 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
     } else {
       __syncthreads();
       for (int e_8 = 0; e_8 < 4; ++e_8) {
-        int condval_23;
+        int condval_27;
         if ((((e_8 < tile_tokens) && (e_8 < (len_q - (((int)blockIdx.x) * tile_tokens)))) && (((int)threadIdx.x) < topk))) {
-          int condval_24;
+          int condval_28;
           if (((((e_8 + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) && (0 <= ((e_8 + q0) + (((int)blockIdx.x) * tile_tokens))))) {
-            condval_24 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e_8) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
+            condval_28 = topk_idx[((((((int64_t)((int)blockIdx.z)) * ((int64_t)topk)) * ((int64_t)total_q)) + (((((int64_t)e_8) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)topk))) + ((int64_t)((int)threadIdx.x)))];
           } else {
-            condval_24 = 0;
+            condval_28 = 0;
           }
-          condval_23 = condval_24;
+          condval_27 = condval_28;
         } else {
-          condval_23 = -1;
+          condval_27 = -1;
         }
-        ((int*)idx_s)[((e_8 * 128) + ((int)threadIdx.x))] = condval_23;
+        ((int*)idx_s)[((e_8 * 128) + ((int)threadIdx.x))] = condval_27;
       }
       __syncthreads();
       for (int e_9 = 0; e_9 < 4; ++e_9) {
         int v_1 = ((int*)idx_s)[((e_9 * 128) + ((int)threadIdx.x))];
         my_mask[e_9] = 0;
-        int condval_25;
+        int condval_29;
         if ((((0 <= v_1) && (v_1 <= ((((e_9 + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) >> 6))) && ((((int)threadIdx.x) == 0) || (((int*)idx_s)[(((e_9 * 128) + ((int)threadIdx.x)) - 1)] != v_1)))) {
-          condval_25 = 1;
+          condval_29 = 1;
         } else {
-          condval_25 = 0;
+          condval_29 = 0;
         }
-        my_keep[e_9] = condval_25;
+        my_keep[e_9] = condval_29;
       }
       __syncthreads();
       for (int w_1 = 0; w_1 < ((((((max(min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))), 0) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w_1) {
@@ -765,36 +789,36 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         __syncthreads();
       }
       for (int e_13 = 0; e_13 < 4; ++e_13) {
-        int condval_26;
+        int condval_30;
         if (((my_keep[e_13] == 1) && ((my_mask[e_13] & ((1 << e_13) - 1)) == 0))) {
-          condval_26 = 1;
+          condval_30 = 1;
         } else {
-          condval_26 = 0;
+          condval_30 = 0;
         }
-        ((int*)keep_s)[((e_13 * 128) + ((int)threadIdx.x))] = condval_26;
+        ((int*)keep_s)[((e_13 * 128) + ((int)threadIdx.x))] = condval_30;
       }
       __syncthreads();
       tl::CumSum1D<128, false>::run((&(((int*)keep_s)[0])), (&(((int*)keep_s)[0])), 1024);
       __syncthreads();
       for (int e_14 = 0; e_14 < 4; ++e_14) {
         __syncthreads();
-        int condval_27;
+        int condval_31;
         if ((0 < ((e_14 * 128) + ((int)threadIdx.x)))) {
-          condval_27 = ((int*)keep_s)[(((e_14 * 128) + ((int)threadIdx.x)) - 1)];
+          condval_31 = ((int*)keep_s)[(((e_14 * 128) + ((int)threadIdx.x)) - 1)];
         } else {
-          condval_27 = 0;
+          condval_31 = 0;
         }
-        if (condval_27 < ((int*)keep_s)[((e_14 * 128) + ((int)threadIdx.x))]) {
+        if (condval_31 < ((int*)keep_s)[((e_14 * 128) + ((int)threadIdx.x))]) {
           ((int*)ublk_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_14) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = ((int*)idx_s)[((e_14 * 128) + ((int)threadIdx.x))];
         }
         __syncthreads();
-        int condval_28;
+        int condval_32;
         if ((0 < ((e_14 * 128) + ((int)threadIdx.x)))) {
-          condval_28 = ((int*)keep_s)[(((e_14 * 128) + ((int)threadIdx.x)) - 1)];
+          condval_32 = ((int*)keep_s)[(((e_14 * 128) + ((int)threadIdx.x)) - 1)];
         } else {
-          condval_28 = 0;
+          condval_32 = 0;
         }
-        if (condval_28 < ((int*)keep_s)[((e_14 * 128) + ((int)threadIdx.x))]) {
+        if (condval_32 < ((int*)keep_s)[((e_14 * 128) + ((int)threadIdx.x))]) {
           ((int*)umask_s)[(((int64_t)((int*)keep_s)[((((int64_t)e_14) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (int64_t)1)] = my_mask[e_14];
         }
       }
@@ -805,13 +829,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
       __syncthreads();
       n_it = ((int*)n_union)[0];
       int n_it_2 = n_it;
-      int condval_29;
+      int condval_33;
       if ((0 < n_it_2)) {
-        condval_29 = ((int*)ublk_s)[0];
+        condval_33 = ((int*)ublk_s)[0];
       } else {
-        condval_29 = 0;
+        condval_33 = 0;
       }
-      int first_1 = condval_29;
+      int first_1 = condval_33;
       __syncthreads();
       if (tl::tl_shuffle_elect<128>()) {
         full[0].expect_transaction(8192);
@@ -840,13 +864,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         } else {
           #pragma unroll
           for (int i_26 = 0; i_26 < 32; ++i_26) {
-            float condval_30;
+            float condval_34;
             if (((((um_1 >> rtok[((i_26 & 3) >> 1)]) & 1) == 1) && (((((blk_1 * 64) + ((i_26 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_26 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_26 & 3) >> 1)]) - len_q)))) {
-              condval_30 = 0x0p+0f/*0.000000e+00*/;
+              condval_34 = 0x0p+0f/*0.000000e+00*/;
             } else {
-              condval_30 = -CUDART_INF_F;
+              condval_34 = -CUDART_INF_F;
             }
-            acc_s[i_26] = condval_30;
+            acc_s[i_26] = condval_34;
           }
         }
         full[0].wait((it_1 & 1));
@@ -884,13 +908,13 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         }
         #pragma unroll
         for (int i_28 = 0; i_28 < 2; ++i_28) {
-          float condval_31;
+          float condval_35;
           if ((m_cur[i_28] == -CUDART_INF_F)) {
-            condval_31 = 0x0p+0f/*0.000000e+00*/;
+            condval_35 = 0x0p+0f/*0.000000e+00*/;
           } else {
-            condval_31 = m_cur[i_28];
+            condval_35 = m_cur[i_28];
           }
-          m_safe[i_28] = condval_31;
+          m_safe[i_28] = condval_35;
           r_scale[i_28] = exp2f(((m_prev[i_28] - m_safe[i_28]) * scale_log2));
         }
         #pragma unroll
@@ -974,18 +998,18 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
         #pragma unroll
         for (int i_33 = 0; i_33 < 16; ++i_33) {
           float broadcast_var_12 = 0x0p+0f/*0.000000e+00*/;
-          float2 condval_32;
+          float2 condval_36;
           if ((0x0p+0f/*0.000000e+00*/ < l_sum[(i_33 & 1)])) {
             float2 __22;
               float2 v__26 = *(float2*)(acc_o + (i_33 * 2));
               float2 v__27 = make_float2(l_sum[(i_33 & 1)], l_sum[(i_33 & 1)]);
               __22.x = (v__26.x/v__27.x);
               __22.y = (v__26.y/v__27.y);
-            condval_32 = __22;
+            condval_36 = __22;
           } else {
-            condval_32 = make_float2(broadcast_var_12, broadcast_var_12);
+            condval_36 = make_float2(broadcast_var_12, broadcast_var_12);
           }
-          *(float2*)(acc_o + (i_33 * 2)) = condval_32;
+          *(float2*)(acc_o + (i_33 * 2)) = condval_36;
         }
         if (groups == 16) {
           #pragma unroll
@@ -1132,11 +1156,11 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rmod_35 : (rmod_35 + groups)))) {
                     int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + (i_40 * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rmod_36 : (rmod_36 + groups))) < heads) {
-                      float condval_33;
+                      float condval_37;
                       if ((0x0p+0f/*0.000000e+00*/ < l_sum[i_40])) {
-                        condval_33 = (((m_cur[i_40] * scale_log2) + log2f(l_sum[i_40])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
+                        condval_37 = (((m_cur[i_40] * scale_log2) + log2f(l_sum[i_40])) * 0x1.62e42fefa39efp-1f/*6.931472e-01*/);
                       } else {
-                        condval_33 = -CUDART_INF_F;
+                        condval_37 = -CUDART_INF_F;
                       }
                       int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                       int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
@@ -1144,7 +1168,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_fwd_bf
                       int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                       int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
                       int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + (((int64_t)i_40) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                      LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1)))] = condval_33;
+                      LSE[((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups)))) * ((int64_t)total_q)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1)))] = condval_37;
                     }
                   }
                 }
@@ -1246,7 +1270,7 @@ extern "C" int infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_call(bfloat16_t* __r
 			snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set cluster attribute for infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel: %s", cudaGetErrorString(cluster_attr_result));
 			return -1;
 		}
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel, K_desc, LSE, O, Q, V_desc, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_q);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel, K_desc, LSE, O, Q, V_desc, cu_seqlens_k, cu_seqlens_q, topk_idx, batch, batch_plus_one, groups, heads, heads_k, max_tiles, scale_log2, tile_tokens, topk, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_fwd_bf16_d64_t4x2_sm90a_kernel");
 
