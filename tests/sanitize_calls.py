@@ -85,7 +85,13 @@ def _inconsistent_inputs():
     g = torch.Generator(device="cuda").manual_seed(0)
     idx = torch.randint(-10**6, 10**6, (2, q.shape[0], 8), device="cuda", dtype=torch.int32, generator=g)
     idx[:, :, :4] = torch.randint(-2, 4, (2, q.shape[0], 4), device="cuda", dtype=torch.int32, generator=g)
-    bad = (_i32(0, 1_000_000, 2_000_000), _i32(0, 150, 10), _i32(0, -50, 195), _i32(5, 3, 1))
+    # past the tensors, decreasing, negative; lengths of 2^30 and more, which loops that followed
+    # them would take hours to walk (each kernel now clamps its spans into its tensors,
+    # dsl/spans.py; a length of 2^31 - 1 alone overflowed to no work in some of those loops); and
+    # a first offset far below 0 with a last one that would put bwd_members_scan's last write
+    # before its offsets
+    bad = (_i32(0, 1_000_000, 2_000_000), _i32(0, 150, 10), _i32(0, -50, 195), _i32(5, 3, 1),
+           _i32(0, 2**30, 2**31 - 1), _i32(-1_000_000, 10, -2**31))
     for cu_bad in bad:
         for cu_q, cu_k in ((cu_bad, cu), (cu, cu_bad), (cu_bad, cu_bad)):
             _inconsistent_stage2(q, k, v, cu_q, cu_k, idx)
@@ -104,7 +110,8 @@ def _inconsistent_inputs():
     cfg = SparseConfig(dense_len=256, window_size=128, topk=4)
     for lens in (_i32(10**6, 10**6), _i32(-5, 700), _i32(700, -10**6)):
         for tab in (table, wild):
-            for cu_q in (cu_seqlens([1, 1], "cuda"), _i32(0, 5, 1), _i32(0, 10**6, 2 * 10**6)):
+            for cu_q in (cu_seqlens([1, 1], "cuda"), _i32(0, 5, 1), _i32(0, 10**6, 2 * 10**6),
+                         _i32(0, 2**30, 2**31 - 1)):
                 infllmv2.dense_decode_kvcache(qd, kc, vc, lens, cu_q, tab, max_seqlen_q=1, num_splits=3)
                 infllmv2.sparse_decode_kvcache(qd, kc, vc, lens, cu_q, didx, tab, max_seqlen_q=1, num_splits=3)
                 infllmv2.compress_keys_kvcache(kc, lens, ck, 700, tab)

@@ -14,8 +14,10 @@
  *   - Offsets, lengths, block tables and selections are read on the device only, so no call
  *     can check them against the sizes it is given. Values that disagree with those sizes give
  *     wrong results, never an access outside the buffers (tests/test_sanitizer.py, memcheck).
- *     A kernel's work still follows the lengths the offsets claim, so offsets far past the
- *     tensors can make a call slow.
+ *     Each kernel clamps the spans it reads into its tensors (a start into [0, total], an end
+ *     into [start, total]), so a call's work is bounded by the tensor sizes, not by the lengths
+ *     the offsets claim: offsets near 2^31 return as quickly as offsets that give every
+ *     sequence the whole tensor. Lengths the call is given (max_seqlen_*) size the grids.
  *   - Keys k: (total_k, heads_k, head_dim), contiguous, row-major, in device memory of the
  *     current device.
  *   - dtype: bf16 or fp16 inputs, fp32 accumulation.
