@@ -30,7 +30,7 @@ import tilelang.language as T
 
 from dsl import EXP_NVCC_FLAGS
 from dsl.group_rows import load_rows
-from dsl.spans import seq_span, seq_start
+from dsl.spans import seq_len, seq_start
 from dsl.select_blocks import (BLOCK, BLOCK_M, BN, BPC, FINE_S, FINE_W, KEY_NEG_INF, NEG_INF, P_PAD, POOL, THREADS,
                                T_MAX, UNROLL, _n_visible, _score_cap, fetch, key_into,
                                lse_pass)
@@ -105,7 +105,7 @@ def tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, total_q, tile_tokens, max_tiles
     iv[T0] = (bx // splits) * tile_tokens
     iv[SLOT] = b * max_tiles + bx // splits
     iv[Q0] = seq_start(cu_seqlens_q, b, total_q)
-    _, len_q = seq_span(cu_seqlens_q, b, total_q, iv[Q0])
+    len_q = seq_len(cu_seqlens_q, b, total_q, iv[Q0])
     iv[N_TOK] = T.max(T.min(tile_tokens, len_q - iv[T0]), 0)
     iv[P0] = cu_seqlens_k[b + 1] - cu_seqlens_k[b] - len_q + iv[T0]
     iv[P_LAST] = iv[P0] + iv[N_TOK] - 1
@@ -172,8 +172,8 @@ def _lse(dtype, D):
             tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, Q.shape[0], tile_tokens, max_tiles, splits, bx, b)
             iv[NK0] = seq_start(cu_seqlens_n, b, NK.shape[0])
             iv[C0] = seq_start(cu_seqlens_c, b, CK.shape[0])
-            _, n_n = seq_span(cu_seqlens_n, b, NK.shape[0], iv[NK0])
-            _, n_c = seq_span(cu_seqlens_c, b, CK.shape[0], iv[C0])
+            n_n = seq_len(cu_seqlens_n, b, NK.shape[0], iv[NK0])
+            n_c = seq_len(cu_seqlens_c, b, CK.shape[0], iv[C0])
             if iv[N_TOK] > 0:
                 load_rows(Q, Q_s, iv[Q0] + iv[T0], hk, iv[N_TOK], groups)
                 T.copy(Q_s, Q_f)
@@ -237,7 +237,7 @@ def _scores(dtype, D):
             tx = T.get_thread_binding()
             tile_scalars(iv, cu_seqlens_q, cu_seqlens_k, Q.shape[0], tile_tokens, max_tiles, splits, bx, b)
             iv[C0] = seq_start(cu_seqlens_c, b, CK.shape[0])
-            _, n_c = seq_span(cu_seqlens_c, b, CK.shape[0], iv[C0])
+            n_c = seq_len(cu_seqlens_c, b, CK.shape[0], iv[C0])
             iv[N_FINE] = _n_visible(iv[P_LAST], n_c, FINE_W, FINE_S)
             iv[N_LOAD] = _n_load(iv[P_LAST], n_c, local_blocks)
             split_range(iv, iv[N_LOAD], splits)

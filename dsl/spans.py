@@ -17,9 +17,14 @@ def seq_start(cu, b, total):
     return T.min(T.max(cu[b], 0), total)
 
 
-def seq_span(cu, b, total, start=None):
-    """(start, length) of sequence b in a tensor of `total` packed rows: the start as seq_start,
-    the end clamped into [start, total]. `start`: seq_start's value, where a kernel keeps it in a
-    register (an expression is inlined at every use)."""
-    start = seq_start(cu, b, total) if start is None else start
-    return start, T.min(T.max(cu[b + 1], start), total) - start
+def seq_len(cu, b, total, start):
+    """The length of sequence b given its start (seq_start's value, where a kernel keeps it in a
+    register: an expression is inlined at every use): cu[b + 1] clamped into [start, total],
+    less start."""
+    return T.min(T.max(cu[b + 1], start), total) - start
+
+
+def seq_span(cu, b, total):
+    """(start, length) of sequence b in a tensor of `total` packed rows, as seq_start and seq_len."""
+    start = seq_start(cu, b, total)
+    return start, seq_len(cu, b, total, start)
