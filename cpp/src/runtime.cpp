@@ -239,6 +239,26 @@ bool side_stream(int device, cudaStream_t stream, SideStream* out) {
   return true;
 }
 
+cudaError_t SideBranch::fork(int device, cudaStream_t* out) {
+  *out = caller_;
+  if (armed_ || !side_stream(device, caller_, &side_)) return cudaSuccess;
+  cudaError_t e = cudaEventRecord(side_.fork, caller_);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(side_.stream, side_.fork, 0);
+  if (e != cudaSuccess) return e;
+  armed_ = true;
+  *out = side_.stream;
+  return cudaSuccess;
+}
+
+cudaError_t SideBranch::join() {
+  if (!armed_) return cudaSuccess;
+  armed_ = false;
+  cudaError_t e = cudaEventRecord(side_.join, side_.stream);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(caller_, side_.join, 0);
+  if (e != cudaSuccess) cudaStreamSynchronize(side_.stream);  // no event to wait on
+  return e;
+}
+
 infllmv2_status launch_result(const char* op, const char* unit_name, int rc, const char* (*last_error)()) {
   if (rc == 0) return INFLLMV2_OK;
   return fail(INFLLMV2_ERR_CUDA, "%s: launch of %s failed: %s", op, unit_name, last_error());

@@ -192,6 +192,29 @@ struct SideStream {
 };
 bool side_stream(int device, cudaStream_t stream, SideStream* out);
 
+// Work that may run beside the caller's stream: fork() hands out the thread's side stream (see
+// side_stream), made to wait for what the caller's stream has queued so far, or the caller's
+// stream itself where no side stream can be had; join() makes the caller's stream wait for the
+// side work. The join also runs on destruction, so every way out of an op, an error's included,
+// leaves nothing of it outside the caller's stream. In a captured graph the two streams become
+// parallel branches.
+class SideBranch {
+ public:
+  explicit SideBranch(cudaStream_t caller) : caller_(caller) {}
+  SideBranch(const SideBranch&) = delete;
+  SideBranch& operator=(const SideBranch&) = delete;
+  ~SideBranch() { join(); }
+  // *out: the stream to launch the side work on; an error is a failed fork (nothing forked)
+  cudaError_t fork(int device, cudaStream_t* out);
+  // at most once a fork; a failed join falls back to synchronising with the side stream
+  cudaError_t join();
+
+ private:
+  cudaStream_t caller_;
+  SideStream side_{};
+  bool armed_ = false;
+};
+
 // Runs a unit's call() and turns its status into ours.
 infllmv2_status launch_result(const char* op, const char* unit_name, int rc, const char* (*last_error)());
 

@@ -255,30 +255,11 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   // unchanged at 32K x 8).
   // Once the lists are launched on the side stream, the caller's stream waits for them before
   // bwd_dkdv and on every way out, an error's included: they write into the caller's workspace.
-  struct Join {
-    SideStream side;
-    cudaStream_t stream;
-    bool armed = false;
-    cudaError_t wait() {
-      if (!armed) return cudaSuccess;
-      armed = false;
-      cudaError_t e = cudaEventRecord(side.join, side.stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, side.join, 0);
-      if (e != cudaSuccess) cudaStreamSynchronize(side.stream);  // no event to wait on
-      return e;
-    }
-    ~Join() { wait(); }
-  } join{{}, stream};
+  SideBranch lists(stream);
   if (keys) {
     cudaStream_t ms = stream;
-    if (side_stream(dev.index, stream, &join.side)) {
-      cudaError_t e = cudaEventRecord(join.side.fork, stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(join.side.stream, join.side.fork, 0);
-      if (e != cudaSuccess) return fail(INFLLMV2_ERR_CUDA, "%s: forking the member-list stream failed: %s", op,
-                                        cudaGetErrorString(e));
-      join.armed = true;
-      ms = join.side.stream;
-    }
+    if (cudaError_t e = lists.fork(dev.index, &ms); e != cudaSuccess)
+      return fail(INFLLMV2_ERR_CUDA, "%s: forking the member-list stream failed: %s", op, cudaGetErrorString(e));
     // a sequence owns its key blocks' indices and one spare
     const int windows = (max_kblocks + 1 + umem->window - 1) / umem->window;
     // count (fill 0), turn the counts into list slots, write the lists (fill 1)
@@ -301,7 +282,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                  (int)total_q, heads, (int)total_k, heads_k, topk, batch + 1, stream);
   if ((st = launch_result(op, udq->name, rc, udq->last_error)) != INFLLMV2_OK) return st;
   if (!keys) return INFLLMV2_OK;
-  if (cudaError_t e = join.wait(); e != cudaSuccess)
+  if (cudaError_t e = lists.join(); e != cudaSuccess)
     return fail(INFLLMV2_ERR_CUDA, "%s: joining the member-list stream failed: %s", op, cudaGetErrorString(e));
   T = tile_tokens(udkdv->block_m, udkdv->t_max, groups);
   // a sequence of L > kPiece queries overlaps at most ceil(L / kPiece) + 1 pieces
