@@ -420,6 +420,68 @@ def test_cuda_attention_kvcache_is_its_ops_composed(layout, approx_lse):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("thread", ["same", "new"])
+def test_cuda_attention_kvcache_dense_step_in_cuda_graph(thread):
+    """The dense step updates the compressed caches on a side stream beside the attention (a
+    parallel branch once captured): captured into a CUDA graph and replayed, in the thread whose
+    eager step made that stream and in a new thread that has none (the update then stays on the
+    caller's stream), it writes what the eager step writes, bitwise, out and both caches; and a
+    kernel queued after the step on the caller's stream sees the updated caches."""
+    import threading
+
+    # each length's last key completes a fine entry, 1216's a coarse one too
+    lengths, dtype, D, hk, G = [912, 304, 1216], torch.bfloat16, 128, 2, 16
+    k = random_tokens(lengths, hk, D, dtype, "cuda", seed=11)
+    v = random_tokens(lengths, hk, D, dtype, "cuda", seed=12)
+    kc, vc, table = kv_cache_of(k, v, lengths, "paged64")
+    cap = kc.shape[1] * table.shape[1]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    q = random_tokens([1, 1, 1], hk * G, D, dtype, "cuda", seed=13)
+    cu_q = cu_seqlens([1, 1, 1], "cuda")
+    cfg = SparseConfig()  # dense_len 8192: the dense path
+    start = []
+    for w, s in ((32, 16), (128, 64)):
+        c = torch.full((3, infllmv2.compressed_capacity(cap, w, s), hk, D), float("nan"), dtype=dtype, device="cuda")
+        start.append(infllmv2.compress_keys_kvcache(kc, lens - 1, c, max(lengths) - 1, table, w, s))
+
+    def step(ck, nk):
+        return infllmv2.attention_kvcache(q, kc, vc, lens, cu_q, ck, nk, 1, table, cfg, max_seqlen_q=1,
+                                          max_seqlen_k=max(lengths), return_lse=True)
+
+    eager = [c.clone() for c in start]
+    want, want_lse = step(*eager)
+    assert not torch.equal(eager[0].nan_to_num(7.0), start[0].nan_to_num(7.0))  # the step wrote entries
+    got = {}
+
+    def capture():
+        caches = [c.clone() for c in start]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                out, lse = step(*caches)
+                after = caches[0].nan_to_num(0.0).float().sum()  # queued after the step on its stream
+        torch.cuda.current_stream().wait_stream(side)
+        for c, s0 in zip(caches, start):
+            c.copy_(s0)
+        graph.replay()
+        torch.cuda.synchronize()
+        got.update(out=out, lse=lse, caches=caches, after=after)
+
+    if thread == "same":
+        capture()
+    else:
+        t = threading.Thread(target=capture)
+        t.start()
+        t.join()
+    assert torch.equal(got["out"], want) and torch.equal(got["lse"], want_lse)
+    for c, e in zip(got["caches"], eager):
+        assert torch.equal(c.nan_to_num(7.0), e.nan_to_num(7.0))
+    assert torch.equal(got["after"], eager[0].nan_to_num(0.0).float().sum())
+
+
+@pytest.mark.gpu
 def test_cuda_attention_kvcache_torch_compile_fullgraph():
     """The step (a custom op mutating both compressed caches) traces without a graph break, and
     the compiled step writes what the eager one does."""

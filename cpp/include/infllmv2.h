@@ -4,8 +4,13 @@
  * The library needs neither PyTorch nor TileLang at run time: only the CUDA driver (the CUDA
  * runtime is linked in statically). Every function returns an infllmv2_status; on failure
  * infllmv2_last_error() (per thread) holds a message naming the argument and what was
- * expected. No function synchronises the host with the device, and every kernel runs on the
- * stream the caller passes.
+ * expected. No function synchronises the host with the device, and all work is ordered on the
+ * stream the caller passes: two calls also run part of it on a second stream of the calling
+ * thread, forked from the caller's stream and joined back into it before they return
+ * (infllmv2_sparse_attn_bwd's member lists, infllmv2_attention_kvcache's compressed-cache
+ * update), which in a captured CUDA graph becomes a parallel branch. A thread makes that stream
+ * at its first such call outside a capture; a capture in a thread that has none keeps the work
+ * on the caller's stream (same results).
  *
  * Conventions (see SPEC.md of the project for the full contract):
  *   - Packed variable-length ("varlen") layout, as in FlashAttention: a batch of B sequences
@@ -690,6 +695,8 @@ INFLLMV2_API infllmv2_status infllmv2_attention_bwd(
  *      (dense attention, any dense_len); else
  *   3. infllmv2_select_decode_kvcache picks topk + window_size / block_size blocks a token and
  *      infllmv2_sparse_decode_kvcache writes out and lse.
+ * On the dense path step 1 runs on the side stream (see the top of this file), beside step 2,
+ * which reads no compressed key.
  * Split counts are the library's (infllmv2_select_decode_splits, infllmv2_sparse_decode_splits,
  * infllmv2_dense_decode_kvcache_splits).
  *   [in]  q, k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_q, out, lse, num_pages,
