@@ -147,7 +147,8 @@ def run(family):
                                      num_splits=2)
         infllmv2.sparse_decode(q, k, v, cu_q, cu_k, idx, max_seqlen_q=1, num_splits=2)
     elif family == "attention_kvcache":
-        # a prefill and a decoding step through paged caches, pages in reverse order
+        # a prefill and a decoding step through paged caches, pages in reverse order, on the
+        # sparse path; then a step on the dense path, whose cache update runs on the side stream
         page, pages, hk, head_dim = 64, 12, 2, 128
         lens = [700, 130]
         kc = torch.randn(2 * pages, page, hk, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -163,6 +164,9 @@ def run(family):
             q = torch.randn(2, hk * 16, head_dim, device="cuda", dtype=torch.bfloat16)
             infllmv2.attention_kvcache(q, kc, vc, now, cu_seqlens([1, 1], "cuda"), ck, nk, new or max(lens), table,
                                        cfg, max_seqlen_q=1, max_seqlen_k=max(lens) + new)
+        now = torch.tensor([n + 2 for n in lens], dtype=torch.int32, device="cuda")
+        infllmv2.attention_kvcache(q, kc, vc, now, cu_seqlens([1, 1], "cuda"), ck, nk, 1, table, SparseConfig(),
+                                   max_seqlen_q=1, max_seqlen_k=max(lens) + 2)
     elif family == "dense_decode_kvcache":
         # paged (pages in reverse order) and padded caches, partial last blocks, one and three
         # tokens a sequence, fewer and more splits than blocks
