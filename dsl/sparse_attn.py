@@ -717,20 +717,34 @@ def _bwd_preprocess(dtype, D, arch):
     total_q = T.dynamic("total_q")
     heads = T.dynamic("heads")
     ROWS = 32
+    HEADS = 4  # heads a thread block: a row's Stats are then written as one 32-byte sector
 
     @T.prim_func
     def sparse_attn_bwd_preprocess(
         O: T.Tensor([total_q, heads, D], dtype),
         dO: T.Tensor([total_q, heads, D], dtype),
+        LSE: T.Tensor([heads, total_q], accum),
         Delta: T.Tensor([heads, total_q], accum),
+        Stats: T.Tensor([total_q, heads, 2], accum),
     ):
-        with T.Kernel(T.ceildiv(total_q, ROWS), heads, threads=128) as (bx, h):
+        # Delta as bwd_dq reads it (a tile's rows of one head), and each row's (LSE, Delta) as
+        # bwd_dkdv does: a group's rows are a few tokens' G heads, so there a token's stats are
+        # one 8 * G-byte run instead of 2 * G sectors
+        with T.Kernel(T.ceildiv(total_q, ROWS), T.ceildiv(heads, HEADS), threads=128) as (bx, by):
             prod = T.alloc_fragment([ROWS, D], accum)
             delta = T.alloc_fragment([ROWS], accum)
-            row_dots(O, dO, bx * ROWS, h, total_q, prod, delta)
-            for r in T.Parallel(ROWS):
-                if bx * ROWS + r < total_q:
-                    Delta[h, bx * ROWS + r] = delta[r]
+            st_s = T.alloc_shared([ROWS, HEADS, 2], accum)
+            for hh in T.serial(HEADS):
+                h = T.min(by * HEADS + hh, heads - 1)
+                row_dots(O, dO, bx * ROWS, h, total_q, prod, delta)
+                for r in T.Parallel(ROWS):
+                    if bx * ROWS + r < total_q and by * HEADS + hh < heads:
+                        Delta[h, bx * ROWS + r] = delta[r]
+                    st_s[r, hh, 0] = LSE[h, T.min(bx * ROWS + r, total_q - 1)]
+                    st_s[r, hh, 1] = delta[r]
+            for r, hh, j in T.Parallel(ROWS, HEADS, 2):
+                if bx * ROWS + r < total_q and by * HEADS + hh < heads:
+                    Stats[bx * ROWS + r, by * HEADS + hh, j] = st_s[r, hh, j]
 
     return sparse_attn_bwd_preprocess
 
@@ -1133,7 +1147,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                VEC, predicate=r < n_rows)
 
     @T.macro
-    def load_tile(Q, dO, LSE, Delta, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, Qv, dOv, lseb, deltab, rowl,
+    def load_tile(Q, dO, Stats, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, Qv, dOv, statb, rowl,
                   headl, hk, rbar, bi, boxl):
         # No wait: the next group's rows load while the current one is computed. Rows past the
         # member rows are zero-filled. Row r is head rhead_s[r] of member token
@@ -1196,14 +1210,14 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
             gather_rows(Q, dO, n_rows, tx, Qb, dOb, rowl, headl)
         if tx < BM:
-            T.ptx_cp_async(T.access_ptr(lseb[tx], "w", 1), T.access_ptr(LSE[headl[PASSES], rowl[PASSES]], "r", 1), 1,
-                           predicate=tx < n_rows)
-            T.ptx_cp_async(T.access_ptr(deltab[tx], "w", 1), T.access_ptr(Delta[headl[PASSES], rowl[PASSES]], "r", 1),
-                           1, predicate=tx < n_rows)
+            # the row's (LSE, Delta), one 8-byte copy: a token's G heads are 8 * G adjacent bytes
+            # of Stats, where LSE and Delta laid out (head, row) put each head's in its own sector
+            T.ptx_cp_async(T.access_ptr(statb[tx, 0], "w", 2), T.access_ptr(Stats[rowl[PASSES], headl[PASSES], 0], "r", 2),
+                           2, predicate=tx < n_rows)
 
     @T.macro
     def compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT, dsT,
-                acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, lse_s, delta_s):
+                acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s):
         if reg_operands:
             # the four wgmma issued without waiting where they are independent: dP^T runs while
             # the exponentials of S^T are taken, and dV while dS^T is
@@ -1219,14 +1233,14 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             # every row's LSE is finite (rows past a group of BM // G tokens are zero-filled
             # and never read back)
             for c, r in T.Parallel(BLOCK_N, BM):
-                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E)
+                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - st_s[r, 0] * LOG2E)
         else:
             for c, r in T.Parallel(BLOCK_N, BM):
                 acc_sT[c, r] = T.if_then_else(
                     r < n_rows
-                    and lse_s[r] != NEG_INF
+                    and st_s[r, 0] != NEG_INF
                     and kb * BLOCK_N + c <= shift + tok_s[base + rtok_s[r]],
-                    T.exp2(acc_sT[c, r] * scale_log2 - lse_s[r] * LOG2E),
+                    T.exp2(acc_sT[c, r] * scale_log2 - st_s[r, 0] * LOG2E),
                     0,
                 )
         if reg_operands:
@@ -1236,7 +1250,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             T.wait_wgmma(1)
             T.warpgroup_fence_operand(acc_dpT, num_regs=BLOCK_N * BM // threads)
             for c, r in T.Parallel(BLOCK_N, BM):
-                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - st_s[r, 1]), dtype)
             T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
             T.wgmma_gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
             # no wait here: dV and dK run on while the next step waits for its rows (drain_gemms)
@@ -1245,7 +1259,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             T.copy(acc_sT, pT)
             for c, r in T.Parallel(BLOCK_N, BM):
-                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - delta_s[r]), dtype)
+                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - st_s[r, 1]), dtype)
             T.gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
             T.gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
 
@@ -1264,8 +1278,7 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         K: T.Tensor([total_k, heads_k, D], dtype),
         V: T.Tensor([total_k, heads_k, D], dtype),
         dO: T.Tensor([total_q, heads, D], dtype),
-        LSE: T.Tensor([heads, total_q], accum),
-        Delta: T.Tensor([heads, total_q], accum),
+        Stats: T.Tensor([total_q, heads, 2], accum),
         offsets: T.Tensor([heads_k, n_off], "int32"),
         members: T.Tensor([heads_k, n_entries], "int32"),
         cu_seqlens_q: T.Tensor([batch_plus_one], "int32"),
@@ -1298,12 +1311,10 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
             Q_s0 = T.alloc_shared([BM, D], dtype)
             dO_s0 = T.alloc_shared([BM, D], dtype)
-            lse_s0 = T.alloc_shared([BM], accum)
-            delta_s0 = T.alloc_shared([BM], accum)
+            st_s0 = T.alloc_shared([BM, 2], accum)
             Q_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
             dO_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
-            lse_s1 = T.alloc_shared([BM if prefetch else 1], accum)
-            delta_s1 = T.alloc_shared([BM if prefetch else 1], accum)
+            st_s1 = T.alloc_shared([BM if prefetch else 1, 2], accum)
             # the box unit's 4-token boxes write the row tiles as (token, head, D); views made
             # here, each under its own name, because views made in load_tile got TileLang's
             # names in a different order on each build
@@ -1420,8 +1431,8 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                         T.sync_threads()
                         n_m = T.ceildiv(n_toks, tile_tokens)
                         if n_m > 0:
-                            load_tile(Q, dO, LSE, Delta, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                      rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, lse_s0, delta_s0, rowl, headl, hk,
+                            load_tile(Q, dO, Stats, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
+                                      rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, st_s0, rowl, headl, hk,
                                       rbar, 0, boxl)
                             T.ptx_commit_group()
                         for m in T.serial(n_m):
@@ -1448,21 +1459,21 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                 if m + 1 < n_m:
                                     nb = (m + 1) * tile_tokens
                                     if m % 2 == 0:
-                                        load_tile(Q, dO, LSE, Delta, q0, nb,
+                                        load_tile(Q, dO, Stats, q0, nb,
                                                   T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                  rhead_s, tx, Q_s1, dO_s1, Q_v1, dO_v1, lse_s1, delta_s1, rowl,
+                                                  rhead_s, tx, Q_s1, dO_s1, Q_v1, dO_v1, st_s1, rowl,
                                                   headl, hk, rbar, 1, boxl)
                                     else:
-                                        load_tile(Q, dO, LSE, Delta, q0, nb,
+                                        load_tile(Q, dO, Stats, q0, nb,
                                                   T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                  rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, lse_s0, delta_s0, rowl,
+                                                  rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, st_s0, rowl,
                                                   headl, hk, rbar, 0, boxl)
                                     T.ptx_commit_group()
                             else:
                                 if m > 0:
-                                    load_tile(Q, dO, LSE, Delta, q0, m * tile_tokens,
+                                    load_tile(Q, dO, Stats, q0, m * tile_tokens,
                                               T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
-                                              rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, lse_s0, delta_s0, rowl, headl, hk,
+                                              rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, st_s0, rowl, headl, hk,
                                               rbar, 0, boxl)
                                     T.ptx_commit_group()
                                 T.ptx_wait_group(0)
@@ -1472,15 +1483,13 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                             if prefetch:
                                 if m % 2 == 0:
                                     compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0,
-                                            delta_s0)
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, st_s0)
                                 else:
                                     compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, lse_s1,
-                                            delta_s1)
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, st_s1)
                             else:
                                 compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
-                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, lse_s0, delta_s0)
+                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, st_s0)
                                 # the next group's load overwrites this group's buffer
                                 T.sync_threads()
                         # the next slice overwrites tok_s

@@ -1596,8 +1596,8 @@ static const infllmv2_select_decode_topk_unit infllmv2_select_decode_topk_units[
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, LSE, Delta, offsets, members, cu_seqlens_q, cu_seqlens_k, dK, dV, partial, batch, max_kblocks, pieces, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, n_off, n_entries, batch_plus_one, n_pieces, stream)
-typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+// ---- sparse_attn_bwd_dkdv: call(Q, K, V, dO, Stats, offsets, members, cu_seqlens_q, cu_seqlens_k, dK, dV, partial, batch, max_kblocks, pieces, groups, tile_tokens, scale_log2, total_q, heads, total_k, heads_k, n_off, n_entries, batch_plus_one, n_pieces, stream)
+typedef int (*infllmv2_sparse_attn_bwd_dkdv_call_fn)(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_dkdv_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int boxes;
@@ -1611,82 +1611,82 @@ struct infllmv2_sparse_attn_bwd_dkdv_unit {
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* LSE, void* Delta, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call(void* Q, void* K, void* V, void* dO, void* Stats, void* offsets, void* members, void* cu_seqlens_q, void* cu_seqlens_k, void* dK, void* dV, void* partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_units[] = {
@@ -2067,8 +2067,8 @@ static const infllmv2_sparse_attn_bwd_members_scan_unit infllmv2_sparse_attn_bwd
   {nullptr, nullptr, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
 
-// ---- sparse_attn_bwd_preprocess: call(O, dO, Delta, total_q, heads, stream)
-typedef int (*infllmv2_sparse_attn_bwd_preprocess_call_fn)(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+// ---- sparse_attn_bwd_preprocess: call(O, dO, LSE, Delta, Stats, total_q, heads, stream)
+typedef int (*infllmv2_sparse_attn_bwd_preprocess_call_fn)(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 struct infllmv2_sparse_attn_bwd_preprocess_unit {
   const char* name; const char* arch; int sm; int dynamic_smem; int threads;
   int dtype;
@@ -2079,100 +2079,100 @@ struct infllmv2_sparse_attn_bwd_preprocess_unit {
 };
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_last_error();
 #endif
 #if INFLLMV2_HAS_SM_80
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_last_error();
 #endif
 #if INFLLMV2_HAS_SM_89
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_last_error();
 #endif
 #if INFLLMV2_HAS_SM_90A
 extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_init();
-extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_call(void* O, void* dO, void* Delta, int total_q, int heads, cudaStream_t stream);
+extern "C" int infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_call(void* O, void* dO, void* LSE, void* Delta, void* Stats, int total_q, int heads, cudaStream_t stream);
 extern "C" const char* infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_preprocess_unit infllmv2_sparse_attn_bwd_preprocess_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 80, 0, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_last_error},
+  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 80, 1024, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_89", 89, 0, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_last_error},
+  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_89", 89, 1024, 128, 0, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_90a", 90, 0, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_preprocess_bf16_d128", "sm_90a", 90, 1024, 128, 0, 128, 64, 16, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_80", 80, 0, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_last_error},
+  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_80", 80, 1024, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_89", 89, 0, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_last_error},
+  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_89", 89, 1024, 128, 0, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_90a", 90, 0, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_preprocess_bf16_d64", "sm_90a", 90, 1024, 128, 0, 64, 64, 16, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_80", 80, 0, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_last_error},
+  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_80", 80, 1024, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_89", 89, 0, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_last_error},
+  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_89", 89, 1024, 128, 1, 128, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_90a", 90, 0, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_preprocess_fp16_d128", "sm_90a", 90, 1024, 128, 1, 128, 64, 16, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_80", 80, 0, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_last_error},
+  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_80", 80, 1024, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_89", 89, 0, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_last_error},
+  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_89", 89, 1024, 128, 1, 64, 64, 8, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_90a", 90, 0, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_preprocess_fp16_d64", "sm_90a", 90, 1024, 128, 1, 64, 64, 16, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_preprocess_fp16_d64_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -3310,40 +3310,40 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_members_scan", "sparse_attn_bwd_members_scan", "sm_90a", 1024, 256},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_80", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_89", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_89", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_90a", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d128", "sm_90a", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_80", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_80", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_89", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_89", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_90a", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_bf16_d64", "sm_90a", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_80", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_80", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_89", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_89", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_90a", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d128", "sm_90a", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_80", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_80", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_89", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_89", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_90a", 0, 128},
+  {"sparse_attn_bwd_preprocess", "sparse_attn_bwd_preprocess_fp16_d64", "sm_90a", 1024, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
   {"sparse_attn_fwd", "sparse_attn_fwd_bf16_d128_t16", "sm_90a", 65536, 128},

@@ -154,21 +154,23 @@ def test_select_blocks_from_keys_workspace_size():
 def test_sparse_attn_bwd_workspace_size():
     size = _lib.lib().infllmv2_sparse_attn_bwd_workspace_size
     # (total_q, total_k, batch, heads, heads_k, topk). Regions at 256-byte boundaries: Delta
-    # (fp32 heads x total_q); the member index's counts (2 KV heads x 64 slices x n_gb key block
-    # indices, n_gb = total_k // 64 + batch), its offsets (2 x (n_gb + 1)) and its lists (2 x
-    # total_q x topk), all int32; past 8192 queries the partial dK/dV of the first 4 key blocks:
-    # 4 x heads_k x ceil(total_q / 8192) pieces x 2 sides x (dK, dV) x 64 x 128 fp32.
-    # 4096 + 2 * 64 * 3 * 4 -> 5632 + 2 * 4 * 4 -> 5888 + 2 * 128 * 4 * 4
-    assert size(128, 128, 1, 8, 2, 4) == 9984
-    # 4128 -> 4352 + 2 * 64 * 66 * 4 -> 38144 + 2 * 67 * 4 -> 38912 + 2 * 129 * 4 * 4
-    assert size(129, 4160, 1, 8, 2, 4) == 43040
-    # 3 sequences: n_gb = 4160 // 64 + 3, so 4352 + 34816 -> 39168 + 552 -> 39936 + 4128
-    assert size(129, 4160, 3, 8, 2, 4) == 44064
-    # 262144 + 2 * 64 * 129 * 4 -> 328192 + 2 * 130 * 4 -> 329472 + 2 * 8192 * 64 * 4: no partial
-    assert size(8192, 8192, 1, 8, 2, 64) == 329472 + 2 * 8192 * 64 * 4
-    # 262176 -> 262400 + 66048 -> 328448 + 1040 -> 329728 + 262176 -> 592128 + the partial
-    assert size(8193, 8193, 1, 8, 2, 4) == 592128 + 4 * 2 * 2 * 2 * 2 * 64 * 128 * 4
-    assert size(128, 0, 1, 8, 2, 4) == 4096  # no key block: Delta alone
+    # (fp32 heads x total_q); each row's (LSE, Delta) for dK/dV (fp32 total_q x heads x 2); the
+    # member index's counts (2 KV heads x 64 slices x n_gb key block indices, n_gb = total_k // 64
+    # + batch), its offsets (2 x (n_gb + 1)) and its lists (2 x total_q x topk), all int32; past
+    # 8192 queries the partial dK/dV of the first 4 key blocks: 4 x heads_k x ceil(total_q / 8192)
+    # pieces x 2 sides x (dK, dV) x 64 x 128 fp32.
+    # 4096 + 8192 -> 12288 + 2 * 64 * 3 * 4 -> 13824 + 2 * 4 * 4 -> 14080 + 2 * 128 * 4 * 4
+    assert size(128, 128, 1, 8, 2, 4) == 18176
+    # 4128 -> 4352 + 8256 -> 12608 -> 12800 + 2 * 64 * 66 * 4 -> 46592 + 2 * 67 * 4 -> 47360 + 2 * 129 * 4 * 4
+    assert size(129, 4160, 1, 8, 2, 4) == 51488
+    # 3 sequences: n_gb = 4160 // 64 + 3, so 12800 + 34816 -> 47616 + 552 -> 48384 + 4128
+    assert size(129, 4160, 3, 8, 2, 4) == 52512
+    # 262144 + 524288 -> 786432 + 2 * 64 * 129 * 4 -> 852480 + 2 * 130 * 4 -> 853760 + 2 * 8192 * 64 * 4:
+    # no partial
+    assert size(8192, 8192, 1, 8, 2, 64) == 853760 + 2 * 8192 * 64 * 4
+    # 262176 -> 262400 + 524352 -> 786944 + 66048 -> 852992 + 1040 -> 854272 + 262176 -> 1116672 + the partial
+    assert size(8193, 8193, 1, 8, 2, 4) == 1116672 + 4 * 2 * 2 * 2 * 2 * 64 * 128 * 4
+    assert size(128, 0, 1, 8, 2, 4) == 12288  # no key block: Delta and the rows' stats alone
     assert size(0, 128, 1, 8, 2, 128) == 0
 
 

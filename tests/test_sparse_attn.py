@@ -310,11 +310,11 @@ def test_c_abi_errors():
     st = lib.infllmv2_sparse_attn_bwd(*pb, 16, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
     assert st == _lib.ERR_INVALID_ARGUMENT and "workspace_size is 16 bytes" in lib.infllmv2_last_error().decode()
     st = lib.infllmv2_sparse_attn_bwd(*pb, 4096, 1, 128, 128, 128, 128, 8, 2, 128, 4, 0, 0.0, None)
-    assert st == _lib.ERR_INVALID_ARGUMENT and "asks for 9984" in lib.infllmv2_last_error().decode()
-    ws = torch.empty(9984 // 4, device="cuda")
+    assert st == _lib.ERR_INVALID_ARGUMENT and "asks for 18176" in lib.infllmv2_last_error().decode()
+    ws = torch.empty(18176 // 4, device="cuda")
     pw = pb[:12] + [ws.data_ptr()]
     for i, name in ((4, "dout"), (10, "dk")):
-        st = lib.infllmv2_sparse_attn_bwd(*pw[:i], pw[i] + 2, *pw[i + 1 :], 9984, 1, 128, 128, 128, 128, 8, 2, 128, 4,
+        st = lib.infllmv2_sparse_attn_bwd(*pw[:i], pw[i] + 2, *pw[i + 1 :], 18176, 1, 128, 128, 128, 128, 8, 2, 128, 4,
                                           0, 0.0, None)
         assert st == _lib.ERR_INVALID_ARGUMENT and f"{name} must be 16-byte aligned" in lib.infllmv2_last_error().decode()
 

@@ -228,8 +228,9 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
     int32_t max_seqlen_q, int32_t heads, int32_t heads_k, int32_t head_dim, int32_t topk,
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
-/* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out), the
- * inverse index of topk_idx that the dk/dv kernel walks (int32: per KV head, each key block's
+/* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out), heads x
+ * total_q, and the same with each row's lse beside it, total_q x heads x 2 (the layout the
+ * dk/dv kernel reads: a token's heads adjacent); the inverse index of topk_idx that the dk/dv kernel walks (int32: per KV head, each key block's
  * list of the queries that picked it, heads_k x total_q x topk entries; the lists' offsets,
  * heads_k x (total_k / 64 + batch + 1); and the counts they are built from, heads_k x 64 x
  * (total_k / 64 + batch)) and, when total_q > 8192, fp32 partial dK/dV of the first 4 key

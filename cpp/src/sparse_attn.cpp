@@ -126,7 +126,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
 
 namespace {
 
-// Workspace, each region at a 256-byte boundary: Delta (attn_delta_bytes); bwd_members' int32
+// Workspace, each region at a 256-byte boundary: Delta (attn_delta_bytes); each query row's
+// (LSE, Delta) pair, fp32 (total_q, heads, 2), which bwd_dkdv reads; bwd_members' int32
 // counts (heads_k, kChunks, n_gb), the lists' offsets (heads_k, n_gb + 1) and the lists
 // (heads_k, total_q * topk), where n_gb = total_k / kBlock + batch indexes every sequence's
 // key blocks and one spare (see dsl bwd_members); then, where a sequence may have more than
@@ -141,12 +142,16 @@ size_t partial_bytes(int64_t total_q, int32_t heads_k) {
 
 // Byte offsets of the regions above (partial 0 when there is none) and the total.
 struct BwdLayout {
-  size_t counts, offsets, members, partial, total;
+  size_t stats, counts, offsets, members, partial, total;
 };
+size_t stats_end(int64_t total_q, int32_t heads) {
+  return align256(attn_delta_bytes(total_q, heads)) + (size_t)total_q * (size_t)heads * 2 * sizeof(float);
+}
 BwdLayout bwd_layout(int64_t total_q, int64_t total_k, int32_t batch, int32_t heads, int32_t heads_k, int32_t topk) {
   BwdLayout l;
   const size_t n_gb = (size_t)key_block_indices(total_k, batch);
-  l.counts = align256(attn_delta_bytes(total_q, heads));
+  l.stats = align256(attn_delta_bytes(total_q, heads));
+  l.counts = align256(stats_end(total_q, heads));
   l.offsets = align256(l.counts + (size_t)heads_k * kChunks * n_gb * sizeof(int32_t));
   l.members = align256(l.offsets + (size_t)heads_k * (n_gb + 1) * sizeof(int32_t));
   const size_t members_end = l.members + (size_t)heads_k * (size_t)total_q * (size_t)topk * sizeof(int32_t);
@@ -162,7 +167,7 @@ extern "C" INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t t
                                                                        int32_t heads, int32_t heads_k, int32_t topk) {
   if (total_q <= 0 || heads <= 0) return 0;
   // no key block or no selection: no index
-  if (heads_k <= 0 || total_k <= 0 || batch <= 0 || topk <= 0) return attn_delta_bytes(total_q, heads);
+  if (heads_k <= 0 || total_k <= 0 || batch <= 0 || topk <= 0) return stats_end(total_q, heads);
   return bwd_layout(total_q, total_k, batch, heads, heads_k, topk).total;
 }
 
@@ -242,6 +247,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
   const bool keys = total_k > 0 && max_seqlen_k > 0;
   const BwdLayout l = bwd_layout(total_q, total_k, batch, heads, heads_k, topk);
   char* ws = static_cast<char*>(workspace);
+  float* stats = reinterpret_cast<float*>(ws + l.stats);
   int32_t* counts = reinterpret_cast<int32_t*>(ws + l.counts);
   int32_t* offsets = reinterpret_cast<int32_t*>(ws + l.offsets);
   int32_t* members = reinterpret_cast<int32_t*>(ws + l.members);
@@ -273,7 +279,8 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
     if ((st = launch_result(op, uscan->name, rc, uscan->last_error)) != INFLLMV2_OK) return st;
     if ((st = launch_result(op, umem->name, members_pass(1), umem->last_error)) != INFLLMV2_OK) return st;
   }
-  int rc = pre->call(const_cast<void*>(out), const_cast<void*>(dout), delta, (int)total_q, heads, stream);
+  int rc = pre->call(const_cast<void*>(out), const_cast<void*>(dout), const_cast<float*>(lse), delta, stats,
+                     (int)total_q, heads, stream);
   if ((st = launch_result(op, pre->name, rc, pre->last_error)) != INFLLMV2_OK) return st;
   int T = tile_tokens(udq->block_m, udq->t_max, groups);
   rc = udq->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
@@ -293,7 +300,7 @@ extern "C" INFLLMV2_API infllmv2_status infllmv2_sparse_attn_bwd(
                          : delta;  // never indexed: with pieces == 1 the kernel splits nothing
   const int n_pieces = split ? (int)packed_pieces(total_q) : 1;
   rc = udkdv->call(const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(dout),
-                   const_cast<float*>(lse), delta, offsets, members, const_cast<int32_t*>(cu_seqlens_q),
+                   stats, offsets, members, const_cast<int32_t*>(cu_seqlens_q),
                    const_cast<int32_t*>(cu_seqlens_k), dk, dv, partial, batch, max_kblocks, pieces, groups, T, sl2,
                    (int)total_q, heads, (int)total_k, heads_k, n_gb + 1, n_entries, batch + 1, n_pieces, stream);
   if ((st = launch_result(op, udkdv->name, rc, udkdv->last_error)) != INFLLMV2_OK || !split) return st;

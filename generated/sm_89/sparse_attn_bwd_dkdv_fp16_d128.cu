@@ -18,8 +18,8 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel(const float* __restrict__ Delta, const half_t* __restrict__ K, const float* __restrict__ LSE, const half_t* __restrict__ Q, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel(const half_t* __restrict__ K, const half_t* __restrict__ Q, const float* __restrict__ Stats, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel(const half_t* __restrict__ K, const half_t* __restrict__ Q, const float* __restrict__ Stats, const half_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, half_t* __restrict__ dK, const half_t* __restrict__ dO, half_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
@@ -30,8 +30,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 66048));
   void* dsT = ((void*)((char*)buf_dyn_shmem + 74496));
   void* pT = ((void*)((char*)buf_dyn_shmem + 82688));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 90880));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 91136));
+  void* st_s0 = ((void*)((char*)buf_dyn_shmem + 90880));
   int kb = 0;
   int j = 0;
   int split = 0;
@@ -335,12 +334,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
+            tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)1]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)1]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (rowl[1] < total_q)) && (0 <= rowl[1])) && (headl[1] < heads)) && (0 <= headl[1])));
           }
         }
         if (0 < n_m) {
@@ -376,8 +370,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               tl::cp_async_gs_conditional<16>((&(((half_t*)dO_s0)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
             }
             if (((int)threadIdx.x) < 64) {
-              tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
-              tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)1]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)1]))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (headl[1] < heads)) && (0 <= headl[1])) && (rowl[1] < total_q)) && (0 <= rowl[1])));
+              tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)1]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)1]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[1] < total_q)) && (0 <= rowl[1])) && (headl[1] < heads)) && (0 <= headl[1])));
             }
             tl::cp_async_commit();
           }
@@ -407,32 +400,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           }
           if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
-            for (int i_7 = 0; i_7 < 8; ++i_7) {
-              float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-              float2 __1;
-              float2 __2;
-                float2 __3;
-                  float2 v_ = *(float2*)(acc_sT + (i_7 * 2));
-                  float2 v__1 = make_float2(scale_log2, scale_log2);
-                  __3.x = (v_.x*v__1.x);
-                  __3.y = (v_.y*v__1.y);
-                float2 __4;
-                  float2 v__2 = *(float2*)(((float*)lse_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_7 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-                  float2 v__3 = make_float2(broadcast_var_5, broadcast_var_5);
-                  __4.x = (v__2.x*v__3.x);
-                  __4.y = (v__2.y*v__3.y);
-                __2.x = (__3.x-__4.x);
-                __2.y = (__3.y-__4.y);
-              __1.x = exp2f(__2.x);
-              __1.y = exp2f(__2.y);
-              *(float2*)(acc_sT + (i_7 * 2)) = __1;
+            for (int i_7 = 0; i_7 < 16; ++i_7) {
+              acc_sT[i_7] = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)st_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_7 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_7 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             }
           } else {
             #pragma unroll
             for (int i_8 = 0; i_8 < 16; ++i_8) {
               float condval_24;
-              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < n_rows) && (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_8) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_8) & (int64_t)1))]))]) - len_q)))) {
-                condval_24 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)lse_s0)[(((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < n_rows) && (((float*)st_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_8) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_8) & (int64_t)1))]))]) - len_q)))) {
+                condval_24 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)st_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               } else {
                 condval_24 = 0x0p+0f/*0.000000e+00*/;
               }
@@ -441,8 +417,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           }
           #pragma unroll
           for (int i_9 = 0; i_9 < 4; ++i_9) {
-            float broadcast_var_6 = 0x0p+0f/*0.000000e+00*/;
-            *(float4*)(acc_dpT + (i_9 * 4)) = make_float4(broadcast_var_6, broadcast_var_6, broadcast_var_6, broadcast_var_6);
+            float broadcast_var_5 = 0x0p+0f/*0.000000e+00*/;
+            *(float4*)(acc_dpT + (i_9 * 4)) = make_float4(broadcast_var_5, broadcast_var_5, broadcast_var_5, broadcast_var_5);
           }
           {
             half_t A_local_1[8];
@@ -463,31 +439,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           #pragma unroll
           for (int i_11 = 0; i_11 < 8; ++i_11) {
             half_t pT_local_cast[2];
-            uint1 __5;
-            float2 v__4 = *(float2*)(acc_sT + (i_11 * 2));
-            ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__4))[0]);
-            *(uint1*)(pT_local_cast + 0) = __5;
+            uint1 __1;
+            float2 v_ = *(float2*)(acc_sT + (i_11 * 2));
+            ((half2*)(&__1))[0] = __float22half2_rn(((float2*)(&v_))[0]);
+            *(uint1*)(pT_local_cast + 0) = __1;
             *(uint1*)(((half_t*)pT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_11 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_11 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_11 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(pT_local_cast + 0);
           }
           #pragma unroll
-          for (int i_12 = 0; i_12 < 8; ++i_12) {
-            float delta_s0_local_cast_2[2];
-            half_t dsT_local_cast_1[2];
-            *(float2*)(delta_s0_local_cast_2 + 0) = *(float2*)(((float*)delta_s0) + ((((((int)threadIdx.x) >> 7) * 32) + ((i_12 >> 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)));
-            uint1 __6;
-            float2 __7;
-              float2 v__5 = *(float2*)(acc_sT + (i_12 * 2));
-              float2 __8;
-                float2 v__6 = *(float2*)(acc_dpT + (i_12 * 2));
-                float2 v__7 = *(float2*)(delta_s0_local_cast_2 + 0);
-                __8.x = (v__6.x-v__7.x);
-                __8.y = (v__6.y-v__7.y);
-              __7.x = (v__5.x*__8.x);
-              __7.y = (v__5.y*__8.y);
-            ((half2*)(&__6))[0] = __float22half2_rn(((float2*)(&__7))[0]);
-            *(uint1*)(dsT_local_cast_1 + 0) = __6;
-            __syncthreads();
-            *(uint1*)(((half_t*)dsT) + (((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((i_12 & 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + (i_12 >> 2)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_12 & 3) >> 1)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2))) = *(uint1*)(dsT_local_cast_1 + 0);
+          for (int i_12 = 0; i_12 < 16; ++i_12) {
+            ((half_t*)dsT)[((((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + (((i_12 & 3) >> 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + ((((i_12 >> 3) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((i_12 & 7) >> 2) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] = ((half_t)(acc_sT[i_12] * (acc_dpT[i_12] - ((float*)st_s0)[((((((((int)threadIdx.x) >> 7) * 64) + ((i_12 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_12 & 1) * 2)) + 1)])));
           }
           {
             half_t A_local_2[8];
@@ -548,11 +508,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    float2 __9;
-                      float2 v__8 = *(float2*)(acc_dk + (i_15 * 2));
-                      float2 v__9 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                      __9.x = (v__8.x*v__9.x);
-                      __9.y = (v__8.y*v__9.y);
+                    float2 __2;
+                      float2 v__1 = *(float2*)(acc_dk + (i_15 * 2));
+                      float2 v__2 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                      __2.x = (v__1.x*v__2.x);
+                      __2.y = (v__1.y*v__2.y);
                     int64_t condval_27;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_27 = (int64_t)1;
@@ -565,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
                     } else {
                       condval_28 = (int64_t)0;
                     }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_28 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __9;
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_28 * (int64_t)16384)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_15) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_15) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __2;
                   }
                 }
               }
@@ -616,24 +576,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
           if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
             if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-              uint1 __10;
-              float2 __11;
-                float2 v__10 = *(float2*)(acc_dk + (i_16 * 2));
-                float2 v__11 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                __11.x = (v__10.x*v__11.x);
-                __11.y = (v__10.y*v__11.y);
-              ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&__11))[0]);
-              *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __10;
+              uint1 __3;
+              float2 __4;
+                float2 v__3 = *(float2*)(acc_dk + (i_16 * 2));
+                float2 v__4 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __4.x = (v__3.x*v__4.x);
+                __4.y = (v__3.y*v__4.y);
+              ((half2*)(&__3))[0] = __float22half2_rn(((float2*)(&__4))[0]);
+              *(uint1*)(dK + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __3;
             }
           }
         }
         if (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
           if (0 <= (((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
             if ((((((kb * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + ((i_16 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-              uint1 __12;
-              float2 v__12 = *(float2*)(acc_dv + (i_16 * 2));
-              ((half2*)(&__12))[0] = __float22half2_rn(((float2*)(&v__12))[0]);
-              *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __12;
+              uint1 __5;
+              float2 v__5 = *(float2*)(acc_dv + (i_16 * 2));
+              ((half2*)(&__5))[0] = __float22half2_rn(((float2*)(&v__5))[0]);
+              *(uint1*)(dV + (((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + (((((int64_t)((int)threadIdx.x)) & (int64_t)127) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_16) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)64)) + ((((int64_t)i_16) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
             }
           }
         }
@@ -669,7 +629,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init() {
     return 0;
 }
 
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ offsets, int* __restrict__ members, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dK, half_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream) {
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(half_t* __restrict__ Q, half_t* __restrict__ K, half_t* __restrict__ V, half_t* __restrict__ dO, float* __restrict__ Stats, int* __restrict__ offsets, int* __restrict__ members, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, half_t* __restrict__ dK, half_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream) {
 
 	{
 		cudaLaunchConfig_t config;
@@ -682,7 +642,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call(half_t* __restr
 		config.gridDim = dim3(pieces * 4 + max_kblocks - 4, heads_k, batch);
 		config.blockDim = dim3(256, 1, 1);
 		config.dynamicSmemBytes = 91392;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel, Delta, K, LSE, Q, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel, K, Q, Stats, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_kernel");
 

@@ -21,19 +21,17 @@
 #include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
 #endif
 
-extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Q_desc_1, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, __grid_constant__ const CUtensorMap dO_desc_1, bfloat16_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q);
-extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_kernel(const float* __restrict__ Delta, const bfloat16_t* __restrict__ K, const float* __restrict__ LSE, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Q_desc_1, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, __grid_constant__ const CUtensorMap dO_desc_1, bfloat16_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q) {
+extern "C" __global__ void infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_kernel(const bfloat16_t* __restrict__ K, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Q_desc_1, const float* __restrict__ Stats, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, __grid_constant__ const CUtensorMap dO_desc_1, bfloat16_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q);
+extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_kernel(const bfloat16_t* __restrict__ K, __grid_constant__ const CUtensorMap Q_desc, __grid_constant__ const CUtensorMap Q_desc_1, const float* __restrict__ Stats, const bfloat16_t* __restrict__ V, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, bfloat16_t* __restrict__ dK, __grid_constant__ const CUtensorMap dO_desc, __grid_constant__ const CUtensorMap dO_desc_1, bfloat16_t* __restrict__ dV, const int* __restrict__ members, const int* __restrict__ offsets, float* __restrict__ partial, int batch, int batch_plus_one, int groups, int heads, int heads_k, int max_kblocks, int n_entries, int n_off, int n_pieces, int pieces, float scale_log2, int tile_tokens, int total_k, int total_q) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
-  void* delta_s0 = ((void*)((char*)buf_dyn_shmem + 512));
-  void* delta_s1 = ((void*)((char*)buf_dyn_shmem + 768));
+  void* st_s0 = ((void*)((char*)buf_dyn_shmem + 512));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 1024));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 9216));
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 17408));
-  void* lse_s0 = ((void*)((char*)buf_dyn_shmem + 25856));
-  void* lse_s1 = ((void*)((char*)buf_dyn_shmem + 26112));
+  void* st_s1 = ((void*)((char*)buf_dyn_shmem + 25856));
   void* Q_v0 = ((void*)((char*)buf_dyn_shmem + 26624));
   void* Q_v1 = ((void*)((char*)buf_dyn_shmem + 34816));
   void* dO_v0 = ((void*)((char*)buf_dyn_shmem + 43008));
@@ -394,12 +392,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-          }
-        }
-        if (0 < n_m) {
-          if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+            tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
           }
         }
         if (0 < n_m) {
@@ -472,8 +465,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               }
               rbar[1].arrive();
               if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<4>((&(((float*)lse_s1)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                tl::cp_async_gs_conditional<4>((&(((float*)delta_s1)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                tl::cp_async_gs_conditional<8>((&(((float*)st_s1)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < n_rows) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
               }
             } else {
               int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
@@ -528,8 +520,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               }
               rbar[0].arrive();
               if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<4>((&(((float*)lse_s0)[((int)threadIdx.x)])), (&(LSE[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
-                tl::cp_async_gs_conditional<4>((&(((float*)delta_s0)[((int)threadIdx.x)])), (&(Delta[((((int64_t)headl[(int64_t)2]) * ((int64_t)total_q)) + ((int64_t)rowl[(int64_t)2]))])), (((((((int)threadIdx.x) < n_rows_1) && (headl[2] < heads)) && (0 <= headl[2])) && (rowl[2] < total_q)) && (0 <= rowl[2])));
+                tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < n_rows_1) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
               }
             }
           }
@@ -572,32 +563,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
             if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
-              for (int i_5 = 0; i_5 < 16; ++i_5) {
-                float broadcast_var_4 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                float2 __1;
-                float2 __2;
-                  float2 __3;
-                    float2 v_ = *(float2*)(acc_sT + (i_5 * 2));
-                    float2 v__1 = make_float2(scale_log2, scale_log2);
-                    __3.x = (v_.x*v__1.x);
-                    __3.y = (v_.y*v__1.y);
-                  float2 __4;
-                    float2 v__2 = *(float2*)(((float*)lse_s0) + (((i_5 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                    float2 v__3 = make_float2(broadcast_var_4, broadcast_var_4);
-                    __4.x = (v__2.x*v__3.x);
-                    __4.y = (v__2.y*v__3.y);
-                  __2.x = (__3.x-__4.x);
-                  __2.y = (__3.y-__4.y);
-                __1.x = exp2f(__2.x);
-                __1.y = exp2f(__2.y);
-                *(float2*)(acc_sT + (i_5 * 2)) = __1;
+              for (int i_5 = 0; i_5 < 32; ++i_5) {
+                acc_sT[i_5] = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)st_s0)[((((i_5 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_5 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               }
             } else {
               #pragma unroll
               for (int i_6 = 0; i_6 < 32; ++i_6) {
                 float condval_26;
-                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
-                  condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)lse_s0)[((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)st_s0)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
+                  condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)st_s0)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_26 = 0x0p+0f/*0.000000e+00*/;
                 }
@@ -606,11 +580,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             }
             #pragma unroll
             for (int i_7 = 0; i_7 < 8; ++i_7) {
-              uint2 __5;
-              float4 v__4 = *(float4*)(acc_sT + (i_7 * 4));
-              (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__4))[0]);
-              (reinterpret_cast<__nv_bfloat162*>(&__5))[1] = __float22bfloat162_rn(((float2*)(&v__4))[1]);
-              *(uint2*)(pT + (i_7 * 4)) = __5;
+              uint2 __1;
+              float4 v_ = *(float4*)(acc_sT + (i_7 * 4));
+              (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
+              (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&v_))[1]);
+              *(uint2*)(pT + (i_7 * 4)) = __1;
             }
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
@@ -630,21 +604,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::wait_wgmma<1>();
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             #pragma unroll
-            for (int i_8 = 0; i_8 < 16; ++i_8) {
-              float delta_s0_local_cast[2];
-              *(float2*)(delta_s0_local_cast + 0) = *(float2*)(((float*)delta_s0) + (((i_8 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __6;
-              float2 __7;
-                float2 v__5 = *(float2*)(acc_sT + (i_8 * 2));
-                float2 __8;
-                  float2 v__6 = *(float2*)(acc_dpT + (i_8 * 2));
-                  float2 v__7 = *(float2*)(delta_s0_local_cast + 0);
-                  __8.x = (v__6.x-v__7.x);
-                  __8.y = (v__6.y-v__7.y);
-                __7.x = (v__5.x*__8.x);
-                __7.y = (v__5.y*__8.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&__7))[0]);
-              *(uint1*)(dsT + (i_8 * 2)) = __6;
+            for (int i_8 = 0; i_8 < 32; ++i_8) {
+              dsT[i_8] = ((bfloat16_t)(acc_sT[i_8] * (acc_dpT[i_8] - ((float*)st_s0)[(((((i_8 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2)) + 1)])));
             }
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
@@ -695,32 +656,15 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
             if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
-              for (int i_9 = 0; i_9 < 16; ++i_9) {
-                float broadcast_var_5 = 0x1.71547652b82fep+0f/*1.442695e+00*/;
-                float2 __9;
-                float2 __10;
-                  float2 __11;
-                    float2 v__8 = *(float2*)(acc_sT + (i_9 * 2));
-                    float2 v__9 = make_float2(scale_log2, scale_log2);
-                    __11.x = (v__8.x*v__9.x);
-                    __11.y = (v__8.y*v__9.y);
-                  float2 __12;
-                    float2 v__10 = *(float2*)(((float*)lse_s1) + (((i_9 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-                    float2 v__11 = make_float2(broadcast_var_5, broadcast_var_5);
-                    __12.x = (v__10.x*v__11.x);
-                    __12.y = (v__10.y*v__11.y);
-                  __10.x = (__11.x-__12.x);
-                  __10.y = (__11.y-__12.y);
-                __9.x = exp2f(__10.x);
-                __9.y = exp2f(__10.y);
-                *(float2*)(acc_sT + (i_9 * 2)) = __9;
+              for (int i_9 = 0; i_9 < 32; ++i_9) {
+                acc_sT[i_9] = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)st_s1)[((((i_9 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_9 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               }
             } else {
               #pragma unroll
               for (int i_10 = 0; i_10 < 32; ++i_10) {
                 float condval_27;
-                if ((((((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_rows_2) && (((float*)lse_s1)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_10) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_10) & (int64_t)1))]))]) - len_q)))) {
-                  condval_27 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)lse_s1)[((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                if ((((((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_rows_2) && (((float*)st_s1)[((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_10) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_10) & (int64_t)1))]))]) - len_q)))) {
+                  condval_27 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)st_s1)[((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_27 = 0x0p+0f/*0.000000e+00*/;
                 }
@@ -729,11 +673,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             }
             #pragma unroll
             for (int i_11 = 0; i_11 < 8; ++i_11) {
-              uint2 __13;
-              float4 v__12 = *(float4*)(acc_sT + (i_11 * 4));
-              (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&v__12))[0]);
-              (reinterpret_cast<__nv_bfloat162*>(&__13))[1] = __float22bfloat162_rn(((float2*)(&v__12))[1]);
-              *(uint2*)(pT + (i_11 * 4)) = __13;
+              uint2 __2;
+              float4 v__1 = *(float4*)(acc_sT + (i_11 * 4));
+              (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&v__1))[0]);
+              (reinterpret_cast<__nv_bfloat162*>(&__2))[1] = __float22bfloat162_rn(((float2*)(&v__1))[1]);
+              *(uint2*)(pT + (i_11 * 4)) = __2;
             }
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
@@ -753,21 +697,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::wait_wgmma<1>();
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             #pragma unroll
-            for (int i_12 = 0; i_12 < 16; ++i_12) {
-              float delta_s1_local_cast_1[2];
-              *(float2*)(delta_s1_local_cast_1 + 0) = *(float2*)(((float*)delta_s1) + (((i_12 >> 1) * 8) + ((((int)threadIdx.x) & 3) * 2)));
-              uint1 __14;
-              float2 __15;
-                float2 v__13 = *(float2*)(acc_sT + (i_12 * 2));
-                float2 __16;
-                  float2 v__14 = *(float2*)(acc_dpT + (i_12 * 2));
-                  float2 v__15 = *(float2*)(delta_s1_local_cast_1 + 0);
-                  __16.x = (v__14.x-v__15.x);
-                  __16.y = (v__14.y-v__15.y);
-                __15.x = (v__13.x*__16.x);
-                __15.y = (v__13.y*__16.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__14))[0] = __float22bfloat162_rn(((float2*)(&__15))[0]);
-              *(uint1*)(dsT + (i_12 * 2)) = __14;
+            for (int i_12 = 0; i_12 < 32; ++i_12) {
+              dsT[i_12] = ((bfloat16_t)(acc_sT[i_12] * (acc_dpT[i_12] - ((float*)st_s1)[(((((i_12 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_12 & 1) * 2)) + 1)])));
             }
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
@@ -815,11 +746,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    float2 __17;
-                      float2 v__16 = *(float2*)(acc_dk + (i_13 * 2));
-                      float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                      __17.x = (v__16.x*v__17.x);
-                      __17.y = (v__16.y*v__17.y);
+                    float2 __3;
+                      float2 v__2 = *(float2*)(acc_dk + (i_13 * 2));
+                      float2 v__3 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                      __3.x = (v__2.x*v__3.x);
+                      __3.y = (v__2.y*v__3.y);
                     int64_t condval_30;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_30 = (int64_t)1;
@@ -832,7 +763,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
                     } else {
                       condval_31 = (int64_t)0;
                     }
-                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_31 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __17;
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)16384) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)16384)) + (((int64_t)piece) * (int64_t)16384)) + (condval_31 * (int64_t)8192)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)1024)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)512)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)64)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __3;
                   }
                 }
               }
@@ -883,24 +814,24 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
           if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
             if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-              uint1 __18;
-              float2 __19;
-                float2 v__18 = *(float2*)(acc_dk + (i_14 * 2));
-                float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                __19.x = (v__18.x*v__19.x);
-                __19.y = (v__18.y*v__19.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__18))[0] = __float22bfloat162_rn(((float2*)(&__19))[0]);
-              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __18;
+              uint1 __4;
+              float2 __5;
+                float2 v__4 = *(float2*)(acc_dk + (i_14 * 2));
+                float2 v__5 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __5.x = (v__4.x*v__5.x);
+                __5.y = (v__4.y*v__5.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
+              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __4;
             }
           }
         }
         if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
           if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
             if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-              uint1 __20;
-              float2 v__20 = *(float2*)(acc_dv + (i_14 * 2));
-              (reinterpret_cast<__nv_bfloat162*>(&__20))[0] = __float22bfloat162_rn(((float2*)(&v__20))[0]);
-              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __20;
+              uint1 __6;
+              float2 v__6 = *(float2*)(acc_dv + (i_14 * 2));
+              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
+              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)64) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)64)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __6;
             }
           }
         }
@@ -936,7 +867,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init() {
     return 0;
 }
 
-extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ LSE, float* __restrict__ Delta, int* __restrict__ offsets, int* __restrict__ members, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream) {
+extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(bfloat16_t* __restrict__ Q, bfloat16_t* __restrict__ K, bfloat16_t* __restrict__ V, bfloat16_t* __restrict__ dO, float* __restrict__ Stats, int* __restrict__ offsets, int* __restrict__ members, int* __restrict__ cu_seqlens_q, int* __restrict__ cu_seqlens_k, bfloat16_t* __restrict__ dK, bfloat16_t* __restrict__ dV, float* __restrict__ partial, int batch, int max_kblocks, int pieces, int groups, int tile_tokens, float scale_log2, int total_q, int heads, int total_k, int heads_k, int n_off, int n_entries, int batch_plus_one, int n_pieces, cudaStream_t stream) {
 
 	CUtensorMap Q_desc;
 	CUtensorMapDataType Q_desc_type= (CUtensorMapDataType)9;
@@ -1033,7 +964,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call(bfloat16_t*
 		config.gridDim = dim3(pieces * 4 + max_kblocks - 4, heads_k, batch);
 		config.blockDim = dim3(128, 1, 1);
 		config.dynamicSmemBytes = 59392;
-		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_kernel, Delta, K, LSE, Q_desc, Q_desc_1, V, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dO_desc_1, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
+		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_kernel, K, Q_desc, Q_desc_1, Stats, V, cu_seqlens_k, cu_seqlens_q, dK, dO_desc, dO_desc_1, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_kernel");
 
