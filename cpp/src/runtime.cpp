@@ -211,8 +211,9 @@ struct SideStreams {
   }
 };
 
-}  // namespace
-
+// The thread's side stream on `device`. False where none can be had: creating it failed, or
+// `stream` is being captured into a graph before this thread made one (creating it then could
+// invalidate the capture); the caller then stays on its own stream.
 bool side_stream(int device, cudaStream_t stream, SideStream* out) {
   thread_local SideStreams streams;
   if (device < 0) return false;
@@ -238,6 +239,8 @@ bool side_stream(int device, cudaStream_t stream, SideStream* out) {
   *out = s;
   return true;
 }
+
+}  // namespace
 
 cudaError_t SideBranch::fork(int device, cudaStream_t* out) {
   *out = caller_;

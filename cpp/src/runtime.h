@@ -181,19 +181,15 @@ infllmv2_status pick_unit(const char* op, const Unit* table, const Device& dev, 
               op, config_desc.c_str(), dev.index, dev.cc, dev.smem_optin);
 }
 
-// A second stream of the calling thread on `device`, with two events, for work that can run
-// beside the caller's stream. Per thread, so concurrent callers never share an event between a
-// record and its wait. Returns false where none can be had: creating it failed, or `stream` is
-// being captured into a graph before this thread made one (creating it then could invalidate
-// the capture). The caller then stays on its own stream.
+// A second stream of the calling thread on a device, with two events (see SideBranch).
 struct SideStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
-bool side_stream(int device, cudaStream_t stream, SideStream* out);
 
-// Work that may run beside the caller's stream: fork() hands out the thread's side stream (see
-// side_stream), made to wait for what the caller's stream has queued so far, or the caller's
+// Work that may run beside the caller's stream: fork() hands out the thread's side stream (one
+// per thread and device, so concurrent callers never share an event between a record and its
+// wait), made to wait for what the caller's stream has queued so far, or the caller's
 // stream itself where no side stream can be had; join() makes the caller's stream wait for the
 // side work. The join also runs on destruction, so every way out of an op, an error's included,
 // leaves nothing of it outside the caller's stream. In a captured graph the two streams become
