@@ -922,12 +922,13 @@ def _bwd_dq(dtype, D, arch, tokens):
     return sparse_attn_bwd_dq
 
 
-def _listed(rows_s, r, tx, blk, t, kb0, n_win, shift):
+def _listed(rows_s, r, tx, blk, t, t_end, topk, kb0, n_win, shift):
     """Whether entry tx (block blk) of query t's selection row, staged as rows_s[r], goes into a
-    list: a block of the window kb0 .. kb0 + n_win - 1 whose first key the query sees, not a
-    repeat of the entry before it in the sorted row. (T.And / T.Or: this runs as Python, where
-    `and` would drop a term.)"""
-    return T.And(T.And(blk >= kb0, blk < kb0 + n_win),
+    list: an entry of a row of the slice (t < t_end, tx < topk: the staging zero-fills the rest),
+    a block of the window kb0 .. kb0 + n_win - 1 whose first key the query sees, not a repeat of
+    the entry before it in the sorted row. (T.And / T.Or: this runs as Python, where `and` would
+    drop a term.)"""
+    return T.And(T.And(T.And(t < t_end, tx < topk), T.And(blk >= kb0, blk < kb0 + n_win)),
                  T.And(blk * BLOCK_N <= shift + t, T.Or(tx == 0, rows_s[r, T.max(tx, 1) - 1] != blk)))
 
 
@@ -957,6 +958,36 @@ def _bwd_members():
     threads = K_MAX  # one thread an entry of a selection row
     RB = 16  # rows loaded at a time
 
+    @T.macro
+    def stage_rows(topk_idx, hk, q0, r_lo, r_hi, rb, topk, tx, rows_s):
+        # 4-byte copies, one an entry; entries past the row or the slice are zero-filled, which
+        # _listed tells apart by position
+        for r in T.unroll(RB):
+            t = r_lo + rb * RB + r
+            T.ptx_cp_async(T.access_ptr(rows_s[r, tx], "w", 1),
+                           T.access_ptr(topk_idx[hk, q0 + T.min(t, r_hi - 1), T.min(tx, topk - 1)], "r", 1), 1,
+                           predicate=T.And(tx < topk, t < r_hi))
+        T.ptx_commit_group()
+
+    @T.macro
+    def walk_rows(rows_s, rb, r_lo, r_hi, topk, tx, kb0, n_win, shift, fill, cnt_s, members, hk, blk, p):
+        if fill == 0:
+            # a count needs no order: the batch's entries at once
+            for r in T.unroll(RB):
+                if _listed(rows_s, r, tx, rows_s[r, tx], r_lo + rb * RB + r, r_hi, topk, kb0, n_win, shift):
+                    T.atomic_add(cnt_s[rows_s[r, tx] - kb0], 1)
+            T.sync_threads()
+        else:
+            for r in T.serial(RB):
+                blk = rows_s[r, tx]
+                if _listed(rows_s, r, tx, blk, r_lo + rb * RB + r, r_hi, topk, kb0, n_win, shift):
+                    p = cnt_s[blk - kb0]
+                    cnt_s[blk - kb0] = p + 1
+                    # cu_seqlens are trusted, but a caller's bad ones must not write outside the lists
+                    if p >= 0 and p < n_entries:
+                        members[hk, p] = r_lo + rb * RB + r
+                T.sync_threads()
+
     @T.prim_func
     def sparse_attn_bwd_members(
         topk_idx: T.Tensor([heads_k, total_q, topk], "int32"),
@@ -971,7 +1002,9 @@ def _bwd_members():
         # windows: of WINDOW blocks, enough for the longest sequence's (the host passes it)
         with T.Kernel(CHUNKS * windows, heads_k, batch, threads=threads) as (bx, hk, b):
             cnt_s = T.alloc_shared([WINDOW], "int32")
-            rows_s = T.alloc_shared([RB, K_MAX], "int32")
+            # two batches of RB rows: the next one loads while this one is counted or listed
+            rows_s0 = T.alloc_shared([RB, K_MAX], "int32")
+            rows_s1 = T.alloc_shared([RB, K_MAX], "int32")
             blk = T.alloc_var("int32")
             p = T.alloc_var("int32")
             tx = T.get_thread_binding()
@@ -993,28 +1026,24 @@ def _bwd_members():
                 e = i * threads + tx
                 cnt_s[e] = T.if_then_else(fill == 1 and e < n_win, cnt[hk, c, gbase + kb0 + T.min(e, n_win - 1)], 0)
             T.sync_threads()
-            for rb in T.serial(T.ceildiv(T.if_then_else(n_win > 0, T.max(r_hi - r_lo, 0), 0), RB)):
-                for r in T.unroll(RB):
-                    rows_s[r, tx] = T.if_then_else(
-                        tx < topk and r_lo + rb * RB + r < r_hi,
-                        topk_idx[hk, q0 + T.min(r_lo + rb * RB + r, r_hi - 1), T.min(tx, topk - 1)], -1)
-                T.sync_threads()
-                if fill == 0:
-                    # a count needs no order: the batch's entries at once
-                    for r in T.unroll(RB):
-                        if _listed(rows_s, r, tx, rows_s[r, tx], r_lo + rb * RB + r, kb0, n_win, shift):
-                            T.atomic_add(cnt_s[rows_s[r, tx] - kb0], 1)
-                    T.sync_threads()
+            n_rb = T.ceildiv(T.if_then_else(n_win > 0, T.max(r_hi - r_lo, 0), 0), RB)
+            if n_rb > 0:
+                stage_rows(topk_idx, hk, q0, r_lo, r_hi, 0, topk, tx, rows_s0)
+            for rb in T.serial(n_rb):
+                # batch rb + 1 loads while batch rb is walked; rb's copies are then the older group
+                if rb + 1 < n_rb:
+                    if rb % 2 == 0:
+                        stage_rows(topk_idx, hk, q0, r_lo, r_hi, rb + 1, topk, tx, rows_s1)
+                    else:
+                        stage_rows(topk_idx, hk, q0, r_lo, r_hi, rb + 1, topk, tx, rows_s0)
+                    T.ptx_wait_group(1)
                 else:
-                    for r in T.serial(RB):
-                        blk = rows_s[r, tx]
-                        if _listed(rows_s, r, tx, blk, r_lo + rb * RB + r, kb0, n_win, shift):
-                            p = cnt_s[blk - kb0]
-                            cnt_s[blk - kb0] = p + 1
-                            # cu_seqlens are trusted, but a caller's bad ones must not write outside the lists
-                            if p >= 0 and p < n_entries:
-                                members[hk, p] = r_lo + rb * RB + r
-                        T.sync_threads()
+                    T.ptx_wait_group(0)
+                T.sync_threads()
+                if rb % 2 == 0:
+                    walk_rows(rows_s0, rb, r_lo, r_hi, topk, tx, kb0, n_win, shift, fill, cnt_s, members, hk, blk, p)
+                else:
+                    walk_rows(rows_s1, rb, r_lo, r_hi, topk, tx, kb0, n_win, shift, fill, cnt_s, members, hk, blk, p)
             if fill == 0:
                 for i in T.serial(WINDOW // threads):
                     e = i * threads + tx

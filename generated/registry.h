@@ -2021,13 +2021,13 @@ extern "C" const char* infllmv2_sparse_attn_bwd_members_sm90a_last_error();
 #endif
 static const infllmv2_sparse_attn_bwd_members_unit infllmv2_sparse_attn_bwd_members_units[] = {
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_members", "sm_80", 80, 24576, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm80_init, infllmv2_sparse_attn_bwd_members_sm80_call, infllmv2_sparse_attn_bwd_members_sm80_last_error},
+  {"sparse_attn_bwd_members", "sm_80", 80, 32768, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm80_init, infllmv2_sparse_attn_bwd_members_sm80_call, infllmv2_sparse_attn_bwd_members_sm80_last_error},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_members", "sm_89", 89, 24576, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm89_init, infllmv2_sparse_attn_bwd_members_sm89_call, infllmv2_sparse_attn_bwd_members_sm89_last_error},
+  {"sparse_attn_bwd_members", "sm_89", 89, 32768, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm89_init, infllmv2_sparse_attn_bwd_members_sm89_call, infllmv2_sparse_attn_bwd_members_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_members", "sm_90a", 90, 24576, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm90a_init, infllmv2_sparse_attn_bwd_members_sm90a_call, infllmv2_sparse_attn_bwd_members_sm90a_last_error},
+  {"sparse_attn_bwd_members", "sm_90a", 90, 32768, 128, 64, 4096, infllmv2_sparse_attn_bwd_members_sm90a_init, infllmv2_sparse_attn_bwd_members_sm90a_call, infllmv2_sparse_attn_bwd_members_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -3292,13 +3292,13 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dq", "sparse_attn_bwd_dq_fp16_d64_t8", "sm_89", 40960, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
-  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_80", 24576, 128},
+  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_80", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_89
-  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_89", 24576, 128},
+  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_89", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_90a", 24576, 128},
+  {"sparse_attn_bwd_members", "sparse_attn_bwd_members", "sm_90a", 32768, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_members_scan", "sparse_attn_bwd_members_scan", "sm_80", 1024, 256},

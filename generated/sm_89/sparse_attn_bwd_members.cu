@@ -8,6 +8,7 @@
 #define alignas _tl_orig_alignas
 #endif
 #include <tl_templates/cuda/atomic.h>
+#include <tl_templates/cuda/copy.h>
 #include <tl_templates/cuda/reduce.h>
 #include <tl_templates/cuda/scan.h>
 #include <tl_templates/cuda/ldsm.h>
@@ -20,9 +21,8 @@ extern "C" __global__ void infllmv2_sparse_attn_bwd_members_sm89_kernel(int* __r
 extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_members_sm89_kernel(int* __restrict__ cnt, const int* __restrict__ cu_seqlens_k, const int* __restrict__ cu_seqlens_q, int* __restrict__ members, const int* __restrict__ topk_idx, int batch, int batch_plus_one, int fill, int heads_k, int n_entries, int n_gb, int topk, int total_q, int windows) {
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* cnt_s = ((void*)((char*)buf_dyn_shmem + 0));
-  void* rows_s = ((void*)((char*)buf_dyn_shmem + 16384));
-  int blk = 0;
-  int p = 0;
+  void* rows_s0 = ((void*)((char*)buf_dyn_shmem + 16384));
+  void* rows_s1 = ((void*)((char*)buf_dyn_shmem + 24576));
   int condval;
   if ((((int)blockIdx.z) < batch_plus_one)) {
     condval = cu_seqlens_q[((int)blockIdx.z)];
@@ -122,85 +122,136 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_me
   } else {
     condval_13 = 0;
   }
-  for (int rb = 0; rb < ((condval_13 + 15) >> 4); ++rb) {
+  if (0 < condval_13) {
     #pragma unroll
     for (int r = 0; r < 16; ++r) {
-      int condval_15;
-      if ((((((int)threadIdx.x) < topk) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r) < len_q)) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))))) {
-        int condval_16;
-        if (((0 <= (min((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0)) && ((min((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0) < total_q))) {
-          condval_16 = topk_idx[((min(((int64_t)((int)threadIdx.x)), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + ((min((((((int64_t)rb) * (int64_t)16) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) + ((int64_t)r)), (min(((int64_t)len_q), (((((int64_t)((int)blockIdx.x)) & (int64_t)63) + (int64_t)1) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) - (int64_t)1)) + ((int64_t)q0)) * ((int64_t)topk)))];
-        } else {
-          condval_16 = 0;
+      tl::cp_async_gs_conditional<4>((&(((int*)rows_s0)[((r * 128) + ((int)threadIdx.x))])), (&(topk_idx[((min(((int64_t)((int)threadIdx.x)), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + ((min((((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6)) + ((int64_t)r)), (min(((int64_t)len_q), (((((int64_t)((int)blockIdx.x)) & (int64_t)63) + (int64_t)1) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) - (int64_t)1)) + ((int64_t)q0)) * ((int64_t)topk)))])), ((((((((int)threadIdx.x) < topk) && ((((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6)) + r) < len_q)) && ((((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6)) + r) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6)))) && ((min((((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6)) + r), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0) < total_q)) && (0 <= (min((((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6)) + r), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0))) && (1 <= topk)));
+    }
+    tl::cp_async_commit();
+  }
+  int condval_16;
+  if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+    condval_16 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+  } else {
+    condval_16 = 0;
+  }
+  int condval_15;
+  if ((0 < condval_16)) {
+    condval_15 = max((min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))), 0);
+  } else {
+    condval_15 = 0;
+  }
+  for (int rb = 0; rb < ((condval_15 + 15) >> 4); ++rb) {
+    int condval_18;
+    if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+      condval_18 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+    } else {
+      condval_18 = 0;
+    }
+    int condval_17;
+    if ((0 < condval_18)) {
+      condval_17 = max((min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))), 0);
+    } else {
+      condval_17 = 0;
+    }
+    if ((rb + 1) < ((condval_17 + 15) >> 4)) {
+      if ((rb % 2) == 0) {
+        #pragma unroll
+        for (int r_1 = 0; r_1 < 16; ++r_1) {
+          tl::cp_async_gs_conditional<4>((&(((int*)rows_s1)[((r_1 * 128) + ((int)threadIdx.x))])), (&(topk_idx[((min(((int64_t)((int)threadIdx.x)), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + ((min(((((((int64_t)rb) * (int64_t)16) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) + ((int64_t)r_1)) + (int64_t)16), (min(((int64_t)len_q), (((((int64_t)((int)blockIdx.x)) & (int64_t)63) + (int64_t)1) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) - (int64_t)1)) + ((int64_t)q0)) * ((int64_t)topk)))])), ((((((((int)threadIdx.x) < topk) && (((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_1) + 16) < len_q)) && (((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_1) + 16) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6)))) && ((min(((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_1) + 16), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0) < total_q)) && (0 <= (min(((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_1) + 16), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0))) && (1 <= topk)));
         }
-        condval_15 = condval_16;
+        tl::cp_async_commit();
       } else {
-        condval_15 = -1;
+        #pragma unroll
+        for (int r_2 = 0; r_2 < 16; ++r_2) {
+          tl::cp_async_gs_conditional<4>((&(((int*)rows_s0)[((r_2 * 128) + ((int)threadIdx.x))])), (&(topk_idx[((min(((int64_t)((int)threadIdx.x)), (((int64_t)topk) - (int64_t)1)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)topk)) * ((int64_t)total_q))) + ((min(((((((int64_t)rb) * (int64_t)16) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) + ((int64_t)r_2)) + (int64_t)16), (min(((int64_t)len_q), (((((int64_t)((int)blockIdx.x)) & (int64_t)63) + (int64_t)1) * ((((int64_t)len_q) + (int64_t)63) >> (int64_t)6))) - (int64_t)1)) + ((int64_t)q0)) * ((int64_t)topk)))])), ((((((((int)threadIdx.x) < topk) && (((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2) + 16) < len_q)) && (((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2) + 16) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6)))) && ((min(((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2) + 16), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0) < total_q)) && (0 <= (min(((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2) + 16), (min(len_q, (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6))) - 1)) + q0))) && (1 <= topk)));
+        }
+        tl::cp_async_commit();
       }
-      ((int*)rows_s)[((r * 128) + ((int)threadIdx.x))] = condval_15;
+      tl::cp_async_wait<1>();
+    } else {
+      tl::cp_async_wait<0>();
     }
     __syncthreads();
-    if (fill == 0) {
-      #pragma unroll
-      for (int r_1 = 0; r_1 < 16; ++r_1) {
-        int condval_17;
-        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-          condval_17 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-        } else {
-          condval_17 = 0;
-        }
-        if ((((((((int)blockIdx.x) >> 6) * 4096) <= ((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))]) && (((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))] < (((((int)blockIdx.x) >> 6) * 4096) + condval_17))) && ((((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))] * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_1))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_1 * 128) + max((((int)threadIdx.x) - 1), 0))] != ((int*)rows_s)[((r_1 * 128) + ((int)threadIdx.x))]))) {
-          AtomicAdd((&(((int*)cnt_s)[(((int64_t)((int*)rows_s)[((((int64_t)r_1) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))])), 1);
-        }
-      }
-      __syncthreads();
-    } else {
-      for (int r_2 = 0; r_2 < 16; ++r_2) {
-        blk = ((int*)rows_s)[((r_2 * 128) + ((int)threadIdx.x))];
-        int condval_18;
-        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-          condval_18 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-        } else {
-          condval_18 = 0;
-        }
-        if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_18))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
-          p = ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))];
-        }
-        int condval_19;
-        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-          condval_19 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-        } else {
-          condval_19 = 0;
-        }
-        if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_19))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
-          ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))] = (p + 1);
-        }
-        int condval_20;
-        if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-          condval_20 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
-        } else {
-          condval_20 = 0;
-        }
-        if ((((((((int)blockIdx.x) >> 6) * 4096) <= blk) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_20))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s)[((r_2 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
-          if ((0 <= p) && (p < n_entries)) {
-            if (0 <= p) {
-              members[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)p))] = (((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_2);
-            }
+    if ((rb % 2) == 0) {
+      if (fill == 0) {
+        #pragma unroll
+        for (int r_3 = 0; r_3 < 16; ++r_3) {
+          int condval_19;
+          if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+            condval_19 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+          } else {
+            condval_19 = 0;
+          }
+          if ((((((((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_3) < len_q) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_3) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6)))) && (((int)threadIdx.x) < topk)) && (((((int)blockIdx.x) >> 6) * 4096) <= ((int*)rows_s0)[((r_3 * 128) + ((int)threadIdx.x))])) && (((int*)rows_s0)[((r_3 * 128) + ((int)threadIdx.x))] < (((((int)blockIdx.x) >> 6) * 4096) + condval_19))) && ((((int*)rows_s0)[((r_3 * 128) + ((int)threadIdx.x))] * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_3))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s0)[((r_3 * 128) + max((((int)threadIdx.x) - 1), 0))] != ((int*)rows_s0)[((r_3 * 128) + ((int)threadIdx.x))]))) {
+            AtomicAdd((&(((int*)cnt_s)[(((int64_t)((int*)rows_s0)[((((int64_t)r_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))])), 1);
           }
         }
         __syncthreads();
+      } else {
+        for (int r_4 = 0; r_4 < 16; ++r_4) {
+          int blk = ((int*)rows_s0)[((r_4 * 128) + ((int)threadIdx.x))];
+          int condval_20;
+          if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+            condval_20 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+          } else {
+            condval_20 = 0;
+          }
+          if ((((((((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_4) < len_q) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_4) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6)))) && (((int)threadIdx.x) < topk)) && (((((int)blockIdx.x) >> 6) * 4096) <= blk)) && (blk < (((((int)blockIdx.x) >> 6) * 4096) + condval_20))) && ((blk * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_4))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s0)[((r_4 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk))) {
+            int p = ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))];
+            ((int*)cnt_s)[(((int64_t)blk) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))] = (p + 1);
+            if ((0 <= p) && (p < n_entries)) {
+              members[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)p))] = (((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_4);
+            }
+          }
+          __syncthreads();
+        }
+      }
+    } else {
+      if (fill == 0) {
+        #pragma unroll
+        for (int r_5 = 0; r_5 < 16; ++r_5) {
+          int condval_21;
+          if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+            condval_21 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+          } else {
+            condval_21 = 0;
+          }
+          if ((((((((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_5) < len_q) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_5) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6)))) && (((int)threadIdx.x) < topk)) && (((((int)blockIdx.x) >> 6) * 4096) <= ((int*)rows_s1)[((r_5 * 128) + ((int)threadIdx.x))])) && (((int*)rows_s1)[((r_5 * 128) + ((int)threadIdx.x))] < (((((int)blockIdx.x) >> 6) * 4096) + condval_21))) && ((((int*)rows_s1)[((r_5 * 128) + ((int)threadIdx.x))] * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_5))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s1)[((r_5 * 128) + max((((int)threadIdx.x) - 1), 0))] != ((int*)rows_s1)[((r_5 * 128) + ((int)threadIdx.x))]))) {
+            AtomicAdd((&(((int*)cnt_s)[(((int64_t)((int*)rows_s1)[((((int64_t)r_5) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))])), 1);
+          }
+        }
+        __syncthreads();
+      } else {
+        for (int r_6 = 0; r_6 < 16; ++r_6) {
+          int blk_1 = ((int*)rows_s1)[((r_6 * 128) + ((int)threadIdx.x))];
+          int condval_22;
+          if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
+            condval_22 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+          } else {
+            condval_22 = 0;
+          }
+          if ((((((((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_6) < len_q) && ((((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_6) < (((((int)blockIdx.x) & 63) + 1) * ((len_q + 63) >> 6)))) && (((int)threadIdx.x) < topk)) && (((((int)blockIdx.x) >> 6) * 4096) <= blk_1)) && (blk_1 < (((((int)blockIdx.x) >> 6) * 4096) + condval_22))) && ((blk_1 * 64) <= ((((rb * 16) + shift) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_6))) && ((((int)threadIdx.x) == 0) || (((int*)rows_s1)[((r_6 * 128) + max((((int)threadIdx.x) - 1), 0))] != blk_1))) {
+            int p_1 = ((int*)cnt_s)[(((int64_t)blk_1) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))];
+            ((int*)cnt_s)[(((int64_t)blk_1) - ((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096))] = (p_1 + 1);
+            if ((0 <= p_1) && (p_1 < n_entries)) {
+              members[((((int64_t)((int)blockIdx.y)) * ((int64_t)n_entries)) + ((int64_t)p_1))] = (((rb * 16) + ((((int)blockIdx.x) & 63) * ((len_q + 63) >> 6))) + r_6);
+            }
+          }
+          __syncthreads();
+        }
       }
     }
   }
   if (fill == 0) {
     for (int i_1 = 0; i_1 < 32; ++i_1) {
-      int condval_21;
+      int condval_23;
       if ((0 <= ((k0 >> 6) + ((int)blockIdx.z)))) {
-        condval_21 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
+        condval_23 = max(min((span - ((((int)blockIdx.x) >> 6) * 4096)), 4096), 0);
       } else {
-        condval_21 = 0;
+        condval_23 = 0;
       }
-      if (((i_1 * 128) + ((int)threadIdx.x)) < condval_21) {
+      if (((i_1 * 128) + ((int)threadIdx.x)) < condval_23) {
         if (0 <= ((((((((int)blockIdx.x) >> 6) * 4096) + (i_1 * 128)) + (k0 >> 6)) + ((int)blockIdx.z)) + ((int)threadIdx.x))) {
           if (((((((((int)blockIdx.x) >> 6) * 4096) + (i_1 * 128)) + (k0 >> 6)) + ((int)blockIdx.z)) + ((int)threadIdx.x)) < n_gb) {
             cnt[((((((((((int64_t)((int)blockIdx.x)) >> (int64_t)6) * (int64_t)4096) + (((int64_t)i_1) * (int64_t)128)) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_gb)) * (int64_t)64)) + (((int64_t)k0) >> (int64_t)6)) + ((((int64_t)((int)blockIdx.x)) & (int64_t)63) * ((int64_t)n_gb))) + ((int64_t)((int)blockIdx.z))) + ((int64_t)((int)threadIdx.x)))] = ((int*)cnt_s)[((i_1 * 128) + ((int)threadIdx.x))];
@@ -229,9 +280,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_members_sm89_last_error() {
 extern "C" int infllmv2_sparse_attn_bwd_members_sm89_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_members_sm89_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_members_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 24576);
+    cudaError_t result_infllmv2_sparse_attn_bwd_members_sm89_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_members_sm89_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768);
     if (result_infllmv2_sparse_attn_bwd_members_sm89_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 24576, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_members_sm89_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 32768, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_members_sm89_kernel));
         return -1;
     }
 
@@ -250,7 +301,7 @@ extern "C" int infllmv2_sparse_attn_bwd_members_sm89_call(int* __restrict__ topk
 		config.stream = stream;
 		config.gridDim = dim3(windows * 64, heads_k, batch);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 24576;
+		config.dynamicSmemBytes = 32768;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_members_sm89_kernel, cnt, cu_seqlens_k, cu_seqlens_q, members, topk_idx, batch, batch_plus_one, fill, heads_k, n_entries, n_gb, topk, total_q, windows);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_members_sm89_kernel");
