@@ -4,6 +4,8 @@
     python -m dsl.build --arch sm_90a        # one arch (the others' files are kept)
     python -m dsl.build --out /tmp/gen       # somewhere else (the byte-for-byte test does this)
     python -m dsl.build --ops select_blocks  # only these ops' units (the others' files are kept)
+    python -m dsl.build --ops sparse_attn --kernels bwd_dkdv bwd_preprocess
+                                             # only these kernels of the ops (their other units kept)
 
 For each op module in OPS, each of its VARIANTS and each arch it writes
 
@@ -254,7 +256,8 @@ def jobs_for(archs, ops=OPS):
     return jobs
 
 
-def build(archs: list[str], out: str, nproc: int, ops: list[str] | None = None) -> list[str]:
+def build(archs: list[str], out: str, nproc: int, ops: list[str] | None = None,
+          kernels: list[str] | None = None) -> list[str]:
     for a in archs:
         arch_sm(a)
     ops = OPS if ops is None else ops
@@ -263,6 +266,17 @@ def build(archs: list[str], out: str, nproc: int, ops: list[str] | None = None) 
             raise SystemExit(f"--ops: unknown op module {o!r}; known: {' '.join(m.split('.')[-1] for m in OPS)}")
     rebuilt = {importlib.import_module(o).OP for o in ops}
     jobs = jobs_for(archs, ops)
+    if kernels is not None:
+        # a kernel's units alone: lowering a whole op can take many minutes (sparse_attn's forward
+        # units take about a minute each on a 2-core host)
+        known = sorted({j[1].get("kernel") for j in jobs} - {None})
+        unknown = sorted(set(kernels) - set(known))
+        if unknown:
+            raise SystemExit(f"--kernels: {' '.join(unknown)} not among the kernels of {' '.join(ops)}: {' '.join(known)}")
+        jobs = [j for j in jobs if j[1].get("kernel") in kernels]
+
+    def replaced(info: dict) -> bool:
+        return info["op"] in rebuilt and (kernels is None or info["config"].get("kernel") in kernels)
     if nproc > 1:
         # spawn: TVM's runtime does not survive fork.
         with ProcessPoolExecutor(nproc, mp_context=multiprocessing.get_context("spawn")) as ex:
@@ -277,7 +291,7 @@ def build(archs: list[str], out: str, nproc: int, ops: list[str] | None = None) 
         if os.path.isfile(manifest):
             # units of ops not rebuilt now stay as they are
             with open(manifest) as f:
-                infos = [i for i in json.load(f) if i["op"] not in rebuilt]
+                infos = [i for i in json.load(f) if not replaced(i)]
         if os.path.isdir(arch_dir):
             keep = {os.path.basename(i["file"]) for i in infos}
             keep |= {os.path.basename(r["info"]["file"]) for r in results if r["info"]["arch"] == arch}
@@ -308,9 +322,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "generated"))
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--ops", nargs="+", default=None, help="op modules to rebuild, e.g. select_blocks (default: all)")
+    ap.add_argument("--kernels", nargs="+", default=None,
+                    help="with --ops: only these kernels of them (a variant's 'kernel'), e.g. bwd_dkdv")
     args = ap.parse_args(argv)
+    if args.kernels is not None and args.ops is None:
+        raise SystemExit("--kernels: name the op modules they belong to with --ops")
     ops = None if args.ops is None else [o if o.startswith("dsl.") else "dsl." + o for o in args.ops]
-    written = build(args.arch, args.out, args.jobs, ops)
+    written = build(args.arch, args.out, args.jobs, ops, args.kernels)
     print(f"wrote {len(written)} units for {' '.join(args.arch)} into {args.out}")
     return 0
 

@@ -37,6 +37,35 @@ def test_regenerating_reproduces_generated(tmp_path):
         assert filecmp.cmp(os.path.join(ROOT, "generated", rel), tmp_path / rel, shallow=False), f"{rel} differs"
 
 
+
+@pytest.mark.slow
+def test_regenerating_some_kernels_keeps_the_others(tmp_path):
+    """`python -m dsl.build --ops OP --kernels K ...` rewrites K's units of every arch and leaves
+    every other unit, manifest entry and table as it finds them."""
+    pytest.importorskip("tilelang", reason="regenerating needs the dsl extra (tilelang 0.1.15)")
+    import sys
+
+    sys.path.insert(0, ROOT)
+    from dsl import build
+
+    out = tmp_path / "generated"
+    shutil.copytree(os.path.join(ROOT, "generated"), out)
+    archs = sorted(d for d in os.listdir(out) if d.startswith("sm_"))
+    # one unit of the kernel that is rebuilt, one of a kernel of the same op that is not
+    for a in archs:
+        for name in ("sparse_attn_bwd_members_scan.cu", "sparse_attn_bwd_members.cu"):
+            with open(out / a / name, "a") as f:
+                f.write("// stale\n")
+    written = build.build(archs, str(out), 1, ["dsl.sparse_attn"], ["bwd_members_scan"])
+    assert sorted(written) == [f"{a}/sparse_attn_bwd_members_scan.cu" for a in archs]
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "generated")):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), os.path.join(ROOT, "generated"))
+            same = filecmp.cmp(os.path.join(dirpath, f), out / rel, shallow=False)
+            assert same == (f != "sparse_attn_bwd_members.cu"), rel
+    with pytest.raises(SystemExit, match="--kernels: nope not among the kernels of dsl.sparse_attn"):
+        build.build(archs, str(out), 1, ["dsl.sparse_attn"], ["nope"])
+
 def _units_by_arch(kernel):
     """(arch, the manifest entries of `kernel`) for each arch in generated/, none of them empty."""
     import json
