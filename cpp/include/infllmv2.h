@@ -229,15 +229,15 @@ INFLLMV2_API infllmv2_status infllmv2_sparse_attn_fwd(
     infllmv2_dtype dtype, float softmax_scale, cudaStream_t stream);
 
 /* Bytes of device workspace infllmv2_sparse_attn_bwd needs: fp32 rowsum(dout * out), heads x
- * total_q, and the same with each row's lse beside it, total_q x heads x 2 (the layout the
- * dk/dv kernel reads: a token's heads adjacent); the inverse index of topk_idx that the dk/dv kernel walks (int32: per KV head, each key block's
- * list of the queries that picked it, heads_k x total_q x topk entries; the lists' offsets,
- * heads_k x (total_k / 64 + batch + 1); and the counts they are built from, heads_k x 64 x
- * (total_k / 64 + batch)) and, when total_q > 8192, fp32 partial dK/dV of the first 4 key
- * blocks of sequences of more than 8192 queries (4 x heads_k x ceil(total_q / 8192) x 2 x 2 x
- * 64 x 128 floats; these blocks, which every query's init block lands in, are shared among
- * several thread blocks). 0 for a non-positive size. (ABI 2 added heads_k and max_seqlen_k;
- * ABI 3 replaced max_seqlen_k with total_k, batch and topk.) */
+ * total_q, and the same with each row's lse beside it, total_q x heads x 2 (the layout the dk/dv
+ * kernel reads: a token's heads adjacent); the inverse index of topk_idx that the dk/dv kernel
+ * walks (int32: per KV head, each key block's list of the queries that picked it, heads_k x
+ * total_q x topk entries; the lists' offsets, heads_k x (total_k / 64 + batch + 1); and the
+ * counts they are built from, heads_k x 64 x (total_k / 64 + batch)) and, when total_q > 8192,
+ * fp32 partial dK/dV of the first 4 key blocks of sequences of more than 8192 queries (4 x
+ * heads_k x ceil(total_q / 8192) x 2 x 2 x 64 x 128 floats; these blocks, which every query's
+ * init block lands in, are shared among several thread blocks). 0 for a non-positive size. (ABI 2
+ * added heads_k and max_seqlen_k; ABI 3 replaced max_seqlen_k with total_k, batch and topk.) */
 INFLLMV2_API size_t infllmv2_sparse_attn_bwd_workspace_size(int64_t total_q, int64_t total_k, int32_t batch,
                                                             int32_t heads, int32_t heads_k, int32_t topk);
 

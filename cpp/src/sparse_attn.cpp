@@ -144,13 +144,16 @@ size_t partial_bytes(int64_t total_q, int32_t heads_k) {
 struct BwdLayout {
   size_t stats, counts, offsets, members, partial, total;
 };
+// Where the rows' (LSE, Delta) pairs start (after Delta) and end: the whole workspace when
+// there is no member index.
+size_t stats_start(int64_t total_q, int32_t heads) { return align256(attn_delta_bytes(total_q, heads)); }
 size_t stats_end(int64_t total_q, int32_t heads) {
-  return align256(attn_delta_bytes(total_q, heads)) + (size_t)total_q * (size_t)heads * 2 * sizeof(float);
+  return stats_start(total_q, heads) + (size_t)total_q * (size_t)heads * 2 * sizeof(float);
 }
 BwdLayout bwd_layout(int64_t total_q, int64_t total_k, int32_t batch, int32_t heads, int32_t heads_k, int32_t topk) {
   BwdLayout l;
   const size_t n_gb = (size_t)key_block_indices(total_k, batch);
-  l.stats = align256(attn_delta_bytes(total_q, heads));
+  l.stats = stats_start(total_q, heads);
   l.counts = align256(stats_end(total_q, heads));
   l.offsets = align256(l.counts + (size_t)heads_k * kChunks * n_gb * sizeof(int32_t));
   l.members = align256(l.offsets + (size_t)heads_k * (n_gb + 1) * sizeof(int32_t));
