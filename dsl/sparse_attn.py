@@ -735,13 +735,16 @@ def _bwd_preprocess(dtype, D, arch):
             delta = T.alloc_fragment([ROWS], accum)
             st_s = T.alloc_shared([ROWS, HEADS, 2], accum)
             for hh in T.serial(HEADS):
-                h = T.min(by * HEADS + hh, heads - 1)
-                row_dots(O, dO, bx * ROWS, h, total_q, prod, delta)
-                for r in T.Parallel(ROWS):
-                    if bx * ROWS + r < total_q and by * HEADS + hh < heads:
-                        Delta[h, bx * ROWS + r] = delta[r]
-                    st_s[r, hh, 0] = LSE[h, T.min(bx * ROWS + r, total_q - 1)]
-                    st_s[r, hh, 1] = delta[r]
+                # the last block's heads past `heads` (heads % HEADS != 0) are skipped, not
+                # recomputed as the last head: their Stats entries are never stored
+                if by * HEADS + hh < heads:
+                    h = by * HEADS + hh
+                    row_dots(O, dO, bx * ROWS, h, total_q, prod, delta)
+                    for r in T.Parallel(ROWS):
+                        if bx * ROWS + r < total_q:
+                            Delta[h, bx * ROWS + r] = delta[r]
+                        st_s[r, hh, 0] = LSE[h, T.min(bx * ROWS + r, total_q - 1)]
+                        st_s[r, hh, 1] = delta[r]
             for r, hh, j in T.Parallel(ROWS, HEADS, 2):
                 if bx * ROWS + r < total_q and by * HEADS + hh < heads:
                     Stats[bx * ROWS + r, by * HEADS + hh, j] = st_s[r, hh, j]

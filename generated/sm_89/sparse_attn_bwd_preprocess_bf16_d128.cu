@@ -21,73 +21,75 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_pr
   float prod[32];
   float delta[4];
   for (int hh = 0; hh < 4; ++hh) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      bfloat16_t O_local_cast[8];
-      bfloat16_t dO_local_cast_1[8];
-      bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval;
-      if (((1 <= heads) && ((((((int)blockIdx.x) * 32) + (i * 8)) + (((int)threadIdx.x) >> 4)) < total_q))) {
-        condval = *(uint4*)(O + (((min(((((int64_t)((int)blockIdx.y)) * (int64_t)4) + ((int64_t)hh)), (((int64_t)heads) - (int64_t)1)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
-      }
-      *(uint4*)(O_local_cast + 0) = condval;
-      bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
-      uint4 condval_1;
-      if (((1 <= heads) && ((((((int)blockIdx.x) * 32) + (i * 8)) + (((int)threadIdx.x) >> 4)) < total_q))) {
-        condval_1 = *(uint4*)(dO + (((min(((((int64_t)((int)blockIdx.y)) * (int64_t)4) + ((int64_t)hh)), (((int64_t)heads) - (int64_t)1)) * (int64_t)128) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
-      } else {
-        condval_1 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
-      }
-      *(uint4*)(dO_local_cast_1 + 0) = condval_1;
-      for (int vec = 0; vec < 2; ++vec) {
-        float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
-        float4 condval_2;
+    if (((((int)blockIdx.y) * 4) + hh) < heads) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        bfloat16_t O_local_cast[8];
+        bfloat16_t dO_local_cast_1[8];
+        bfloat16_t broadcast_var = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval;
         if (((((((int)blockIdx.x) * 32) + (i * 8)) + (((int)threadIdx.x) >> 4)) < total_q)) {
-          float4 __1;
-            float4 __2;
-            uint2 v_ = *(uint2*)(O_local_cast + (vec * 4));
-            ((float2*)(&__2))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
-            ((float2*)(&__2))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
-            float4 __3;
-            uint2 v__1 = *(uint2*)(dO_local_cast_1 + (vec * 4));
-            ((float2*)(&__3))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
-            ((float2*)(&__3))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
-            __1.x = (__2.x*__3.x);
-            __1.y = (__2.y*__3.y);
-            __1.z = (__2.z*__3.z);
-            __1.w = (__2.w*__3.w);
-          condval_2 = __1;
+          condval = *(uint4*)(O + ((((((int64_t)((int)blockIdx.y)) * (int64_t)512) + (((int64_t)hh) * (int64_t)128)) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
         } else {
-          condval_2 = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+          condval = make_uint4(__pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var), __pack_nv_bfloat162(broadcast_var, broadcast_var));
         }
-        *(float4*)(prod + ((i * 8) + (vec * 4))) = condval_2;
-      }
-    }
-    #pragma unroll
-    for (int i_1 = 0; i_1 < 4; ++i_1) {
-      delta[i_1] = 0x0p+0f/*0.000000e+00*/;
-      #pragma unroll
-      for (int rv = 0; rv < 8; ++rv) {
-        delta[i_1] = (delta[i_1] + prod[((i_1 * 8) + rv)]);
-      }
-      delta[i_1] = tl::AllReduce<tl::SumOp, 16, 1, 0, tl::NamedBarrier<128>>::run(delta[i_1]);
-    }
-    if ((((int)threadIdx.x) % 16) == 0) {
-      #pragma unroll
-      for (int i_2 = 0; i_2 < 4; ++i_2) {
-        if (((((((int)blockIdx.x) * 32) + (i_2 * 8)) + (((int)threadIdx.x) >> 4)) < total_q) && (((((int)blockIdx.y) * 4) + hh) < heads)) {
-          Delta[((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i_2) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + (min(((((int64_t)((int)blockIdx.y)) * (int64_t)4) + ((int64_t)hh)), (((int64_t)heads) - (int64_t)1)) * ((int64_t)total_q)))] = delta[i_2];
-        }
-        float condval_3;
-        if (((1 <= total_q) && (1 <= heads))) {
-          condval_3 = LSE[(min((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i_2) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)total_q) - (int64_t)1)) + (min(((((int64_t)((int)blockIdx.y)) * (int64_t)4) + ((int64_t)hh)), (((int64_t)heads) - (int64_t)1)) * ((int64_t)total_q)))];
+        *(uint4*)(O_local_cast + 0) = condval;
+        bfloat16_t broadcast_var_1 = bfloat16_t(0x0p+0f/*0.000000e+00*/);
+        uint4 condval_1;
+        if (((((((int)blockIdx.x) * 32) + (i * 8)) + (((int)threadIdx.x) >> 4)) < total_q)) {
+          condval_1 = *(uint4*)(dO + ((((((int64_t)((int)blockIdx.y)) * (int64_t)512) + (((int64_t)hh) * (int64_t)128)) + (((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8)));
         } else {
-          condval_3 = 0x0p+0f/*0.000000e+00*/;
+          condval_1 = make_uint4(__pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1), __pack_nv_bfloat162(broadcast_var_1, broadcast_var_1));
         }
-        st_s[(((i_2 * 64) + ((((int)threadIdx.x) >> 4) * 8)) + (hh * 2))] = condval_3;
-        st_s[((((i_2 * 64) + ((((int)threadIdx.x) >> 4) * 8)) + (hh * 2)) + 1)] = delta[i_2];
+        *(uint4*)(dO_local_cast_1 + 0) = condval_1;
+        for (int vec = 0; vec < 2; ++vec) {
+          float broadcast_var_2 = 0x0p+0f/*0.000000e+00*/;
+          float4 condval_2;
+          if (((((((int)blockIdx.x) * 32) + (i * 8)) + (((int)threadIdx.x) >> 4)) < total_q)) {
+            float4 __1;
+              float4 __2;
+              uint2 v_ = *(uint2*)(O_local_cast + (vec * 4));
+              ((float2*)(&__2))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[0]);
+              ((float2*)(&__2))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v_))[1]);
+              float4 __3;
+              uint2 v__1 = *(uint2*)(dO_local_cast_1 + (vec * 4));
+              ((float2*)(&__3))[0] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[0]);
+              ((float2*)(&__3))[1] = __bfloat1622float2((reinterpret_cast<__nv_bfloat162*>(&v__1))[1]);
+              __1.x = (__2.x*__3.x);
+              __1.y = (__2.y*__3.y);
+              __1.z = (__2.z*__3.z);
+              __1.w = (__2.w*__3.w);
+            condval_2 = __1;
+          } else {
+            condval_2 = make_float4(broadcast_var_2, broadcast_var_2, broadcast_var_2, broadcast_var_2);
+          }
+          *(float4*)(prod + ((i * 8) + (vec * 4))) = condval_2;
+        }
+      }
+      #pragma unroll
+      for (int i_1 = 0; i_1 < 4; ++i_1) {
+        delta[i_1] = 0x0p+0f/*0.000000e+00*/;
+        #pragma unroll
+        for (int rv = 0; rv < 8; ++rv) {
+          delta[i_1] = (delta[i_1] + prod[((i_1 * 8) + rv)]);
+        }
+        delta[i_1] = tl::AllReduce<tl::SumOp, 16, 1, 0, tl::NamedBarrier<128>>::run(delta[i_1]);
+      }
+      if ((((int)threadIdx.x) % 16) == 0) {
+        #pragma unroll
+        for (int i_2 = 0; i_2 < 4; ++i_2) {
+          if ((((((int)blockIdx.x) * 32) + (i_2 * 8)) + (((int)threadIdx.x) >> 4)) < total_q) {
+            Delta[((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i_2) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + (((((int64_t)((int)blockIdx.y)) * (int64_t)4) + ((int64_t)hh)) * ((int64_t)total_q)))] = delta[i_2];
+          }
+          float condval_3;
+          if ((1 <= total_q)) {
+            condval_3 = LSE[(min((((((int64_t)((int)blockIdx.x)) * (int64_t)32) + (((int64_t)i_2) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)), (((int64_t)total_q) - (int64_t)1)) + (((((int64_t)((int)blockIdx.y)) * (int64_t)4) + ((int64_t)hh)) * ((int64_t)total_q)))];
+          } else {
+            condval_3 = 0x0p+0f/*0.000000e+00*/;
+          }
+          st_s[(((i_2 * 64) + ((((int)threadIdx.x) >> 4) * 8)) + (hh * 2))] = condval_3;
+          st_s[((((i_2 * 64) + ((((int)threadIdx.x) >> 4) * 8)) + (hh * 2)) + 1)] = delta[i_2];
+        }
       }
     }
   }
