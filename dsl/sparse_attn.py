@@ -1168,18 +1168,18 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             headl[PASSES] = rhead_s[tx]
 
     @T.macro
-    def gather_rows(Q, dO, n_rows, tx, Qb, dOb, rowl, headl):
+    def gather_rows(Q, dO, n_rows, tx, Q_s, dO_s, row0, rowl, headl):
         for p in T.unroll(PASSES):
             for j in T.unroll(VPT):
                 r = p * RPP + tx // TPR
                 d = (j * TPR + tx % TPR) * VEC
-                T.ptx_cp_async(T.access_ptr(Qb[r, d], "w", VEC), T.access_ptr(Q[rowl[p], headl[p], d], "r", VEC),
-                               VEC, predicate=r < n_rows)
-                T.ptx_cp_async(T.access_ptr(dOb[r, d], "w", VEC), T.access_ptr(dO[rowl[p], headl[p], d], "r", VEC),
-                               VEC, predicate=r < n_rows)
+                T.ptx_cp_async(T.access_ptr(Q_s[row0 + r, d], "w", VEC),
+                               T.access_ptr(Q[rowl[p], headl[p], d], "r", VEC), VEC, predicate=r < n_rows)
+                T.ptx_cp_async(T.access_ptr(dO_s[row0 + r, d], "w", VEC),
+                               T.access_ptr(dO[rowl[p], headl[p], d], "r", VEC), VEC, predicate=r < n_rows)
 
     @T.macro
-    def load_tile(Q, dO, Stats, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Qb, dOb, Qv, dOv, statb, rowl,
+    def load_tile(Q, dO, Stats, q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, Q_s, dO_s, Q_v, dO_v, st_s, rowl,
                   headl, hk, rbar, bi, boxl):
         # No wait: the next group's rows load while the current one is computed. Rows past the
         # member rows are zero-filled. Row r is head rhead_s[r] of member token
@@ -1202,6 +1202,8 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         # here instead of reading rtok_s / rhead_s made the kernel 60% slower on an H100.) In
         # the gather TPR threads share a row, each copying VPT of its 16-byte vectors (TPR
         # adjacent vectors, 64 bytes, a copy instruction), so a thread has PASSES rows to look up.
+        # The group goes to buffer bi: rows bi * BM .. of Q_s, dO_s and st_s.
+        row0 = bi * BM
         if boxes:
             stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
             for j in T.unroll(BM // boxes):
@@ -1214,91 +1216,103 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                 # loads instead of 16, warp w issuing load w. The rows land where the per-token
                 # boxes put them (row j * boxes + head), so the group is the same, bitwise. H100,
                 # dK/dV alone, two runs: 70.6, 71.8 -> 68.7, 67.7 ms at 32K x 8, 74.5, 74.7 ->
-                # 73.4, 73.8 at 128K x 2 (benchmarks/NOTES.md, "Session 36"). Qv, dOv: Qb, dOb
+                # 73.4, 73.8 at 128K x 2 (benchmarks/NOTES.md, "Session 36"). Q_v, dO_v: Q_s, dO_s
                 # viewed as (token, head, D).
                 for w in T.unroll(2 * halves):
                     h0 = (w % halves) * BOX_D
                     if tx // 32 == w % (threads // 32):
                         if w // halves == 0:
                             T.tma_copy(Q[boxl[0] : boxl[0] + run, hk * boxes : hk * boxes + boxes, h0 : h0 + BOX_D],
-                                       Qv[0:run, 0:boxes, h0 : h0 + BOX_D], barrier=rbar[bi], leader_scope_threads=32)
+                                       Q_v[bi * run : bi * run + run, 0:boxes, h0 : h0 + BOX_D], barrier=rbar[bi],
+                                       leader_scope_threads=32)
                         else:
                             T.tma_copy(dO[boxl[0] : boxl[0] + run, hk * boxes : hk * boxes + boxes, h0 : h0 + BOX_D],
-                                       dOv[0:run, 0:boxes, h0 : h0 + BOX_D], barrier=rbar[bi], leader_scope_threads=32)
+                                       dO_v[bi * run : bi * run + run, 0:boxes, h0 : h0 + BOX_D], barrier=rbar[bi],
+                                       leader_scope_threads=32)
             else:
                 for j in T.unroll(run):
                     # box j: rows j * boxes .., the heads of group hk of the group's token j
                     if tx // 32 == j % (threads // 32):
                         for hf in T.unroll(halves):
                             T.tma_copy(Q[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
-                                       Qb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                       Q_s[row0 + j * boxes : row0 + j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
                                        barrier=rbar[bi], leader_scope_threads=32)
                             T.tma_copy(dO[boxl[j], hk * boxes : hk * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
-                                       dOb[j * boxes : j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
+                                       dO_s[row0 + j * boxes : row0 + j * boxes + boxes, hf * BOX_D : hf * BOX_D + BOX_D],
                                        barrier=rbar[bi], leader_scope_threads=32)
             T.mbarrier_arrive(rbar[bi])
         else:
             row_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
             stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
-            gather_rows(Q, dO, n_rows, tx, Qb, dOb, rowl, headl)
+            gather_rows(Q, dO, n_rows, tx, Q_s, dO_s, row0, rowl, headl)
         if tx < BM:
             # the row's (LSE, Delta), one 8-byte copy: a token's G heads are 8 * G adjacent bytes
             # of Stats, where LSE and Delta laid out (head, row) put each head's in its own sector
-            T.ptx_cp_async(T.access_ptr(statb[tx, 0], "w", 2), T.access_ptr(Stats[rowl[PASSES], headl[PASSES], 0], "r", 2),
-                           2, predicate=tx < n_rows)
+            T.ptx_cp_async(T.access_ptr(st_s[row0 + tx, 0], "w", 2),
+                           T.access_ptr(Stats[rowl[PASSES], headl[PASSES], 0], "r", 2), 2, predicate=tx < n_rows)
+
+    @T.macro
+    def scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, off):
+        # sm_90a: S^T and dP^T issued together, so dP^T runs while the exponentials of S^T are
+        # taken. Issued as soon as the group's rows have landed, behind the previous group's dV
+        # and dK: wgmma groups complete in order, so the wait for S^T also drains those two.
+        T.wgmma_gemm(K_s, Q_s[off : off + BM, :], acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                     clear_accum=True)
+        T.wgmma_gemm(V_s, dO_s[off : off + BM, :], acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                     clear_accum=True)
+        T.wait_wgmma(1)
+        T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
+        T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
+        T.warpgroup_fence_operand(acc_sT, num_regs=BLOCK_N * BM // threads)
 
     @T.macro
     def compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT, dsT,
-                acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s):
-        if reg_operands:
-            # the four wgmma issued without waiting where they are independent: dP^T runs while
-            # the exponentials of S^T are taken, and dV while dS^T is
-            T.wgmma_gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wgmma_gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-            T.wait_wgmma(1)
-            T.warpgroup_fence_operand(acc_sT, num_regs=BLOCK_N * BM // threads)
-        else:
+                acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, off):
+        # The group's rows are rows off .. off + BM of Q_s, dO_s and st_s. S^T and dP^T: issued
+        # by scores() on sm_90a.
+        if not reg_operands:
             T.clear(acc_sT)
-            T.gemm(K_s, Q_s, acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(K_s, Q_s[off : off + BM, :], acc_sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         if n_rows == full_rows and (kb + 1) * BLOCK_N <= shift + tok_s[base] + 1:
             # a full group whose first (earliest) token sees the whole key block: no mask, and
             # every row's LSE is finite (rows past a group of BM // G tokens are zero-filled
             # and never read back)
             for c, r in T.Parallel(BLOCK_N, BM):
-                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - st_s[r, 0] * LOG2E)
+                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - st_s[off + r, 0] * LOG2E)
         else:
             for c, r in T.Parallel(BLOCK_N, BM):
                 acc_sT[c, r] = T.if_then_else(
                     r < n_rows
-                    and st_s[r, 0] != NEG_INF
+                    and st_s[off + r, 0] != NEG_INF
                     and kb * BLOCK_N + c <= shift + tok_s[base + rtok_s[r]],
-                    T.exp2(acc_sT[c, r] * scale_log2 - st_s[r, 0] * LOG2E),
+                    T.exp2(acc_sT[c, r] * scale_log2 - st_s[off + r, 0] * LOG2E),
                     0,
                 )
         if reg_operands:
             T.copy(acc_sT, pT)
             T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
-            T.wgmma_gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
+            T.wgmma_gemm(pT, dO_s[off : off + BM, :], acc_dv, policy=T.GemmWarpPolicy.FullRow)
             T.wait_wgmma(1)
             T.warpgroup_fence_operand(acc_dpT, num_regs=BLOCK_N * BM // threads)
             for c, r in T.Parallel(BLOCK_N, BM):
-                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - st_s[r, 1]), dtype)
+                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - st_s[off + r, 1]), dtype)
             T.warpgroup_fence_operand(acc_dk, num_regs=BLOCK_N * D // threads)
-            T.wgmma_gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
-            # no wait here: dV and dK run on while the next step waits for its rows (drain_gemms)
+            T.wgmma_gemm(dsT, Q_s[off : off + BM, :], acc_dk, policy=T.GemmWarpPolicy.FullRow)
+            # no wait here: dV and dK run on while the next group's rows land and its S^T and dP^T
+            # are issued (scores)
         else:
             T.clear(acc_dpT)
-            T.gemm(V_s, dO_s, acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(V_s, dO_s[off : off + BM, :], acc_dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             T.copy(acc_sT, pT)
             for c, r in T.Parallel(BLOCK_N, BM):
-                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - st_s[r, 1]), dtype)
-            T.gemm(pT, dO_s, acc_dv, policy=T.GemmWarpPolicy.FullRow)
-            T.gemm(dsT, Q_s, acc_dk, policy=T.GemmWarpPolicy.FullRow)
+                dsT[c, r] = T.cast(acc_sT[c, r] * (acc_dpT[c, r] - st_s[off + r, 1]), dtype)
+            T.gemm(pT, dO_s[off : off + BM, :], acc_dv, policy=T.GemmWarpPolicy.FullRow)
+            T.gemm(dsT, Q_s[off : off + BM, :], acc_dk, policy=T.GemmWarpPolicy.FullRow)
 
     @T.macro
     def drain_gemms(acc_dk, acc_dv):
-        # the previous group's dV and dK wgmma, left running by compute: done before any warp
-        # passes the next barrier, after which that group's buffer takes new rows
+        # the last group's dV and dK wgmma, left running by compute: done before the member
+        # slice is overwritten or the sums are stored
         if reg_operands:
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
@@ -1341,19 +1355,18 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
         with T.Kernel(max_kblocks + SPLIT_BLOCKS * (pieces - 1), heads_k, batch, threads=threads) as (bx, hk, b):
             K_s = T.alloc_shared([BLOCK_N, D], dtype)
             V_s = T.alloc_shared([BLOCK_N, D], dtype)
-            Q_s0 = T.alloc_shared([BM, D], dtype)
-            dO_s0 = T.alloc_shared([BM, D], dtype)
-            st_s0 = T.alloc_shared([BM, 2], accum)
-            Q_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
-            dO_s1 = T.alloc_shared([BM if prefetch else 1, D], dtype)
-            st_s1 = T.alloc_shared([BM if prefetch else 1, 2], accum)
+            # the member rows' buffers, two with the prefetch (rows 0 .. BM and BM .. 2 BM), so
+            # that a group's GEMMs address either by a run-time offset: one code path for both,
+            # where two (a branch on the step's parity) made ptxas serialise every wgmma (C7512)
+            NBUF = 2 if prefetch else 1
+            Q_s = T.alloc_shared([NBUF * BM, D], dtype)
+            dO_s = T.alloc_shared([NBUF * BM, D], dtype)
+            st_s = T.alloc_shared([NBUF * BM, 2], accum)
             # the box unit's 4-token boxes write the row tiles as (token, head, D); views made
-            # here, each under its own name, because views made in load_tile got TileLang's
-            # names in a different order on each build
-            Q_v0 = T.reshape(Q_s0, [BM // boxes, boxes, D]) if boxes else None
-            dO_v0 = T.reshape(dO_s0, [BM // boxes, boxes, D]) if boxes else None
-            Q_v1 = T.reshape(Q_s1, [BM // boxes, boxes, D]) if boxes else None
-            dO_v1 = T.reshape(dO_s1, [BM // boxes, boxes, D]) if boxes else None
+            # here because views made in load_tile got TileLang's names in a different order on
+            # each build
+            Q_v = T.reshape(Q_s, [NBUF * BM // boxes, boxes, D]) if boxes else None
+            dO_v = T.reshape(dO_s, [NBUF * BM // boxes, boxes, D]) if boxes else None
             # a slice of the block's member tokens (positions in the sequence), in order; BM
             # spare entries keep the last group's reads past the end in bounds
             tok_s = T.alloc_shared([SLICE + BM], "int32")
@@ -1464,10 +1477,11 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                         n_m = T.ceildiv(n_toks, tile_tokens)
                         if n_m > 0:
                             load_tile(Q, dO, Stats, q0, 0, T.min(tile_tokens, n_toks) * groups, tok_s, rtok_s,
-                                      rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, st_s0, rowl, headl, hk,
+                                      rhead_s, tx, Q_s, dO_s, Q_v, dO_v, st_s, rowl, headl, hk,
                                       rbar, 0, boxl)
                             T.ptx_commit_group()
                         for m in T.serial(n_m):
+                            off = (m % NBUF) * BM  # the group's buffer
                             if prefetch:
                                 # this group's rows (the only copies in flight)
                                 T.ptx_wait_group(0)
@@ -1479,49 +1493,67 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                     else:
                                         T.mbarrier_wait_parity(rbar[1], ph1)
                                         ph1 = ph1 ^ 1
-                                # One barrier a step: every thread's copies of this group have
-                                # landed, and every warp is done with the previous group, whose
-                                # buffer the next group's rows then load into while this one is
-                                # computed. (With the prefetch issued before this wait and the
-                                # barriers TileLang's planner added, a step had four. H100 at base
-                                # clocks, this kernel alone: 18.74 -> 18.17 ms at 32K x 2, 39.34 ->
-                                # 38.23 at 128K x 1, 18.66 -> 18.50 at G = 4.)
-                                drain_gemms(acc_dk, acc_dv)
+                                # The box unit: two barriers a step. The first: every thread's
+                                # copies of this group have landed (its LSE and Delta come by
+                                # cp.async). Its S^T and dP^T then go in behind the previous group's
+                                # dV and dK, with no drain between (scores). The second: every warp
+                                # is done with the previous group, whose buffer the next group's
+                                # rows then load into while this one is computed (see
+                                # benchmarks/NOTES.md, "Session 54"). The gather unit: one barrier
+                                # a step, after the previous group's dV and dK are drained, and
+                                # S^T issued after the next group's copies. (With the prefetch issued
+                                # before this wait and the barriers TileLang's planner added, a
+                                # step had four. H100 at base clocks, this kernel alone: 18.74 ->
+                                # 18.17 ms at 32K x 2, 39.34 -> 38.23 at 128K x 1, 18.66 -> 18.50
+                                # at G = 4.)
+                                if boxes:
+                                    T.sync_threads()
+                                    scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, off)
+                                else:
+                                    drain_gemms(acc_dk, acc_dv)
                                 T.sync_threads()
                                 if m + 1 < n_m:
                                     nb = (m + 1) * tile_tokens
                                     if m % 2 == 0:
                                         load_tile(Q, dO, Stats, q0, nb,
                                                   T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                  rhead_s, tx, Q_s1, dO_s1, Q_v1, dO_v1, st_s1, rowl,
+                                                  rhead_s, tx, Q_s, dO_s, Q_v, dO_v, st_s, rowl,
                                                   headl, hk, rbar, 1, boxl)
                                     else:
                                         load_tile(Q, dO, Stats, q0, nb,
                                                   T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
-                                                  rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, st_s0, rowl,
+                                                  rhead_s, tx, Q_s, dO_s, Q_v, dO_v, st_s, rowl,
                                                   headl, hk, rbar, 0, boxl)
                                     T.ptx_commit_group()
                             else:
                                 if m > 0:
                                     load_tile(Q, dO, Stats, q0, m * tile_tokens,
                                               T.min(tile_tokens, n_toks - m * tile_tokens) * groups, tok_s, rtok_s,
-                                              rhead_s, tx, Q_s0, dO_s0, Q_v0, dO_v0, st_s0, rowl, headl, hk,
+                                              rhead_s, tx, Q_s, dO_s, Q_v, dO_v, st_s, rowl, headl, hk,
                                               rbar, 0, boxl)
                                     T.ptx_commit_group()
                                 T.ptx_wait_group(0)
                                 T.sync_threads()
                             base = m * tile_tokens
                             n_rows = T.min(tile_tokens, n_toks - base) * groups
-                            if prefetch:
+                            if boxes:
+                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
+                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, off)
+                            elif prefetch:
+                                # the gather unit addresses its buffers by constant offsets, one code
+                                # path each (by the run-time offset ptxas spills it, 40 bytes)
                                 if m % 2 == 0:
+                                    scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, 0)
                                     compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, st_s0)
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, 0)
                                 else:
+                                    scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, BM)
                                     compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s1, dO_s1, st_s1)
+                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, BM)
                             else:
                                 compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
-                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s0, dO_s0, st_s0)
+                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, 0)
+                            if not prefetch:
                                 # the next group's load overwrites this group's buffer
                                 T.sync_threads()
                         # the next slice overwrites tok_s

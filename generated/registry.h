@@ -1697,10 +1697,10 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 89, 91392, 256, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 108288, 128, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 90, 108800, 128, 0, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 90, 108288, 128, 16, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 90, 108800, 128, 16, 0, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d128_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 80, 58624, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm80_last_error},
@@ -1709,10 +1709,10 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 89, 58624, 256, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 59392, 128, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 90, 59648, 128, 0, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 90, 59392, 128, 16, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 90, 59648, 128, 16, 0, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 80, 91392, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm80_last_error},
@@ -1721,10 +1721,10 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 89, 91392, 256, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 108288, 128, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 90, 108800, 128, 0, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 90, 108288, 128, 16, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 90, 108800, 128, 16, 1, 128, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d128_g16_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 80, 58624, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm80_last_error},
@@ -1733,10 +1733,10 @@ static const infllmv2_sparse_attn_bwd_dkdv_unit infllmv2_sparse_attn_bwd_dkdv_un
   {"sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 89, 58624, 256, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm89_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 59392, 128, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 90, 59648, 128, 0, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_sm90a_last_error},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 90, 59392, 128, 16, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error},
+  {"sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 90, 59648, 128, 16, 1, 64, 64, 8192, 4, 64, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_init, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_call, infllmv2_sparse_attn_bwd_dkdv_fp16_d64_g16_sm90a_last_error},
 #endif
   {nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, nullptr, nullptr, nullptr},
 };
@@ -3166,10 +3166,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_89", 91392, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 108288, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128", "sm_90a", 108800, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 108288, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d128_g16", "sm_90a", 108800, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_80", 58624, 256},
@@ -3178,10 +3178,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_89", 58624, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 59392, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64", "sm_90a", 59648, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 59392, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_bf16_d64_g16", "sm_90a", 59648, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_80", 91392, 256},
@@ -3190,10 +3190,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_89", 91392, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 108288, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128", "sm_90a", 108800, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 108288, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d128_g16", "sm_90a", 108800, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_80", 58624, 256},
@@ -3202,10 +3202,10 @@ static const infllmv2_unit_info infllmv2_all_units[] = {
   {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_89", 58624, 256},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 59392, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64", "sm_90a", 59648, 128},
 #endif
 #if INFLLMV2_HAS_SM_90A
-  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 59392, 128},
+  {"sparse_attn_bwd_dkdv", "sparse_attn_bwd_dkdv_fp16_d64_g16", "sm_90a", 59648, 128},
 #endif
 #if INFLLMV2_HAS_SM_80
   {"sparse_attn_bwd_dkdv_reduce", "sparse_attn_bwd_dkdv_reduce_bf16_d128", "sm_80", 0, 128},

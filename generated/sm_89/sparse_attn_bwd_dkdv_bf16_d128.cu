@@ -25,12 +25,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 512));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 16896));
-  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 33280));
-  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 49664));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 33280));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 49664));
   void* tok_s = ((void*)((char*)buf_dyn_shmem + 66048));
   void* dsT = ((void*)((char*)buf_dyn_shmem + 74496));
   void* pT = ((void*)((char*)buf_dyn_shmem + 82688));
-  void* st_s0 = ((void*)((char*)buf_dyn_shmem + 90880));
+  void* st_s = ((void*)((char*)buf_dyn_shmem + 90880));
   int kb = 0;
   int j = 0;
   int split = 0;
@@ -328,13 +328,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
         if (0 < n_m) {
           #pragma unroll
           for (int j_1 = 0; j_1 < 4; ++j_1) {
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
-            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+            tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((j_1 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_1 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, n_toks) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)1]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)1]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (rowl[1] < total_q)) && (0 <= rowl[1])) && (headl[1] < heads)) && (0 <= headl[1])));
+            tl::cp_async_gs_conditional<8>((&(((float*)st_s)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)1]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)1]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (rowl[1] < total_q)) && (0 <= rowl[1])) && (headl[1] < heads)) && (0 <= headl[1])));
           }
         }
         if (0 < n_m) {
@@ -366,11 +366,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           if (0 < m) {
             #pragma unroll
             for (int j_2 = 0; j_2 < 4; ++j_2) {
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((j_2 >> 1) * 4096) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + (j_2 & 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[(int64_t)0]) * (int64_t)128) + ((((int64_t)rowl[(int64_t)0]) * ((int64_t)heads)) * (int64_t)128)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), ((((((((int)threadIdx.x) >> 2) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[0] < total_q)) && (0 <= rowl[0])) && (headl[0] < heads)) && (0 <= headl[0])));
             }
             if (((int)threadIdx.x) < 64) {
-              tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)1]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)1]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[1] < total_q)) && (0 <= rowl[1])) && (headl[1] < heads)) && (0 <= headl[1])));
+              tl::cp_async_gs_conditional<8>((&(((float*)st_s)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)1]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)1]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups)) && (rowl[1] < total_q)) && (0 <= rowl[1])) && (headl[1] < heads)) && (0 <= headl[1])));
             }
             tl::cp_async_commit();
           }
@@ -390,7 +390,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[(((((((ki >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local[0])));
               #pragma unroll
               for (int i_6 = 0; i_6 < 2; ++i_6) {
-                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s0)[(((((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_6 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_6 * 8)])));
+                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((((ki >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_6 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local[(i_6 * 8)])));
               }
               for (int j_3 = 0; j_3 < 2; ++j_3) {
                 tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_sT + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local + 0), reinterpret_cast<const unsigned*>(B_local + (j_3 * 8)));
@@ -401,14 +401,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
             for (int i_7 = 0; i_7 < 16; ++i_7) {
-              acc_sT[i_7] = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)st_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_7 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_7 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              acc_sT[i_7] = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_7 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_7 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             }
           } else {
             #pragma unroll
             for (int i_8 = 0; i_8 < 16; ++i_8) {
               float condval_24;
-              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < n_rows) && (((float*)st_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_8) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_8) & (int64_t)1))]))]) - len_q)))) {
-                condval_24 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)st_s0)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < n_rows) && (((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_8) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_8) & (int64_t)1))]))]) - len_q)))) {
+                condval_24 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               } else {
                 condval_24 = 0x0p+0f/*0.000000e+00*/;
               }
@@ -427,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[(((((((ki_1 >> 2) * 4096) + (((((int)threadIdx.x) & 127) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
               #pragma unroll
               for (int i_10 = 0; i_10 < 2; ++i_10) {
-                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s0)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
+                tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[(((((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 7) * 2048)) + (i_10 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_10 * 8)])));
               }
               for (int j_4 = 0; j_4 < 2; ++j_4) {
                 tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dpT + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_4 * 8)));
@@ -447,7 +447,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           }
           #pragma unroll
           for (int i_12 = 0; i_12 < 16; ++i_12) {
-            ((bfloat16_t*)dsT)[((((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + (((i_12 & 3) >> 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + ((((i_12 >> 3) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((i_12 & 7) >> 2) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] = ((bfloat16_t)(acc_sT[i_12] * (acc_dpT[i_12] - ((float*)st_s0)[((((((((int)threadIdx.x) >> 7) * 64) + ((i_12 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_12 & 1) * 2)) + 1)])));
+            ((bfloat16_t*)dsT)[((((((((((((int)threadIdx.x) & 127) >> 5) * 1024) + (((i_12 & 3) >> 1) * 512)) + (((((int)threadIdx.x) & 31) >> 2) * 64)) + ((((((int)threadIdx.x) >> 7) + ((((int)threadIdx.x) & 31) >> 4)) & 1) * 32)) + ((((i_12 >> 3) + ((((int)threadIdx.x) & 15) >> 3)) & 1) * 16)) + (((((i_12 & 7) >> 2) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_12 & 1))] = ((bfloat16_t)(acc_sT[i_12] * (acc_dpT[i_12] - ((float*)st_s)[((((((((int)threadIdx.x) >> 7) * 64) + ((i_12 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_12 & 1) * 2)) + 1)])));
           }
           {
             bfloat16_t A_local_2[8];
@@ -457,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               tl::ptx_ldmatrix_x4((&(((bfloat16_t*)pT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_2 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_2 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
               #pragma unroll
               for (int i_13 = 0; i_13 < 4; ++i_13) {
-                tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
+                tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)dO_s)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_13 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_13 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_13 * 8)])));
               }
               for (int j_5 = 0; j_5 < 4; ++j_5) {
                 tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dv + (j_5 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_2 + (j_5 * 8)));
@@ -472,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
               tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dsT)[(((((((((int)threadIdx.x) & 127) >> 5) * 1024) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (ki_3 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
               #pragma unroll
               for (int i_14 = 0; i_14 < 4; ++i_14) {
-                tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s0)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_14 * 8)])));
+                tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)Q_s)[(((((((((int)threadIdx.x) >> 7) * 4096) + (ki_3 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + (i_14 >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_14 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_14 * 8)])));
               }
               for (int j_6 = 0; j_6 < 4; ++j_6) {
                 tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dk + (j_6 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_6 * 8)));

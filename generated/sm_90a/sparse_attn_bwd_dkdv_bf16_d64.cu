@@ -26,15 +26,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   extern __shared__ __align__(1024) uchar buf_dyn_shmem[];
   void* rhead_s = ((void*)((char*)buf_dyn_shmem + 0));
   void* rtok_s = ((void*)((char*)buf_dyn_shmem + 256));
-  void* st_s0 = ((void*)((char*)buf_dyn_shmem + 512));
   void* K_s = ((void*)((char*)buf_dyn_shmem + 1024));
   void* V_s = ((void*)((char*)buf_dyn_shmem + 9216));
-  void* tok_s = ((void*)((char*)buf_dyn_shmem + 17408));
-  void* st_s1 = ((void*)((char*)buf_dyn_shmem + 25856));
-  void* Q_s0 = ((void*)((char*)buf_dyn_shmem + 26624));
-  void* Q_s1 = ((void*)((char*)buf_dyn_shmem + 34816));
-  void* dO_s0 = ((void*)((char*)buf_dyn_shmem + 43008));
-  void* dO_s1 = ((void*)((char*)buf_dyn_shmem + 51200));
+  void* Q_s = ((void*)((char*)buf_dyn_shmem + 17408));
+  void* dO_s = ((void*)((char*)buf_dyn_shmem + 33792));
+  void* tok_s = ((void*)((char*)buf_dyn_shmem + 50176));
+  void* st_s = ((void*)((char*)buf_dyn_shmem + 58624));
   int kb = 0;
   int j = 0;
   int split = 0;
@@ -338,14 +335,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
           for (int p_1 = 0; p_1 < 2; ++p_1) {
             #pragma unroll
             for (int j_1 = 0; j_1 < 2; ++j_1) {
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((p_1 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
-              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((p_1 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[(((((p_1 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
+              tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[(((((p_1 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_1) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_1)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_1)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_1) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_1 * 32) + (((int)threadIdx.x) >> 2)) < (min(tile_tokens, n_toks) * groups)) && (rowl[p_1] < total_q)) && (0 <= rowl[p_1])) && (headl[p_1] < heads)) && (0 <= headl[p_1])));
             }
           }
         }
         if (0 < n_m) {
           if (((int)threadIdx.x) < 64) {
-            tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
+            tl::cp_async_gs_conditional<8>((&(((float*)st_s)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < (min(tile_tokens, n_toks) * groups)) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
           }
         }
         if (0 < n_m) {
@@ -385,12 +382,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               for (int p_3 = 0; p_3 < 2; ++p_3) {
                 #pragma unroll
                 for (int j_2 = 0; j_2 < 2; ++j_2) {
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s1)[(((((p_3 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s1)[(((((p_3 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[((((((p_3 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8)) + 4096)])), (&(Q[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[((((((p_3 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_2) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8)) + 4096)])), (&(dO[((((((int64_t)headl[((int64_t)p_3)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_3)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_2) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_3 * 32) + (((int)threadIdx.x) >> 2)) < n_rows) && (rowl[p_3] < total_q)) && (0 <= rowl[p_3])) && (headl[p_3] < heads)) && (0 <= headl[p_3])));
                 }
               }
               if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<8>((&(((float*)st_s1)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < n_rows) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
+                tl::cp_async_gs_conditional<8>((&(((float*)st_s)[((((int)threadIdx.x) * 2) + 128)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < n_rows) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
               }
             } else {
               int n_rows_1 = (min(tile_tokens, (n_toks - ((m + 1) * tile_tokens))) * groups);
@@ -419,12 +416,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               for (int p_5 = 0; p_5 < 2; ++p_5) {
                 #pragma unroll
                 for (int j_3 = 0; j_3 < 2; ++j_3) {
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s0)[(((((p_5 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_3) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
-                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s0)[(((((p_5 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_3) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)Q_s)[(((((p_5 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_3) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(Q[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
+                  tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)dO_s)[(((((p_5 * 2048) + ((((int)threadIdx.x) >> 2) * 64)) + (((((((int)threadIdx.x) & 31) >> 4) + j_3) & 1) * 32)) + (((((((int)threadIdx.x) & 15) >> 3) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 7) >> 2) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(dO[((((((int64_t)headl[((int64_t)p_5)]) * (int64_t)64) + ((((int64_t)rowl[((int64_t)p_5)]) * ((int64_t)heads)) * (int64_t)64)) + (((int64_t)j_3) * (int64_t)32)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)8))])), (((((((p_5 * 32) + (((int)threadIdx.x) >> 2)) < n_rows_1) && (rowl[p_5] < total_q)) && (0 <= rowl[p_5])) && (headl[p_5] < heads)) && (0 <= headl[p_5])));
                 }
               }
               if (((int)threadIdx.x) < 64) {
-                tl::cp_async_gs_conditional<8>((&(((float*)st_s0)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < n_rows_1) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
+                tl::cp_async_gs_conditional<8>((&(((float*)st_s)[(((int)threadIdx.x) * 2)])), (&(Stats[((((int64_t)headl[(int64_t)2]) * (int64_t)2) + ((((int64_t)rowl[(int64_t)2]) * ((int64_t)heads)) * (int64_t)2))])), (((((((int)threadIdx.x) < n_rows_1) && (rowl[2] < total_q)) && (0 <= rowl[2])) && (headl[2] < heads)) && (0 <= headl[2])));
               }
             }
           }
@@ -434,12 +431,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
           int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
           tl::fence_proxy_async();
           if ((m % 2) == 0) {
-            int kb_1 = kb;
             {
               tl::GmmaDescriptor desc_a;
               tl::GmmaDescriptor desc_b;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -453,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::GmmaDescriptor desc_a_1;
               tl::GmmaDescriptor desc_b_1;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -464,18 +460,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
             tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            int kb_1 = kb;
             if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
               for (int i_5 = 0; i_5 < 32; ++i_5) {
-                acc_sT[i_5] = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)st_s0)[((((i_5 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_5 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                acc_sT[i_5] = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)st_s)[((((i_5 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_5 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               }
             } else {
               #pragma unroll
               for (int i_6 = 0; i_6 < 32; ++i_6) {
                 float condval_26;
-                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)st_s0)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
-                  condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)st_s0)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)st_s)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
+                  condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)st_s)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_26 = 0x0p+0f/*0.000000e+00*/;
                 }
@@ -493,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
               tl::GmmaDescriptor desc_b_2;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)dO_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_2, (&(((bfloat16_t*)dO_s)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_arrive();
@@ -509,12 +508,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             #pragma unroll
             for (int i_8 = 0; i_8 < 32; ++i_8) {
-              dsT[i_8] = ((bfloat16_t)(acc_sT[i_8] * (acc_dpT[i_8] - ((float*)st_s0)[(((((i_8 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2)) + 1)])));
+              dsT[i_8] = ((bfloat16_t)(acc_sT[i_8] * (acc_dpT[i_8] - ((float*)st_s)[(((((i_8 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2)) + 1)])));
             }
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
               tl::GmmaDescriptor desc_b_3;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((bfloat16_t*)Q_s0)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_3, (&(((bfloat16_t*)Q_s)[0])));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_arrive();
@@ -527,12 +526,11 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             }
           } else {
-            int kb_2 = kb;
             {
               tl::GmmaDescriptor desc_a_2;
               tl::GmmaDescriptor desc_b_4;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, (&(((bfloat16_t*)Q_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, ((void*)((char*)(&(((bfloat16_t*)Q_s)[0])) + 8192)));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -546,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::GmmaDescriptor desc_a_3;
               tl::GmmaDescriptor desc_b_5;
               tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, (&(((bfloat16_t*)dO_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, ((void*)((char*)(&(((bfloat16_t*)dO_s)[0])) + 8192)));
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
               tl::warpgroup_arrive();
               #pragma unroll
@@ -557,18 +555,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             }
             tl::wait_wgmma<1>();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            int kb_2 = kb;
             if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
               #pragma unroll
               for (int i_9 = 0; i_9 < 32; ++i_9) {
-                acc_sT[i_9] = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)st_s1)[((((i_9 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_9 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                acc_sT[i_9] = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)st_s)[(((((i_9 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_9 & 1) * 2)) + 128)] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
               }
             } else {
               #pragma unroll
               for (int i_10 = 0; i_10 < 32; ++i_10) {
                 float condval_27;
-                if ((((((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_rows_2) && (((float*)st_s1)[((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_10) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_10) & (int64_t)1))]))]) - len_q)))) {
-                  condval_27 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)st_s1)[((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                if ((((((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_rows_2) && (((float*)st_s)[(((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2)) + 128)] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_10) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_10) & (int64_t)1))]))]) - len_q)))) {
+                  condval_27 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)st_s)[(((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2)) + 128)] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
                 } else {
                   condval_27 = 0x0p+0f/*0.000000e+00*/;
                 }
@@ -586,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
             {
               tl::GmmaDescriptor desc_b_6;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_6, (&(((bfloat16_t*)dO_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_6, ((void*)((char*)(&(((bfloat16_t*)dO_s)[0])) + 8192)));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 32);
               tl::warpgroup_arrive();
@@ -602,12 +603,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
             #pragma unroll
             for (int i_12 = 0; i_12 < 32; ++i_12) {
-              dsT[i_12] = ((bfloat16_t)(acc_sT[i_12] * (acc_dpT[i_12] - ((float*)st_s1)[(((((i_12 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_12 & 1) * 2)) + 1)])));
+              dsT[i_12] = ((bfloat16_t)(acc_sT[i_12] * (acc_dpT[i_12] - ((float*)st_s)[(((((i_12 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_12 & 1) * 2)) + 129)])));
             }
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
             {
               tl::GmmaDescriptor desc_b_7;
-              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_7, (&(((bfloat16_t*)Q_s1)[0])));
+              tl::initialize_wgmma_descriptor<1, 0, 64>(desc_b_7, ((void*)((char*)(&(((bfloat16_t*)Q_s)[0])) + 8192)));
               tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
               tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 32);
               tl::warpgroup_arrive();
@@ -762,9 +763,9 @@ extern "C" const char* infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_last_error()
 extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_init() {
     error_buf[0] = '\0';
     
-    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 59392);
+    cudaError_t result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel = cudaFuncSetAttribute(infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 59648);
     if (result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel != cudaSuccess) {
-        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 59392, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel));
+        snprintf(error_buf, ERROR_BUF_SIZE, "Failed to set the allowed dynamic shared memory size to %d with error: %s", 59648, cudaGetErrorString(result_infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel));
         return -1;
     }
 
@@ -783,7 +784,7 @@ extern "C" int infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_call(bfloat16_t* __r
 		config.stream = stream;
 		config.gridDim = dim3(pieces * 4 + max_kblocks - 4, heads_k, batch);
 		config.blockDim = dim3(128, 1, 1);
-		config.dynamicSmemBytes = 59392;
+		config.dynamicSmemBytes = 59648;
 		cudaLaunchKernelEx(&config, infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel, K, Q, Stats, V, cu_seqlens_k, cu_seqlens_q, dK, dO, dV, members, offsets, partial, batch, batch_plus_one, groups, heads, heads_k, max_kblocks, n_entries, n_off, n_pieces, pieces, scale_log2, tile_tokens, total_k, total_q);
 	}
 	TILELANG_CHECK_LAST_ERROR("infllmv2_sparse_attn_bwd_dkdv_bf16_d64_sm90a_kernel");
