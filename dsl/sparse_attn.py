@@ -1311,8 +1311,9 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
 
     @T.macro
     def drain_gemms(acc_dk, acc_dv):
-        # the last group's dV and dK wgmma, left running by compute: done before the member
-        # slice is overwritten or the sums are stored
+        # the previous group's dV and dK wgmma, left running by compute: done before the gather
+        # unit's step barrier (after which that group's buffer takes new rows), and in every unit
+        # before the member slice is overwritten or the sums are stored
         if reg_operands:
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
