@@ -1311,9 +1311,9 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
 
     @T.macro
     def drain_gemms(acc_dk, acc_dv):
-        # the previous group's dV and dK wgmma, left running by compute: done before the gather
-        # unit's step barrier (after which that group's buffer takes new rows), and in every unit
-        # before the member slice is overwritten or the sums are stored
+        # the last group's dV and dK wgmma, left running by compute: done before the member slice
+        # is overwritten or the sums are stored (within a slice, the next step's wait for its S^T
+        # drains them)
         if reg_operands:
             T.wait_wgmma(0)
             T.warpgroup_fence_operand(acc_dv, num_regs=BLOCK_N * D // threads)
@@ -1494,24 +1494,21 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                     else:
                                         T.mbarrier_wait_parity(rbar[1], ph1)
                                         ph1 = ph1 ^ 1
-                                # The box unit: two barriers a step. The first: every thread's
-                                # copies of this group have landed (its LSE and Delta come by
-                                # cp.async). Its S^T and dP^T then go in behind the previous group's
-                                # dV and dK, with no drain between (scores). The second: every warp
-                                # is done with the previous group, whose buffer the next group's
-                                # rows then load into while this one is computed (see
-                                # benchmarks/NOTES.md, "Session 54"). The gather unit: one barrier
-                                # a step, after the previous group's dV and dK are drained, and
-                                # S^T issued after the next group's copies. (With the prefetch issued
+                                # Two barriers a step. The first: every thread's copies of this
+                                # group have landed (the gather's rows, and in both units the rows'
+                                # LSE and Delta, come by cp.async). Its S^T and dP^T then go in
+                                # behind the previous group's dV and dK, with no drain between
+                                # (scores). The second: every warp is done with the previous group,
+                                # whose buffer the next group's rows then load into while this one
+                                # is computed (benchmarks/NOTES.md, "Session 54"; the gather unit
+                                # since session 56, where the run-time buffer offset costs it 40
+                                # bytes of spill at D = 128 and no time). (With the prefetch issued
                                 # before this wait and the barriers TileLang's planner added, a
                                 # step had four. H100 at base clocks, this kernel alone: 18.74 ->
                                 # 18.17 ms at 32K x 2, 39.34 -> 38.23 at 128K x 1, 18.66 -> 18.50
                                 # at G = 4.)
-                                if boxes:
-                                    T.sync_threads()
-                                    scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, off)
-                                else:
-                                    drain_gemms(acc_dk, acc_dv)
+                                T.sync_threads()
+                                scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, off)
                                 T.sync_threads()
                                 if m + 1 < n_m:
                                     nb = (m + 1) * tile_tokens
@@ -1537,23 +1534,8 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                 T.sync_threads()
                             base = m * tile_tokens
                             n_rows = T.min(tile_tokens, n_toks - base) * groups
-                            if boxes:
-                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
-                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, off)
-                            elif prefetch:
-                                # the gather unit addresses its buffers by constant offsets, one code
-                                # path each (by the run-time offset ptxas spills it, 40 bytes)
-                                if m % 2 == 0:
-                                    scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, 0)
-                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, 0)
-                                else:
-                                    scores(K_s, V_s, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, BM)
-                                    compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s,
-                                            pT, dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, BM)
-                            else:
-                                compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
-                                        dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, 0)
+                            compute(base, n_rows, full_rows, kb, shift, scale_log2, tok_s, rtok_s, K_s, V_s, pT,
+                                    dsT, acc_sT, acc_dpT, acc_dk, acc_dv, Q_s, dO_s, st_s, off)
                             if not prefetch:
                                 # the next group's load overwrites this group's buffer
                                 T.sync_threads()

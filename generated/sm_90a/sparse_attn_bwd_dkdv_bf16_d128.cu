@@ -350,9 +350,42 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
         }
         for (int m = 0; m < n_m; ++m) {
           tl::cp_async_wait<0>();
-          tl::wait_wgmma<0>();
+          __syncthreads();
+          {
+            tl::GmmaDescriptor desc_a;
+            tl::GmmaDescriptor desc_b;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s)[0])));
+            tl::increase_descriptor_offset<int>(desc_b, ((m & 1) * 8192));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+            tl::warpgroup_arrive();
+            tl::fence_proxy_async();
+            #pragma unroll
+            for (int ki = 0; ki < 8; ++ki) {
+              tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 16384) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki) ? 1 : 0));
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
+          }
+          {
+            tl::GmmaDescriptor desc_a_1;
+            tl::GmmaDescriptor desc_b_1;
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
+            tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s)[0])));
+            tl::increase_descriptor_offset<int>(desc_b_1, ((m & 1) * 8192));
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            tl::warpgroup_arrive();
+            #pragma unroll
+            for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
+              tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 16384) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_1) ? 1 : 0));
+            }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+          }
+          tl::wait_wgmma<1>();
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
           tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
           __syncthreads();
           if ((m + 1) < n_m) {
             if ((m % 2) == 0) {
@@ -429,197 +462,70 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
             tl::cp_async_commit();
           }
           int n_rows_2 = (min(tile_tokens, (n_toks - (m * tile_tokens))) * groups);
-          tl::fence_proxy_async();
-          if ((m % 2) == 0) {
-            {
-              tl::GmmaDescriptor desc_a;
-              tl::GmmaDescriptor desc_b;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b, (&(((bfloat16_t*)Q_s)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki = 0; ki < 8; ++ki) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a + ((((ki >> 2) * 8192) + ((ki & 3) * 32)) >> 4)), uint64_t(desc_b + ((((ki >> 2) * 16384) + ((ki & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            }
-            {
-              tl::GmmaDescriptor desc_a_1;
-              tl::GmmaDescriptor desc_b_1;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_1, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_1, (&(((bfloat16_t*)dO_s)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_1 + ((((ki_1 >> 2) * 8192) + ((ki_1 & 3) * 32)) >> 4)), uint64_t(desc_b_1 + ((((ki_1 >> 2) * 16384) + ((ki_1 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_1) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            int kb_1 = kb;
-            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-              #pragma unroll
-              for (int i_5 = 0; i_5 < 32; ++i_5) {
-                acc_sT[i_5] = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)st_s)[((((i_5 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_5 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-              }
-            } else {
-              #pragma unroll
-              for (int i_6 = 0; i_6 < 32; ++i_6) {
-                float condval_26;
-                if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)st_s)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
-                  condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)st_s)[((((i_6 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                } else {
-                  condval_26 = 0x0p+0f/*0.000000e+00*/;
-                }
-                acc_sT[i_6] = condval_26;
-              }
-            }
+          int kb_1 = kb;
+          if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
-            for (int i_7 = 0; i_7 < 8; ++i_7) {
-              uint2 __1;
-              float4 v_ = *(float4*)(acc_sT + (i_7 * 4));
-              (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
-              (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&v_))[1]);
-              *(uint2*)(pT + (i_7 * 4)) = __1;
-            }
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_2;
-              tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_2, (&(((bfloat16_t*)dO_s)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-            #pragma unroll
-            for (int i_8 = 0; i_8 < 32; ++i_8) {
-              dsT[i_8] = ((bfloat16_t)(acc_sT[i_8] * (acc_dpT[i_8] - ((float*)st_s)[(((((i_8 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2)) + 1)])));
-            }
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_3;
-              tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_3, (&(((bfloat16_t*)Q_s)[0])));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+            for (int i_5 = 0; i_5 < 32; ++i_5) {
+              acc_sT[i_5] = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)st_s)[(((((m & 1) * 128) + ((i_5 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_5 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
             }
           } else {
-            {
-              tl::GmmaDescriptor desc_a_2;
-              tl::GmmaDescriptor desc_b_4;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_2, (&(((bfloat16_t*)K_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_4, ((void*)((char*)(&(((bfloat16_t*)Q_s)[0])) + 8192)));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_2 + ((((ki_4 >> 2) * 8192) + ((ki_4 & 3) * 32)) >> 4)), uint64_t(desc_b_4 + ((((ki_4 >> 2) * 16384) + ((ki_4 & 3) * 32)) >> 4)), ((uint32_t*)(acc_sT + 0)), ((0 < ki_4) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            }
-            {
-              tl::GmmaDescriptor desc_a_3;
-              tl::GmmaDescriptor desc_b_5;
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_a_3, (&(((bfloat16_t*)V_s)[0])));
-              tl::initialize_wgmma_descriptor<1, 1, 64>(desc_b_5, ((void*)((char*)(&(((bfloat16_t*)dO_s)[0])) + 8192)));
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_5 = 0; ki_5 < 8; ++ki_5) {
-                tl::wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 64, 16, false, false, 1, 1>(uint64_t(desc_a_3 + ((((ki_5 >> 2) * 8192) + ((ki_5 & 3) * 32)) >> 4)), uint64_t(desc_b_5 + ((((ki_5 >> 2) * 16384) + ((ki_5 & 3) * 32)) >> 4)), ((uint32_t*)(acc_dpT + 0)), ((0 < ki_5) ? 1 : 0));
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_sT + 0), 32);
-            int kb_2 = kb;
-            if ((n_rows_2 == (tile_tokens * groups)) && (((kb_2 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
-              #pragma unroll
-              for (int i_9 = 0; i_9 < 32; ++i_9) {
-                acc_sT[i_9] = exp2f(((acc_sT[i_9] * scale_log2) - (((float*)st_s)[(((((i_9 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_9 & 1) * 2)) + 128)] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-              }
-            } else {
-              #pragma unroll
-              for (int i_10 = 0; i_10 < 32; ++i_10) {
-                float condval_27;
-                if ((((((((i_10 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_10 & 1)) < n_rows_2) && (((float*)st_s)[(((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2)) + 128)] != -CUDART_INF_F)) && (((((kb_2 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_10 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_10) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_10) & (int64_t)1))]))]) - len_q)))) {
-                  condval_27 = exp2f(((acc_sT[i_10] * scale_log2) - (((float*)st_s)[(((((i_10 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_10 & 1) * 2)) + 128)] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
-                } else {
-                  condval_27 = 0x0p+0f/*0.000000e+00*/;
-                }
-                acc_sT[i_10] = condval_27;
-              }
-            }
             #pragma unroll
-            for (int i_11 = 0; i_11 < 8; ++i_11) {
-              uint2 __2;
-              float4 v__1 = *(float4*)(acc_sT + (i_11 * 4));
-              (reinterpret_cast<__nv_bfloat162*>(&__2))[0] = __float22bfloat162_rn(((float2*)(&v__1))[0]);
-              (reinterpret_cast<__nv_bfloat162*>(&__2))[1] = __float22bfloat162_rn(((float2*)(&v__1))[1]);
-              *(uint2*)(pT + (i_11 * 4)) = __2;
+            for (int i_6 = 0; i_6 < 32; ++i_6) {
+              float condval_26;
+              if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)st_s)[(((((m & 1) * 128) + ((i_6 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
+                condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)st_s)[(((((m & 1) * 128) + ((i_6 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              } else {
+                condval_26 = 0x0p+0f/*0.000000e+00*/;
+              }
+              acc_sT[i_6] = condval_26;
             }
+          }
+          #pragma unroll
+          for (int i_7 = 0; i_7 < 8; ++i_7) {
+            uint2 __1;
+            float4 v_ = *(float4*)(acc_sT + (i_7 * 4));
+            (reinterpret_cast<__nv_bfloat162*>(&__1))[0] = __float22bfloat162_rn(((float2*)(&v_))[0]);
+            (reinterpret_cast<__nv_bfloat162*>(&__1))[1] = __float22bfloat162_rn(((float2*)(&v_))[1]);
+            *(uint2*)(pT + (i_7 * 4)) = __1;
+          }
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+          {
+            tl::GmmaDescriptor desc_b_2;
+            tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_2, (&(((bfloat16_t*)dO_s)[0])));
+            tl::increase_descriptor_offset<int>(desc_b_2, ((m & 1) * 8192));
+            tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_6;
-              tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_6, ((void*)((char*)(&(((bfloat16_t*)dO_s)[0])) + 8192)));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_6 = 0; ki_6 < 4; ++ki_6) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_6 * 8)), uint64_t(desc_b_6 + ((ki_6 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
-            }
-            tl::wait_wgmma<1>();
-            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+            tl::warpgroup_arrive();
+            tl::fence_proxy_async();
             #pragma unroll
-            for (int i_12 = 0; i_12 < 32; ++i_12) {
-              dsT[i_12] = ((bfloat16_t)(acc_sT[i_12] * (acc_dpT[i_12] - ((float*)st_s)[(((((i_12 >> 2) * 16) + ((((int)threadIdx.x) & 3) * 4)) + ((i_12 & 1) * 2)) + 129)])));
+            for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
+              tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(pT + (ki_2 * 8)), uint64_t(desc_b_2 + ((ki_2 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dv + 0), 1);
             }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dv + 0), 64);
+            tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(pT + 0), 16);
+          }
+          tl::wait_wgmma<1>();
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dpT + 0), 32);
+          #pragma unroll
+          for (int i_8 = 0; i_8 < 32; ++i_8) {
+            dsT[i_8] = ((bfloat16_t)(acc_sT[i_8] * (acc_dpT[i_8] - ((float*)st_s)[((((((m & 1) * 128) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2)) + 1)])));
+          }
+          tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+          {
+            tl::GmmaDescriptor desc_b_3;
+            tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_3, (&(((bfloat16_t*)Q_s)[0])));
+            tl::increase_descriptor_offset<int>(desc_b_3, ((m & 1) * 8192));
+            tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
             tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-            {
-              tl::GmmaDescriptor desc_b_7;
-              tl::initialize_wgmma_descriptor<1, 1024, 64>(desc_b_7, ((void*)((char*)(&(((bfloat16_t*)Q_s)[0])) + 8192)));
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_arrive();
-              #pragma unroll
-              for (int ki_7 = 0; ki_7 < 4; ++ki_7) {
-                tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_7 * 8)), uint64_t(desc_b_7 + ((ki_7 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
-              }
-              tl::warpgroup_commit_batch();
-              tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
-              tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
+            tl::warpgroup_arrive();
+            #pragma unroll
+            for (int ki_3 = 0; ki_3 < 4; ++ki_3) {
+              tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 128, 16, false, true, 1, 1>(reinterpret_cast<const uint32_t*>(dsT + (ki_3 * 8)), uint64_t(desc_b_3 + ((ki_3 * 2048) >> 4)), reinterpret_cast<uint32_t*>(acc_dk + 0), 1);
             }
+            tl::warpgroup_commit_batch();
+            tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dk + 0), 64);
+            tl::warpgroup_fence_operand(reinterpret_cast<uint32_t*>(dsT + 0), 16);
           }
         }
         tl::wait_wgmma<0>();
@@ -632,80 +538,80 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
   if (((kb * 64) < len_k) && ((j == 0) || ((split == 1) && ((piece * 8192) < (q0 + len_q))))) {
     if (split == 1) {
       #pragma unroll
-      for (int i_13 = 0; i_13 < 32; ++i_13) {
-        int condval_28;
+      for (int i_9 = 0; i_9 < 32; ++i_9) {
+        int condval_27;
         if ((j == 0)) {
-          condval_28 = 1;
+          condval_27 = 1;
         } else {
-          condval_28 = 0;
+          condval_27 = 0;
         }
-        if (0 <= condval_28) {
-          int condval_29;
+        if (0 <= condval_27) {
+          int condval_28;
           if ((j == 0)) {
-            condval_29 = 1;
+            condval_28 = 1;
           } else {
-            condval_29 = 0;
+            condval_28 = 0;
           }
-          if (condval_29 < 2) {
+          if (condval_28 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
-                    float2 __3;
-                      float2 v__2 = *(float2*)(acc_dk + (i_13 * 2));
-                      float2 v__3 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                      __3.x = (v__2.x*v__3.x);
-                      __3.y = (v__2.y*v__3.y);
+                    float2 __2;
+                      float2 v__1 = *(float2*)(acc_dk + (i_9 * 2));
+                      float2 v__2 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                      __2.x = (v__1.x*v__2.x);
+                      __2.y = (v__1.y*v__2.y);
+                    int64_t condval_29;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_29 = (int64_t)1;
+                    } else {
+                      condval_29 = (int64_t)0;
+                    }
                     int64_t condval_30;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_30 = (int64_t)1;
                     } else {
                       condval_30 = (int64_t)0;
                     }
-                    int64_t condval_31;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_31 = (int64_t)1;
-                    } else {
-                      condval_31 = (int64_t)0;
-                    }
-                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_31 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __3;
+                    *(float2*)(partial + (((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_30 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_9) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __2;
                   }
                 }
               }
             }
           }
         }
-        int condval_32;
+        int condval_31;
         if ((j == 0)) {
-          condval_32 = 1;
+          condval_31 = 1;
         } else {
-          condval_32 = 0;
+          condval_31 = 0;
         }
-        if (0 <= condval_32) {
-          int condval_33;
+        if (0 <= condval_31) {
+          int condval_32;
           if ((j == 0)) {
-            condval_33 = 1;
+            condval_32 = 1;
           } else {
-            condval_33 = 0;
+            condval_32 = 0;
           }
-          if (condval_33 < 2) {
+          if (condval_32 < 2) {
             if (0 <= piece) {
               if (piece < n_pieces) {
                 if (0 <= kb) {
                   if (kb < 4) {
+                    int64_t condval_33;
+                    if ((((int64_t)j) == (int64_t)0)) {
+                      condval_33 = (int64_t)1;
+                    } else {
+                      condval_33 = (int64_t)0;
+                    }
                     int64_t condval_34;
                     if ((((int64_t)j) == (int64_t)0)) {
                       condval_34 = (int64_t)1;
                     } else {
                       condval_34 = (int64_t)0;
                     }
-                    int64_t condval_35;
-                    if ((((int64_t)j) == (int64_t)0)) {
-                      condval_35 = (int64_t)1;
-                    } else {
-                      condval_35 = (int64_t)0;
-                    }
-                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_35 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_13) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_13) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_13 * 2));
+                    *(float2*)(partial + ((((((((((((((int64_t)kb) * ((int64_t)n_pieces)) * ((int64_t)heads_k)) * (int64_t)32768) + ((((int64_t)((int)blockIdx.y)) * ((int64_t)n_pieces)) * (int64_t)32768)) + (((int64_t)piece) * (int64_t)32768)) + (condval_34 * (int64_t)16384)) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2048)) + ((((int64_t)i_9) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + ((((int64_t)i_9) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (int64_t)8192)) = *(float2*)(acc_dv + (i_9 * 2));
                   }
                 }
               }
@@ -715,28 +621,28 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
       }
     } else {
       #pragma unroll
-      for (int i_14 = 0; i_14 < 32; ++i_14) {
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-              uint1 __4;
-              float2 __5;
-                float2 v__4 = *(float2*)(acc_dk + (i_14 * 2));
-                float2 v__5 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                __5.x = (v__4.x*v__5.x);
-                __5.y = (v__4.y*v__5.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __4;
+      for (int i_10 = 0; i_10 < 32; ++i_10) {
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+              uint1 __3;
+              float2 __4;
+                float2 v__3 = *(float2*)(acc_dk + (i_10 * 2));
+                float2 v__4 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __4.x = (v__3.x*v__4.x);
+                __4.y = (v__3.y*v__4.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__3))[0] = __float22bfloat162_rn(((float2*)(&__4))[0]);
+              *(uint1*)(dK + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __3;
             }
           }
         }
-        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
-          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
-            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_14 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
-              uint1 __6;
-              float2 v__6 = *(float2*)(acc_dv + (i_14 * 2));
-              (reinterpret_cast<__nv_bfloat162*>(&__6))[0] = __float22bfloat162_rn(((float2*)(&v__6))[0]);
-              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_14) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_14) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __6;
+        if (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < len_k) {
+          if (0 <= (((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0)) {
+            if ((((((kb * 64) + ((((int)threadIdx.x) >> 5) * 16)) + ((i_10 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + k0) < total_k) {
+              uint1 __5;
+              float2 v__5 = *(float2*)(acc_dv + (i_10 * 2));
+              (reinterpret_cast<__nv_bfloat162*>(&__5))[0] = __float22bfloat162_rn(((float2*)(&v__5))[0]);
+              *(uint1*)(dV + ((((((int64_t)((int)blockIdx.y)) * (int64_t)128) + (((((((((int64_t)kb) * (int64_t)64) + ((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16)) + ((((int64_t)i_10) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)i_10) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = __5;
             }
           }
         }
