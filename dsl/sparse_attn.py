@@ -1512,6 +1512,9 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
                                 T.sync_threads()
                                 if m + 1 < n_m:
                                     nb = (m + 1) * tile_tokens
+                                    # two calls that differ only in the buffer: one call with bi =
+                                    # (m + 1) % 2 (a run-time barrier index and TMA destination)
+                                    # made dK/dV 1-3 ms slower at G = 16 (NOTES, "Session 56", v2)
                                     if m % 2 == 0:
                                         load_tile(Q, dO, Stats, q0, nb,
                                                   T.min(tile_tokens, n_toks - nb) * groups, tok_s, rtok_s,
