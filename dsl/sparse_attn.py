@@ -216,7 +216,7 @@ def _bitmap_windows(qblk0, n_tok, uw):
     return T.ceildiv((qblk0 + n_tok - 1) // BLOCK_N + 1, uw)
 
 
-def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False):
+def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False, pack=1):
     """A macro: the union of the selected blocks of tokens t0 .. t0+n_tok-1 of a tile.
 
     Writes ublk_s[0 .. n) (the blocks, in the order of the entries that first list them) and
@@ -232,8 +232,28 @@ def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False):
     ``lone_token_path`` (decoding's tiles, mostly of one token): a tile of one token skips the
     bitmap (its row is the union, every kept entry its own), and the scatter visits only the
     entries of the tile's tokens. Both loops hold block barriers that TileLang's planner puts in
-    every iteration; a decoding split spends microseconds in them."""
+    every iteration; a decoding split spends microseconds in them.
+
+    ``pack`` blocks share one int of bm_s, T_MAX bits each (pack * T_MAX <= 32), so bm_s holds
+    uw // pack ints. A window is a pass of seven block barriers and the union needs one per uw
+    blocks up to the tile's own, so with a small bitmap the work a tile grows with the sequence:
+    dQ's 4-token unit, with 256 blocks in its 1 KB, took 8 passes at 128K keys (2 at 32K). (On
+    an H200 dropping them to 1 changed dQ's time by nothing measurable up to 128K keys.)"""
     TK = T_MAX * K_MAX
+    assert pack * T_MAX <= 32 and uw % (pack * threads) == 0
+    mask_bits = (1 << T_MAX) - 1
+
+    def bm_add(bm_s, slot, bit):
+        # distinct tokens' bits never carry into the next block's field (a token lists a block
+        # once); pack * T_MAX = 32 sets bit 31, a defined shift in C++14 and later
+        if pack == 1:
+            return T.atomic_add(bm_s[slot], bit)
+        return T.atomic_add(bm_s[slot // pack], bit << (T_MAX * (slot % pack)))
+
+    def bm_get(bm_s, slot):
+        if pack == 1:
+            return bm_s[slot]
+        return (bm_s[slot // pack] >> (T_MAX * (slot % pack))) & mask_bits
 
     @T.macro
     def tile_union(topk_idx, hk, row0, n_tok, qblk0, tx, idx_s, keep_s, ublk_s, umask_s, n_union, my_keep, my_mask,
@@ -259,7 +279,7 @@ def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False):
         for w in T.serial(T.if_then_else(n_tok == 1, 0, _bitmap_windows(qblk0, n_tok, uw)) if lone_token_path
                           else _bitmap_windows(qblk0, n_tok, uw)):
             if tx < threads:
-                for e in T.serial(uw // threads):
+                for e in T.serial(uw // pack // threads):
                     bm_s[e * threads + tx] = 0
             T.sync_threads()
             if tx < threads:
@@ -268,13 +288,13 @@ def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False):
                     if my_keep[e] == 1 and idx_s[i] // uw == w:
                         # an add sets the bit: a token lists a block once (repeats are dropped).
                         # (TileLang 0.1.15's atomic_or emits red.global, wrong on shared memory.)
-                        T.atomic_add(bm_s[idx_s[i] - w * uw], 1 << (i // K_MAX))
+                        bm_add(bm_s, idx_s[i] - w * uw, 1 << (i // K_MAX))
             T.sync_threads()
             if tx < threads:
                 for e in T.serial(TK // threads):
                     i = e * threads + tx
                     if my_keep[e] == 1 and idx_s[i] // uw == w:
-                        my_mask[e] = bm_s[idx_s[i] - w * uw]
+                        my_mask[e] = bm_get(bm_s, idx_s[i] - w * uw)
             T.sync_threads()
         if tx < threads:
             for e in T.serial(TK // threads):
@@ -769,10 +789,12 @@ def _bwd_dq(dtype, D, arch, tokens):
     threads = 128
     # TileLang's allocator overlaps no other shared buffer with one that TMA writes, so the
     # union's scratch no longer shares K_s's and V_s's memory, and the barriers take 1 KB of
-    # static shared memory: a bitmap of 256 blocks keeps the 4-token unit within a third of an
-    # SM (74 KB + 1 KB; the union then takes one pass per 256 blocks: 2 at 32K keys).
-    uw = UW // 8 if tiles_per_sm is not None else UW  # tiles_per_sm: sm_90a's 4-token unit
-    tile_union = _make_tile_union(topk, threads, T_MAX, uw)
+    # static shared memory: a 1 KB bitmap keeps the 4-token unit within a third of an SM (74 KB
+    # + 1 KB). Its 256 ints hold UW blocks, 8 to an int (4 token bits each), so the union takes
+    # one pass up to 128K keys.
+    pack = 32 // T_MAX if tiles_per_sm is not None else 1  # tiles_per_sm: sm_90a's 4-token unit
+    uw = UW
+    tile_union = _make_tile_union(topk, threads, T_MAX, uw, pack=pack)
     S_REGS = BLOCK_M * BLOCK_N // threads
     DQ_REGS = BLOCK_M * D // threads
 
@@ -865,7 +887,7 @@ def _bwd_dq(dtype, D, arch, tokens):
             n_union = T.alloc_shared([1], "int32")
             my_keep = T.alloc_local([TK // threads], "int32")
             my_mask = T.alloc_local([TK // threads], "int32")
-            bm_s = T.alloc_shared([uw], "int32")
+            bm_s = T.alloc_shared([uw // pack], "int32")
             n_it = T.alloc_var("int32")
             acc_s = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
             acc_dp = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)

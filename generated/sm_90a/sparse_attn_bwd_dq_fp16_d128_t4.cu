@@ -379,21 +379,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) infllmv2_sparse_attn_bwd_dq
       }
       my_keep[e_1] = condval_26;
     }
-    for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 14) + 1); ++w) {
+    for (int w = 0; w < ((((((min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) + len_k) + (((int)blockIdx.x) * tile_tokens)) - len_q) - 1) >> 17) + 1); ++w) {
       for (int e_2 = 0; e_2 < 2; ++e_2) {
         ((int*)bm_s)[((e_2 * 128) + ((int)threadIdx.x))] = 0;
       }
       __syncthreads();
       for (int e_3 = 0; e_3 < 4; ++e_3) {
         __syncthreads();
-        if ((my_keep[e_3] == 1) && ((((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))] >> 8) == w)) {
-          AtomicAdd((&(((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)256))])), (1 << e_3));
+        if ((my_keep[e_3] == 1) && ((((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
+          AtomicAdd((&(((int*)bm_s)[((((int64_t)((int*)idx_s)[((((int64_t)e_3) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) >> (int64_t)3) - (((int64_t)w) * (int64_t)256))])), ((1 << e_3) << ((((int*)idx_s)[((e_3 * 128) + ((int)threadIdx.x))] & 7) * 4)));
         }
       }
       __syncthreads();
       for (int e_4 = 0; e_4 < 4; ++e_4) {
-        if ((my_keep[e_4] == 1) && ((((int*)idx_s)[((e_4 * 128) + ((int)threadIdx.x))] >> 8) == w)) {
-          my_mask[e_4] = ((int*)bm_s)[(((int64_t)((int*)idx_s)[((((int64_t)e_4) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) - (((int64_t)w) * (int64_t)256))];
+        if ((my_keep[e_4] == 1) && ((((int*)idx_s)[((e_4 * 128) + ((int)threadIdx.x))] >> 11) == w)) {
+          my_mask[e_4] = ((((int*)bm_s)[((((int64_t)((int*)idx_s)[((((int64_t)e_4) * (int64_t)128) + ((int64_t)((int)threadIdx.x)))]) >> (int64_t)3) - (((int64_t)w) * (int64_t)256))] >> ((((int*)idx_s)[((e_4 * 128) + ((int)threadIdx.x))] & 7) * 4)) & 15);
         }
       }
       __syncthreads();
