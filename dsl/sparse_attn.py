@@ -216,7 +216,7 @@ def _bitmap_windows(qblk0, n_tok, uw):
     return T.ceildiv((qblk0 + n_tok - 1) // BLOCK_N + 1, uw)
 
 
-def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False, pack=1):
+def _make_tile_union(topk, threads, T_MAX, lone_token_path=False, pack=1):
     """A macro: the union of the selected blocks of tokens t0 .. t0+n_tok-1 of a tile.
 
     Writes ublk_s[0 .. n) (the blocks, in the order of the entries that first list them) and
@@ -235,14 +235,17 @@ def _make_tile_union(topk, threads, T_MAX, uw=UW, lone_token_path=False, pack=1)
     every iteration; a decoding split spends microseconds in them.
 
     ``pack`` blocks share one int of bm_s, T_MAX bits each (pack * T_MAX <= 32), so bm_s holds
-    uw // pack ints. A window is a pass of seven block barriers and the union needs one per uw
+    UW // pack ints. A window is a pass of seven block barriers and the union needs one per UW
     blocks up to the tile's own, so with a small bitmap the work a tile grows with the sequence:
     dQ's 4-token unit, with 256 blocks in its 1 KB, took 8 passes at 128K keys (2 at 32K). (On
     an H200 dropping them to 1 changed dQ's time by nothing measurable up to 128K keys.)"""
     TK = T_MAX * K_MAX
+    uw = UW
     assert pack * T_MAX <= 32 and uw % (pack * threads) == 0
     mask_bits = (1 << T_MAX) - 1
 
+    # pack == 1 keeps one plain int a block (the expressions, and so every other unit's
+    # generated text, as before)
     def bm_add(bm_s, slot, bit):
         # distinct tokens' bits never carry into the next block's field (a token lists a block
         # once); pack * T_MAX = 32 sets bit 31, a defined shift in C++14 and later
@@ -793,8 +796,7 @@ def _bwd_dq(dtype, D, arch, tokens):
     # + 1 KB). Its 256 ints hold UW blocks, 8 to an int (4 token bits each), so the union takes
     # one pass up to 128K keys.
     pack = 32 // T_MAX if tiles_per_sm is not None else 1  # tiles_per_sm: sm_90a's 4-token unit
-    uw = UW
-    tile_union = _make_tile_union(topk, threads, T_MAX, uw, pack=pack)
+    tile_union = _make_tile_union(topk, threads, T_MAX, pack=pack)
     S_REGS = BLOCK_M * BLOCK_N // threads
     DQ_REGS = BLOCK_M * D // threads
 
@@ -887,7 +889,7 @@ def _bwd_dq(dtype, D, arch, tokens):
             n_union = T.alloc_shared([1], "int32")
             my_keep = T.alloc_local([TK // threads], "int32")
             my_mask = T.alloc_local([TK // threads], "int32")
-            bm_s = T.alloc_shared([uw // pack], "int32")
+            bm_s = T.alloc_shared([UW // pack], "int32")
             n_it = T.alloc_var("int32")
             acc_s = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
             acc_dp = T.alloc_fragment([BLOCK_M, BLOCK_N], accum)
