@@ -73,6 +73,7 @@ PIECE = 8192
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
+POS_INF = float("inf")
 
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_members", "bwd_members_scan", "bwd_dkdv", "bwd_dkdv_reduce")
 # fwd and bwd_dq come with a cap on their tiles' tokens; sm_90a also builds a 4-token unit of
@@ -808,6 +809,13 @@ def _bwd_dq(dtype, D, arch, tokens):
             # every token picked and sees the block, so its rows' LSEs are finite
             for r, c in T.Parallel(BLOCK_M, BLOCK_N):
                 acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse_r[r])
+        elif (blk + 1) * BLOCK_N <= p0 + 1:
+            # every token sees the whole block, so only the rows decide: a row whose token did not
+            # pick it (or an empty row) takes +inf for its LSE and exp2 gives 0, two selects a
+            # thread instead of a test on every element
+            for r, c in T.Parallel(BLOCK_M, BLOCK_N):
+                acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - T.if_then_else(
+                    lse_r[r] != NEG_INF and ((um >> rtok[r]) & 1) == 1, lse_r[r], POS_INF))
         else:
             for r, c in T.Parallel(BLOCK_M, BLOCK_N):
                 acc_s[r, c] = T.if_then_else(

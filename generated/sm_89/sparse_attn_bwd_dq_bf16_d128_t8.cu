@@ -496,21 +496,46 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           *(float2*)(acc_s + (i_18 * 2)) = __1;
         }
       } else {
-        #pragma unroll
-        for (int i_19 = 0; i_19 < 32; ++i_19) {
-          float condval_30;
-          if ((((lse_r[((i_19 & 3) >> 1)] != -CUDART_INF_F) && (((um >> rtok[((i_19 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_19 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_19 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_19 & 3) >> 1)]) - len_q)))) {
-            condval_30 = exp2f(((acc_s[i_19] * scale_log2) - lse_r[((i_19 & 3) >> 1)]));
-          } else {
-            condval_30 = 0x0p+0f/*0.000000e+00*/;
+        if (((blk_2 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q)) {
+          #pragma unroll
+          for (int i_19 = 0; i_19 < 16; ++i_19) {
+            float2 __4;
+            float2 __5;
+              float2 __6;
+                float2 v__3 = *(float2*)(acc_s + (i_19 * 2));
+                float2 v__4 = make_float2(scale_log2, scale_log2);
+                __6.x = (v__3.x*v__4.x);
+                __6.y = (v__3.y*v__4.y);
+              float condval_30;
+              if (((lse_r[(i_19 & 1)] != -CUDART_INF_F) && (((um >> rtok[(i_19 & 1)]) & 1) == 1))) {
+                condval_30 = lse_r[(i_19 & 1)];
+              } else {
+                condval_30 = CUDART_INF_F;
+              }
+              float2 v__5 = make_float2(condval_30, condval_30);
+              __5.x = (__6.x-v__5.x);
+              __5.y = (__6.y-v__5.y);
+            __4.x = exp2f(__5.x);
+            __4.y = exp2f(__5.y);
+            *(float2*)(acc_s + (i_19 * 2)) = __4;
           }
-          acc_s[i_19] = condval_30;
+        } else {
+          #pragma unroll
+          for (int i_20 = 0; i_20 < 32; ++i_20) {
+            float condval_31;
+            if ((((lse_r[((i_20 & 3) >> 1)] != -CUDART_INF_F) && (((um >> rtok[((i_20 & 3) >> 1)]) & 1) == 1)) && (((((blk_2 * 64) + ((i_20 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_20 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_20 & 3) >> 1)]) - len_q)))) {
+              condval_31 = exp2f(((acc_s[i_20] * scale_log2) - lse_r[((i_20 & 3) >> 1)]));
+            } else {
+              condval_31 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_s[i_20] = condval_31;
+          }
         }
       }
       #pragma unroll
-      for (int i_20 = 0; i_20 < 8; ++i_20) {
+      for (int i_21 = 0; i_21 < 8; ++i_21) {
         float broadcast_var_14 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_20 * 4)) = make_float4(broadcast_var_14, broadcast_var_14, broadcast_var_14, broadcast_var_14);
+        *(float4*)(acc_dp + (i_21 * 4)) = make_float4(broadcast_var_14, broadcast_var_14, broadcast_var_14, broadcast_var_14);
       }
       tl::cp_async_wait<1>();
       __syncthreads();
@@ -520,8 +545,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         for (int ki_1 = 0; ki_1 < 8; ++ki_1) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[(((((((ki_1 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_1[0])));
           #pragma unroll
-          for (int i_21 = 0; i_21 < 4; ++i_21) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_1 >> 2) * 4096) + (i_21 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_21 * 8)])));
+          for (int i_22 = 0; i_22 < 4; ++i_22) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_1 >> 2) * 4096) + (i_22 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_1 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_1 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_1[(i_22 * 8)])));
           }
           for (int j_1 = 0; j_1 < 4; ++j_1) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_1 * 8)), reinterpret_cast<const unsigned*>(A_local_1 + 0), reinterpret_cast<const unsigned*>(B_local_1 + (j_1 * 8)));
@@ -532,31 +557,31 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_3 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_22 = 0; i_22 < 8; ++i_22) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_22 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_22) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_22 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_23 = 0; i_23 < 8; ++i_23) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)V_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_23 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(V[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_3) * (int64_t)64) + (((int64_t)i_23) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_3 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_3 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_3 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_3 * 64) + (i_23 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
       #pragma unroll
-      for (int i_23 = 0; i_23 < 16; ++i_23) {
-        uint1 __4;
-        float2 __5;
-          float2 v__3 = *(float2*)(acc_s + (i_23 * 2));
-          float2 __6;
-            float2 v__4 = *(float2*)(acc_dp + (i_23 * 2));
-            float2 v__5 = make_float2(delta_r[(i_23 & 1)], delta_r[(i_23 & 1)]);
-            __6.x = (v__4.x-v__5.x);
-            __6.y = (v__4.y-v__5.y);
-          __5.x = (v__3.x*__6.x);
-          __5.y = (v__3.y*__6.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__4))[0] = __float22bfloat162_rn(((float2*)(&__5))[0]);
-        *(uint1*)(dS_r + (i_23 * 2)) = __4;
+      for (int i_24 = 0; i_24 < 16; ++i_24) {
+        uint1 __7;
+        float2 __8;
+          float2 v__6 = *(float2*)(acc_s + (i_24 * 2));
+          float2 __9;
+            float2 v__7 = *(float2*)(acc_dp + (i_24 * 2));
+            float2 v__8 = make_float2(delta_r[(i_24 & 1)], delta_r[(i_24 & 1)]);
+            __9.x = (v__7.x-v__8.x);
+            __9.y = (v__7.y-v__8.y);
+          __8.x = (v__6.x*__9.x);
+          __8.y = (v__6.y*__9.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__7))[0] = __float22bfloat162_rn(((float2*)(&__8))[0]);
+        *(uint1*)(dS_r + (i_24 * 2)) = __7;
       }
       {
         bfloat16_t B_local_2[64];
         for (int ki_2 = 0; ki_2 < 4; ++ki_2) {
           #pragma unroll
-          for (int i_24 = 0; i_24 < 8; ++i_24) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_24 >> 2) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_24 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_24 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_24 * 8)])));
+          for (int i_25 = 0; i_25 < 8; ++i_25) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_25 >> 2) * 4096) + (ki_2 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_25 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_25 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_2[(i_25 * 8)])));
           }
           for (int j_2 = 0; j_2 < 8; ++j_2) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_2 * 8)), reinterpret_cast<const unsigned*>(dS_r + (ki_2 * 8)), reinterpret_cast<const unsigned*>(B_local_2 + (j_2 * 8)));
@@ -568,16 +593,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int blk_4 = ((int*)ublk_s)[(it + 1)];
       __syncthreads();
       #pragma unroll
-      for (int i_25 = 0; i_25 < 8; ++i_25) {
-        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_25 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_25) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_25 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
+      for (int i_26 = 0; i_26 < 8; ++i_26) {
+        tl::cp_async_gs_conditional<16>((&(((bfloat16_t*)K_s)[((((((((((int)threadIdx.x) & 15) >> 3) * 4096) + (i_26 * 512)) + ((((int)threadIdx.x) >> 4) * 64)) + ((((((int)threadIdx.x) >> 6) + ((((int)threadIdx.x) & 7) >> 2)) & 1) * 32)) + (((((((int)threadIdx.x) & 63) >> 5) + ((((int)threadIdx.x) & 3) >> 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(K[(((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((int64_t)blk_4) * (int64_t)64) + (((int64_t)i_26) * (int64_t)8)) + (((int64_t)((int)threadIdx.x)) >> (int64_t)4)) + ((int64_t)k0)) * ((int64_t)heads_k)) * (int64_t)128)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)15) * (int64_t)8))])), ((((((((blk_4 * 64) + (i_26 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k) && (0 <= ((((blk_4 * 64) + (i_26 * 8)) + (((int)threadIdx.x) >> 4)) + k0))) && (((((blk_4 * 64) + (i_26 * 8)) + (((int)threadIdx.x) >> 4)) + k0) < total_k)) && (0 <= ((((blk_4 * 64) + (i_26 * 8)) + (((int)threadIdx.x) >> 4)) + k0))));
       }
       tl::cp_async_commit();
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_26 = 0; i_26 < 8; ++i_26) {
+      for (int i_27 = 0; i_27 < 8; ++i_27) {
         float broadcast_var_15 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_s + (i_26 * 4)) = make_float4(broadcast_var_15, broadcast_var_15, broadcast_var_15, broadcast_var_15);
+        *(float4*)(acc_s + (i_27 * 4)) = make_float4(broadcast_var_15, broadcast_var_15, broadcast_var_15, broadcast_var_15);
       }
     }
     tl::cp_async_wait<0>();
@@ -589,8 +614,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         for (int ki_3 = 0; ki_3 < 8; ++ki_3) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)Q_s)[(((((((ki_3 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_2[0])));
           #pragma unroll
-          for (int i_27 = 0; i_27 < 4; ++i_27) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki_3 >> 2) * 4096) + (i_27 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_27 * 8)])));
+          for (int i_28 = 0; i_28 < 4; ++i_28) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)K_s)[((((((((ki_3 >> 2) * 4096) + (i_28 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_3 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_3 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_3[(i_28 * 8)])));
           }
           for (int j_3 = 0; j_3 < 4; ++j_3) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_s + (j_3 * 8)), reinterpret_cast<const unsigned*>(A_local_2 + 0), reinterpret_cast<const unsigned*>(B_local_3 + (j_3 * 8)));
@@ -604,39 +629,64 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       int um_1 = ((int*)umask_s)[(((int64_t)n_it) - (int64_t)1)];
       if ((um_1 == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
         #pragma unroll
-        for (int i_28 = 0; i_28 < 16; ++i_28) {
-          float2 __7;
-          float2 __8;
-            float2 __9;
-              float2 v__6 = *(float2*)(acc_s + (i_28 * 2));
-              float2 v__7 = make_float2(scale_log2, scale_log2);
-              __9.x = (v__6.x*v__7.x);
-              __9.y = (v__6.y*v__7.y);
-            float2 v__8 = make_float2(lse_r[(i_28 & 1)], lse_r[(i_28 & 1)]);
-            __8.x = (__9.x-v__8.x);
-            __8.y = (__9.y-v__8.y);
-          __7.x = exp2f(__8.x);
-          __7.y = exp2f(__8.y);
-          *(float2*)(acc_s + (i_28 * 2)) = __7;
+        for (int i_29 = 0; i_29 < 16; ++i_29) {
+          float2 __10;
+          float2 __11;
+            float2 __12;
+              float2 v__9 = *(float2*)(acc_s + (i_29 * 2));
+              float2 v__10 = make_float2(scale_log2, scale_log2);
+              __12.x = (v__9.x*v__10.x);
+              __12.y = (v__9.y*v__10.y);
+            float2 v__11 = make_float2(lse_r[(i_29 & 1)], lse_r[(i_29 & 1)]);
+            __11.x = (__12.x-v__11.x);
+            __11.y = (__12.y-v__11.y);
+          __10.x = exp2f(__11.x);
+          __10.y = exp2f(__11.y);
+          *(float2*)(acc_s + (i_29 * 2)) = __10;
         }
       } else {
-        #pragma unroll
-        for (int i_29 = 0; i_29 < 32; ++i_29) {
-          float condval_31;
-          if ((((lse_r[((i_29 & 3) >> 1)] != -CUDART_INF_F) && (((um_1 >> rtok[((i_29 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_29 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_29 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_29 & 3) >> 1)]) - len_q)))) {
-            condval_31 = exp2f(((acc_s[i_29] * scale_log2) - lse_r[((i_29 & 3) >> 1)]));
-          } else {
-            condval_31 = 0x0p+0f/*0.000000e+00*/;
+        if (((blk_5 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q)) {
+          #pragma unroll
+          for (int i_30 = 0; i_30 < 16; ++i_30) {
+            float2 __13;
+            float2 __14;
+              float2 __15;
+                float2 v__12 = *(float2*)(acc_s + (i_30 * 2));
+                float2 v__13 = make_float2(scale_log2, scale_log2);
+                __15.x = (v__12.x*v__13.x);
+                __15.y = (v__12.y*v__13.y);
+              float condval_32;
+              if (((lse_r[(i_30 & 1)] != -CUDART_INF_F) && (((um_1 >> rtok[(i_30 & 1)]) & 1) == 1))) {
+                condval_32 = lse_r[(i_30 & 1)];
+              } else {
+                condval_32 = CUDART_INF_F;
+              }
+              float2 v__14 = make_float2(condval_32, condval_32);
+              __14.x = (__15.x-v__14.x);
+              __14.y = (__15.y-v__14.y);
+            __13.x = exp2f(__14.x);
+            __13.y = exp2f(__14.y);
+            *(float2*)(acc_s + (i_30 * 2)) = __13;
           }
-          acc_s[i_29] = condval_31;
+        } else {
+          #pragma unroll
+          for (int i_31 = 0; i_31 < 32; ++i_31) {
+            float condval_33;
+            if ((((lse_r[((i_31 & 3) >> 1)] != -CUDART_INF_F) && (((um_1 >> rtok[((i_31 & 3) >> 1)]) & 1) == 1)) && (((((blk_5 * 64) + ((i_31 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_31 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_31 & 3) >> 1)]) - len_q)))) {
+              condval_33 = exp2f(((acc_s[i_31] * scale_log2) - lse_r[((i_31 & 3) >> 1)]));
+            } else {
+              condval_33 = 0x0p+0f/*0.000000e+00*/;
+            }
+            acc_s[i_31] = condval_33;
+          }
         }
       }
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_30 = 0; i_30 < 8; ++i_30) {
+      for (int i_32 = 0; i_32 < 8; ++i_32) {
         float broadcast_var_16 = 0x0p+0f/*0.000000e+00*/;
-        *(float4*)(acc_dp + (i_30 * 4)) = make_float4(broadcast_var_16, broadcast_var_16, broadcast_var_16, broadcast_var_16);
+        *(float4*)(acc_dp + (i_32 * 4)) = make_float4(broadcast_var_16, broadcast_var_16, broadcast_var_16, broadcast_var_16);
       }
     }
     tl::cp_async_wait<1>();
@@ -648,8 +698,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         for (int ki_4 = 0; ki_4 < 8; ++ki_4) {
           tl::ptx_ldmatrix_x4((&(((bfloat16_t*)dO_s)[(((((((ki_4 >> 2) * 4096) + ((((int)threadIdx.x) >> 5) * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(A_local_3[0])));
           #pragma unroll
-          for (int i_31 = 0; i_31 < 4; ++i_31) {
-            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_4 >> 2) * 4096) + (i_31 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_31 * 8)])));
+          for (int i_33 = 0; i_33 < 4; ++i_33) {
+            tl::ptx_ldmatrix_x4((&(((bfloat16_t*)V_s)[((((((((ki_4 >> 2) * 4096) + (i_33 * 1024)) + (((((int)threadIdx.x) & 31) >> 4) * 512)) + ((((int)threadIdx.x) & 7) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((ki_4 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (ki_4 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 15) >> 3) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_4[(i_33 * 8)])));
           }
           for (int j_4 = 0; j_4 < 4; ++j_4) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dp + (j_4 * 8)), reinterpret_cast<const unsigned*>(A_local_3 + 0), reinterpret_cast<const unsigned*>(B_local_4 + (j_4 * 8)));
@@ -660,19 +710,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     }
     if (1 <= n_it) {
       #pragma unroll
-      for (int i_32 = 0; i_32 < 16; ++i_32) {
-        uint1 __10;
-        float2 __11;
-          float2 v__9 = *(float2*)(acc_s + (i_32 * 2));
-          float2 __12;
-            float2 v__10 = *(float2*)(acc_dp + (i_32 * 2));
-            float2 v__11 = make_float2(delta_r[(i_32 & 1)], delta_r[(i_32 & 1)]);
-            __12.x = (v__10.x-v__11.x);
-            __12.y = (v__10.y-v__11.y);
-          __11.x = (v__9.x*__12.x);
-          __11.y = (v__9.y*__12.y);
-        (reinterpret_cast<__nv_bfloat162*>(&__10))[0] = __float22bfloat162_rn(((float2*)(&__11))[0]);
-        *(uint1*)(dS_r + (i_32 * 2)) = __10;
+      for (int i_34 = 0; i_34 < 16; ++i_34) {
+        uint1 __16;
+        float2 __17;
+          float2 v__15 = *(float2*)(acc_s + (i_34 * 2));
+          float2 __18;
+            float2 v__16 = *(float2*)(acc_dp + (i_34 * 2));
+            float2 v__17 = make_float2(delta_r[(i_34 & 1)], delta_r[(i_34 & 1)]);
+            __18.x = (v__16.x-v__17.x);
+            __18.y = (v__16.y-v__17.y);
+          __17.x = (v__15.x*__18.x);
+          __17.y = (v__15.y*__18.y);
+        (reinterpret_cast<__nv_bfloat162*>(&__16))[0] = __float22bfloat162_rn(((float2*)(&__17))[0]);
+        *(uint1*)(dS_r + (i_34 * 2)) = __16;
       }
     }
     if (1 <= n_it) {
@@ -680,8 +730,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         bfloat16_t B_local_5[64];
         for (int ki_5 = 0; ki_5 < 4; ++ki_5) {
           #pragma unroll
-          for (int i_33 = 0; i_33 < 8; ++i_33) {
-            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_33 >> 2) * 4096) + (ki_5 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_33 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_33 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_33 * 8)])));
+          for (int i_35 = 0; i_35 < 8; ++i_35) {
+            tl::ptx_ldmatrix_x4_trans((&(((bfloat16_t*)K_s)[(((((((i_35 >> 2) * 4096) + (ki_5 * 1024)) + ((((int)threadIdx.x) & 15) * 64)) + (((((((int)threadIdx.x) & 7) >> 2) + ((i_35 & 3) >> 1)) & 1) * 32)) + (((((((int)threadIdx.x) & 3) >> 1) + (i_35 & 1)) & 1) * 16)) + (((((((int)threadIdx.x) & 31) >> 4) + (((int)threadIdx.x) & 1)) & 1) * 8))])), (&(B_local_5[(i_35 * 8)])));
           }
           for (int j_5 = 0; j_5 < 8; ++j_5) {
             tl::mma_sync<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 16, 8, 16, false, true>(reinterpret_cast<float*>(acc_dq + (j_5 * 8)), reinterpret_cast<const unsigned*>(dS_r + (ki_5 * 8)), reinterpret_cast<const unsigned*>(B_local_5 + (j_5 * 8)));
@@ -692,21 +742,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     }
     if (groups == 16) {
       #pragma unroll
-      for (int i_34 = 0; i_34 < 32; ++i_34) {
+      for (int i_36 = 0; i_36 < 32; ++i_36) {
         bfloat16_t dQ_local_cast[2];
         if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-          uint1 __13;
-          float2 __14;
-            float2 v__12 = *(float2*)(acc_dq + (i_34 * 2));
-            float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-            __14.x = (v__12.x*v__13.x);
-            __14.y = (v__12.y*v__13.y);
-          (reinterpret_cast<__nv_bfloat162*>(&__13))[0] = __float22bfloat162_rn(((float2*)(&__14))[0]);
-          *(uint1*)(dQ_local_cast + 0) = __13;
-          if ((((((int)blockIdx.z) * 16) + ((i_34 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+          uint1 __19;
+          float2 __20;
+            float2 v__18 = *(float2*)(acc_dq + (i_36 * 2));
+            float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+            __20.x = (v__18.x*v__19.x);
+            __20.y = (v__18.y*v__19.y);
+          (reinterpret_cast<__nv_bfloat162*>(&__19))[0] = __float22bfloat162_rn(((float2*)(&__20))[0]);
+          *(uint1*)(dQ_local_cast + 0) = __19;
+          if ((((((int)blockIdx.z) * 16) + ((i_36 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
             if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
               if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_34) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_34) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_36) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
               }
             }
           }
@@ -715,21 +765,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     } else {
       if (groups == 8) {
         #pragma unroll
-        for (int i_35 = 0; i_35 < 32; ++i_35) {
+        for (int i_37 = 0; i_37 < 32; ++i_37) {
           bfloat16_t dQ_local_cast_1[2];
-          if (((((((int)threadIdx.x) >> 5) * 2) + (i_35 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-            uint1 __15;
-            float2 __16;
-              float2 v__14 = *(float2*)(acc_dq + (i_35 * 2));
-              float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __16.x = (v__14.x*v__15.x);
-              __16.y = (v__14.y*v__15.y);
-            (reinterpret_cast<__nv_bfloat162*>(&__15))[0] = __float22bfloat162_rn(((float2*)(&__16))[0]);
-            *(uint1*)(dQ_local_cast_1 + 0) = __15;
+          if (((((((int)threadIdx.x) >> 5) * 2) + (i_37 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+            uint1 __21;
+            float2 __22;
+              float2 v__20 = *(float2*)(acc_dq + (i_37 * 2));
+              float2 v__21 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __22.x = (v__20.x*v__21.x);
+              __22.y = (v__20.y*v__21.y);
+            (reinterpret_cast<__nv_bfloat162*>(&__21))[0] = __float22bfloat162_rn(((float2*)(&__22))[0]);
+            *(uint1*)(dQ_local_cast_1 + 0) = __21;
             if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_35 & 1))) {
-                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_35 & 1)) < total_q) {
-                  *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_35) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_35) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
+              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_37 & 1))) {
+                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_37 & 1)) < total_q) {
+                  *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_37) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_37) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
                 }
               }
             }
@@ -738,21 +788,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       } else {
         if (groups == 4) {
           #pragma unroll
-          for (int i_36 = 0; i_36 < 32; ++i_36) {
+          for (int i_38 = 0; i_38 < 32; ++i_38) {
             bfloat16_t dQ_local_cast_2[2];
-            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-              uint1 __17;
-              float2 __18;
-                float2 v__16 = *(float2*)(acc_dq + (i_36 * 2));
-                float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                __18.x = (v__16.x*v__17.x);
-                __18.y = (v__16.y*v__17.y);
-              (reinterpret_cast<__nv_bfloat162*>(&__17))[0] = __float22bfloat162_rn(((float2*)(&__18))[0]);
-              *(uint1*)(dQ_local_cast_2 + 0) = __17;
+            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_38 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              uint1 __23;
+              float2 __24;
+                float2 v__22 = *(float2*)(acc_dq + (i_38 * 2));
+                float2 v__23 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __24.x = (v__22.x*v__23.x);
+                __24.y = (v__22.y*v__23.y);
+              (reinterpret_cast<__nv_bfloat162*>(&__23))[0] = __float22bfloat162_rn(((float2*)(&__24))[0]);
+              *(uint1*)(dQ_local_cast_2 + 0) = __23;
               if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_36 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_36) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_36) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_38 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_38 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                    *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_38) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
                   }
                 }
               }
@@ -761,21 +811,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         } else {
           if (groups == 2) {
             #pragma unroll
-            for (int i_37 = 0; i_37 < 32; ++i_37) {
+            for (int i_39 = 0; i_39 < 32; ++i_39) {
               bfloat16_t dQ_local_cast_3[2];
-              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-                uint1 __19;
-                float2 __20;
-                  float2 v__18 = *(float2*)(acc_dq + (i_37 * 2));
-                  float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                  __20.x = (v__18.x*v__19.x);
-                  __20.y = (v__18.y*v__19.y);
-                (reinterpret_cast<__nv_bfloat162*>(&__19))[0] = __float22bfloat162_rn(((float2*)(&__20))[0]);
-                *(uint1*)(dQ_local_cast_3 + 0) = __19;
+              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_39 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                uint1 __25;
+                float2 __26;
+                  float2 v__24 = *(float2*)(acc_dq + (i_39 * 2));
+                  float2 v__25 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                  __26.x = (v__24.x*v__25.x);
+                  __26.y = (v__24.y*v__25.y);
+                (reinterpret_cast<__nv_bfloat162*>(&__25))[0] = __float22bfloat162_rn(((float2*)(&__26))[0]);
+                *(uint1*)(dQ_local_cast_3 + 0) = __25;
                 if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_37 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                      *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_37) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_37) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_3 + 0);
+                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_39 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_39 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                      *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_39) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_3 + 0);
                     }
                   }
                 }
@@ -784,21 +834,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           } else {
             if (groups == 1) {
               #pragma unroll
-              for (int i_38 = 0; i_38 < 32; ++i_38) {
+              for (int i_40 = 0; i_40 < 32; ++i_40) {
                 bfloat16_t dQ_local_cast_4[2];
-                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-                  uint1 __21;
-                  float2 __22;
-                    float2 v__20 = *(float2*)(acc_dq + (i_38 * 2));
-                    float2 v__21 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                    __22.x = (v__20.x*v__21.x);
-                    __22.y = (v__20.y*v__21.y);
-                  (reinterpret_cast<__nv_bfloat162*>(&__21))[0] = __float22bfloat162_rn(((float2*)(&__22))[0]);
-                  *(uint1*)(dQ_local_cast_4 + 0) = __21;
+                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_40 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_40 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                  uint1 __27;
+                  float2 __28;
+                    float2 v__26 = *(float2*)(acc_dq + (i_40 * 2));
+                    float2 v__27 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                    __28.x = (v__26.x*v__27.x);
+                    __28.y = (v__26.y*v__27.y);
+                  (reinterpret_cast<__nv_bfloat162*>(&__27))[0] = __float22bfloat162_rn(((float2*)(&__28))[0]);
+                  *(uint1*)(dQ_local_cast_4 + 0) = __27;
                   if (((int)blockIdx.z) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_38 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_38) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_38) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_4 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_40 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_40 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_40) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_40) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_4 + 0);
                       }
                     }
                   }
@@ -806,34 +856,34 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
               }
             } else {
               #pragma unroll
-              for (int i_39 = 0; i_39 < 32; ++i_39) {
+              for (int i_41 = 0; i_41 < 32; ++i_41) {
                 bfloat16_t dQ_local_cast_5[2];
-                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-                  uint1 __23;
-                  float2 __24;
-                    float2 v__22 = *(float2*)(acc_dq + (i_39 * 2));
-                    float2 v__23 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                    __24.x = (v__22.x*v__23.x);
-                    __24.y = (v__22.y*v__23.y);
-                  (reinterpret_cast<__nv_bfloat162*>(&__23))[0] = __float22bfloat162_rn(((float2*)(&__24))[0]);
-                  *(uint1*)(dQ_local_cast_5 + 0) = __23;
-                  int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_41 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                  uint1 __29;
+                  float2 __30;
+                    float2 v__28 = *(float2*)(acc_dq + (i_41 * 2));
+                    float2 v__29 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                    __30.x = (v__28.x*v__29.x);
+                    __30.y = (v__28.y*v__29.y);
+                  (reinterpret_cast<__nv_bfloat162*>(&__29))[0] = __float22bfloat162_rn(((float2*)(&__30))[0]);
+                  *(uint1*)(dQ_local_cast_5 + 0) = __29;
+                  int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_41 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-                    int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_41 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-                      int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                      int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                      int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_41 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_41 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                       if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-                        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_39 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_41 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_41 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                         if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                          int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_39) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_39) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_5 + 0);
+                          int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_41) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_41) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_41) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_41) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_41) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_41) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_41) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_5 + 0);
                         }
                       }
                     }

@@ -529,15 +529,40 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
             *(float2*)(acc_s + (i_16 * 2)) = __1;
           }
         } else {
-          #pragma unroll
-          for (int i_17 = 0; i_17 < 32; ++i_17) {
-            float condval_31;
-            if ((((lse_r[((i_17 & 3) >> 1)] != -CUDART_INF_F) && (((um >> rtok[((i_17 & 3) >> 1)]) & 1) == 1)) && (((((blk * 64) + ((i_17 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_17 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_17 & 3) >> 1)]) - len_q)))) {
-              condval_31 = exp2f(((acc_s[i_17] * scale_log2) - lse_r[((i_17 & 3) >> 1)]));
-            } else {
-              condval_31 = 0x0p+0f/*0.000000e+00*/;
+          if (((blk * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q)) {
+            #pragma unroll
+            for (int i_17 = 0; i_17 < 16; ++i_17) {
+              float2 __4;
+              float2 __5;
+                float2 __6;
+                  float2 v__3 = *(float2*)(acc_s + (i_17 * 2));
+                  float2 v__4 = make_float2(scale_log2, scale_log2);
+                  __6.x = (v__3.x*v__4.x);
+                  __6.y = (v__3.y*v__4.y);
+                float condval_31;
+                if (((lse_r[(i_17 & 1)] != -CUDART_INF_F) && (((um >> rtok[(i_17 & 1)]) & 1) == 1))) {
+                  condval_31 = lse_r[(i_17 & 1)];
+                } else {
+                  condval_31 = CUDART_INF_F;
+                }
+                float2 v__5 = make_float2(condval_31, condval_31);
+                __5.x = (__6.x-v__5.x);
+                __5.y = (__6.y-v__5.y);
+              __4.x = exp2f(__5.x);
+              __4.y = exp2f(__5.y);
+              *(float2*)(acc_s + (i_17 * 2)) = __4;
             }
-            acc_s[i_17] = condval_31;
+          } else {
+            #pragma unroll
+            for (int i_18 = 0; i_18 < 32; ++i_18) {
+              float condval_32;
+              if ((((lse_r[((i_18 & 3) >> 1)] != -CUDART_INF_F) && (((um >> rtok[((i_18 & 3) >> 1)]) & 1) == 1)) && (((((blk * 64) + ((i_18 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_18 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_18 & 3) >> 1)]) - len_q)))) {
+                condval_32 = exp2f(((acc_s[i_18] * scale_log2) - lse_r[((i_18 & 3) >> 1)]));
+              } else {
+                condval_32 = 0x0p+0f/*0.000000e+00*/;
+              }
+              acc_s[i_18] = condval_32;
+            }
           }
         }
         tl::wait_wgmma<0>();
@@ -546,25 +571,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         if (tl::tl_shuffle_elect<128>()) {
           full[1].expect_transaction(16384);
           #pragma unroll
-          for (int i_18 = 0; i_18 < 2; ++i_18) {
-            tl::tma_load(K_desc, full[1], (&(((half_t*)V_s)[(i_18 * 4096)])), (i_18 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+          for (int i_19 = 0; i_19 < 2; ++i_19) {
+            tl::tma_load(K_desc, full[1], (&(((half_t*)V_s)[(i_19 * 4096)])), (i_19 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
           }
         }
         full[1].arrive();
         #pragma unroll
-        for (int i_19 = 0; i_19 < 16; ++i_19) {
-          uint1 __4;
-          float2 __5;
-            float2 v__3 = *(float2*)(acc_s + (i_19 * 2));
-            float2 __6;
-              float2 v__4 = *(float2*)(acc_dp + (i_19 * 2));
-              float2 v__5 = make_float2(delta_r[(i_19 & 1)], delta_r[(i_19 & 1)]);
-              __6.x = (v__4.x-v__5.x);
-              __6.y = (v__4.y-v__5.y);
-            __5.x = (v__3.x*__6.x);
-            __5.y = (v__3.y*__6.y);
-          ((half2*)(&__4))[0] = __float22half2_rn(((float2*)(&__5))[0]);
-          *(uint1*)(dS_r + (i_19 * 2)) = __4;
+        for (int i_20 = 0; i_20 < 16; ++i_20) {
+          uint1 __7;
+          float2 __8;
+            float2 v__6 = *(float2*)(acc_s + (i_20 * 2));
+            float2 __9;
+              float2 v__7 = *(float2*)(acc_dp + (i_20 * 2));
+              float2 v__8 = make_float2(delta_r[(i_20 & 1)], delta_r[(i_20 & 1)]);
+              __9.x = (v__7.x-v__8.x);
+              __9.y = (v__7.y-v__8.y);
+            __8.x = (v__6.x*__9.x);
+            __8.y = (v__6.y*__9.y);
+          ((half2*)(&__7))[0] = __float22half2_rn(((float2*)(&__8))[0]);
+          *(uint1*)(dS_r + (i_20 * 2)) = __7;
         }
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
         {
@@ -587,8 +612,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         if (tl::tl_shuffle_elect<128>()) {
           full[0].expect_transaction(16384);
           #pragma unroll
-          for (int i_20 = 0; i_20 < 2; ++i_20) {
-            tl::tma_load(V_desc, full[0], (&(((half_t*)K_s)[(i_20 * 4096)])), (i_20 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
+          for (int i_21 = 0; i_21 < 2; ++i_21) {
+            tl::tma_load(V_desc, full[0], (&(((half_t*)K_s)[(i_21 * 4096)])), (i_21 * 64), ((nxt * 64) + k0), ((int)blockIdx.z));
           }
         }
         full[0].arrive();
@@ -631,31 +656,56 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         int um_1 = ((int*)umask_s)[it];
         if ((um_1 == ((1 << min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) - 1)) && (((blk_1 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q))) {
           #pragma unroll
-          for (int i_21 = 0; i_21 < 16; ++i_21) {
-            float2 __7;
-            float2 __8;
-              float2 __9;
-                float2 v__6 = *(float2*)(acc_s + (i_21 * 2));
-                float2 v__7 = make_float2(scale_log2, scale_log2);
-                __9.x = (v__6.x*v__7.x);
-                __9.y = (v__6.y*v__7.y);
-              float2 v__8 = make_float2(lse_r[(i_21 & 1)], lse_r[(i_21 & 1)]);
-              __8.x = (__9.x-v__8.x);
-              __8.y = (__9.y-v__8.y);
-            __7.x = exp2f(__8.x);
-            __7.y = exp2f(__8.y);
-            *(float2*)(acc_s + (i_21 * 2)) = __7;
+          for (int i_22 = 0; i_22 < 16; ++i_22) {
+            float2 __10;
+            float2 __11;
+              float2 __12;
+                float2 v__9 = *(float2*)(acc_s + (i_22 * 2));
+                float2 v__10 = make_float2(scale_log2, scale_log2);
+                __12.x = (v__9.x*v__10.x);
+                __12.y = (v__9.y*v__10.y);
+              float2 v__11 = make_float2(lse_r[(i_22 & 1)], lse_r[(i_22 & 1)]);
+              __11.x = (__12.x-v__11.x);
+              __11.y = (__12.y-v__11.y);
+            __10.x = exp2f(__11.x);
+            __10.y = exp2f(__11.y);
+            *(float2*)(acc_s + (i_22 * 2)) = __10;
           }
         } else {
-          #pragma unroll
-          for (int i_22 = 0; i_22 < 32; ++i_22) {
-            float condval_32;
-            if ((((lse_r[((i_22 & 3) >> 1)] != -CUDART_INF_F) && (((um_1 >> rtok[((i_22 & 3) >> 1)]) & 1) == 1)) && (((((blk_1 * 64) + ((i_22 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_22 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_22 & 3) >> 1)]) - len_q)))) {
-              condval_32 = exp2f(((acc_s[i_22] * scale_log2) - lse_r[((i_22 & 3) >> 1)]));
-            } else {
-              condval_32 = 0x0p+0f/*0.000000e+00*/;
+          if (((blk_1 * 64) + 63) <= ((len_k + (((int)blockIdx.x) * tile_tokens)) - len_q)) {
+            #pragma unroll
+            for (int i_23 = 0; i_23 < 16; ++i_23) {
+              float2 __13;
+              float2 __14;
+                float2 __15;
+                  float2 v__12 = *(float2*)(acc_s + (i_23 * 2));
+                  float2 v__13 = make_float2(scale_log2, scale_log2);
+                  __15.x = (v__12.x*v__13.x);
+                  __15.y = (v__12.y*v__13.y);
+                float condval_33;
+                if (((lse_r[(i_23 & 1)] != -CUDART_INF_F) && (((um_1 >> rtok[(i_23 & 1)]) & 1) == 1))) {
+                  condval_33 = lse_r[(i_23 & 1)];
+                } else {
+                  condval_33 = CUDART_INF_F;
+                }
+                float2 v__14 = make_float2(condval_33, condval_33);
+                __14.x = (__15.x-v__14.x);
+                __14.y = (__15.y-v__14.y);
+              __13.x = exp2f(__14.x);
+              __13.y = exp2f(__14.y);
+              *(float2*)(acc_s + (i_23 * 2)) = __13;
             }
-            acc_s[i_22] = condval_32;
+          } else {
+            #pragma unroll
+            for (int i_24 = 0; i_24 < 32; ++i_24) {
+              float condval_34;
+              if ((((lse_r[((i_24 & 3) >> 1)] != -CUDART_INF_F) && (((um_1 >> rtok[((i_24 & 3) >> 1)]) & 1) == 1)) && (((((blk_1 * 64) + ((i_24 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_24 & 1)) <= (((len_k + (((int)blockIdx.x) * tile_tokens)) + rtok[((i_24 & 3) >> 1)]) - len_q)))) {
+                condval_34 = exp2f(((acc_s[i_24] * scale_log2) - lse_r[((i_24 & 3) >> 1)]));
+              } else {
+                condval_34 = 0x0p+0f/*0.000000e+00*/;
+              }
+              acc_s[i_24] = condval_34;
+            }
           }
         }
         tl::wait_wgmma<0>();
@@ -664,25 +714,25 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         if (tl::tl_shuffle_elect<128>()) {
           full[0].expect_transaction(16384);
           #pragma unroll
-          for (int i_23 = 0; i_23 < 2; ++i_23) {
-            tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_23 * 4096)])), (i_23 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          for (int i_25 = 0; i_25 < 2; ++i_25) {
+            tl::tma_load(K_desc, full[0], (&(((half_t*)K_s)[(i_25 * 4096)])), (i_25 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
           }
         }
         full[0].arrive();
         #pragma unroll
-        for (int i_24 = 0; i_24 < 16; ++i_24) {
-          uint1 __10;
-          float2 __11;
-            float2 v__9 = *(float2*)(acc_s + (i_24 * 2));
-            float2 __12;
-              float2 v__10 = *(float2*)(acc_dp + (i_24 * 2));
-              float2 v__11 = make_float2(delta_r[(i_24 & 1)], delta_r[(i_24 & 1)]);
-              __12.x = (v__10.x-v__11.x);
-              __12.y = (v__10.y-v__11.y);
-            __11.x = (v__9.x*__12.x);
-            __11.y = (v__9.y*__12.y);
-          ((half2*)(&__10))[0] = __float22half2_rn(((float2*)(&__11))[0]);
-          *(uint1*)(dS_r + (i_24 * 2)) = __10;
+        for (int i_26 = 0; i_26 < 16; ++i_26) {
+          uint1 __16;
+          float2 __17;
+            float2 v__15 = *(float2*)(acc_s + (i_26 * 2));
+            float2 __18;
+              float2 v__16 = *(float2*)(acc_dp + (i_26 * 2));
+              float2 v__17 = make_float2(delta_r[(i_26 & 1)], delta_r[(i_26 & 1)]);
+              __18.x = (v__16.x-v__17.x);
+              __18.y = (v__16.y-v__17.y);
+            __17.x = (v__15.x*__18.x);
+            __17.y = (v__15.y*__18.y);
+          ((half2*)(&__16))[0] = __float22half2_rn(((float2*)(&__17))[0]);
+          *(uint1*)(dS_r + (i_26 * 2)) = __16;
         }
         tl::warpgroup_fence_operand(reinterpret_cast<float*>(acc_dq + 0), 64);
         {
@@ -705,8 +755,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         if (tl::tl_shuffle_elect<128>()) {
           full[1].expect_transaction(16384);
           #pragma unroll
-          for (int i_25 = 0; i_25 < 2; ++i_25) {
-            tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_25 * 4096)])), (i_25 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
+          for (int i_27 = 0; i_27 < 2; ++i_27) {
+            tl::tma_load(V_desc, full[1], (&(((half_t*)V_s)[(i_27 * 4096)])), (i_27 * 64), ((nxt_1 * 64) + k0), ((int)blockIdx.z));
           }
         }
         full[1].arrive();
@@ -716,21 +766,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     full[1].wait((n_it & 1));
     if (groups == 16) {
       #pragma unroll
-      for (int i_26 = 0; i_26 < 32; ++i_26) {
+      for (int i_28 = 0; i_28 < 32; ++i_28) {
         half_t dQ_local_cast[2];
         if (((((int)threadIdx.x) >> 5) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-          uint1 __13;
-          float2 __14;
-            float2 v__12 = *(float2*)(acc_dq + (i_26 * 2));
-            float2 v__13 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-            __14.x = (v__12.x*v__13.x);
-            __14.y = (v__12.y*v__13.y);
-          ((half2*)(&__13))[0] = __float22half2_rn(((float2*)(&__14))[0]);
-          *(uint1*)(dQ_local_cast + 0) = __13;
-          if ((((((int)blockIdx.z) * 16) + ((i_26 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
+          uint1 __19;
+          float2 __20;
+            float2 v__18 = *(float2*)(acc_dq + (i_28 * 2));
+            float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+            __20.x = (v__18.x*v__19.x);
+            __20.y = (v__18.y*v__19.y);
+          ((half2*)(&__19))[0] = __float22half2_rn(((float2*)(&__20))[0]);
+          *(uint1*)(dQ_local_cast + 0) = __19;
+          if ((((((int)blockIdx.z) * 16) + ((i_28 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
             if (0 <= (((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens))) {
               if ((((((int)threadIdx.x) >> 5) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_26) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_26) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
+                *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * (int64_t)2048) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)1024)) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast + 0);
               }
             }
           }
@@ -739,21 +789,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
     } else {
       if (groups == 8) {
         #pragma unroll
-        for (int i_27 = 0; i_27 < 32; ++i_27) {
+        for (int i_29 = 0; i_29 < 32; ++i_29) {
           half_t dQ_local_cast_1[2];
-          if (((((((int)threadIdx.x) >> 5) * 2) + (i_27 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-            uint1 __15;
-            float2 __16;
-              float2 v__14 = *(float2*)(acc_dq + (i_27 * 2));
-              float2 v__15 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-              __16.x = (v__14.x*v__15.x);
-              __16.y = (v__14.y*v__15.y);
-            ((half2*)(&__15))[0] = __float22half2_rn(((float2*)(&__16))[0]);
-            *(uint1*)(dQ_local_cast_1 + 0) = __15;
+          if (((((((int)threadIdx.x) >> 5) * 2) + (i_29 & 1)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+            uint1 __21;
+            float2 __22;
+              float2 v__20 = *(float2*)(acc_dq + (i_29 * 2));
+              float2 v__21 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+              __22.x = (v__20.x*v__21.x);
+              __22.y = (v__20.y*v__21.y);
+            ((half2*)(&__21))[0] = __float22half2_rn(((float2*)(&__22))[0]);
+            *(uint1*)(dQ_local_cast_1 + 0) = __21;
             if (((((int)blockIdx.z) * 8) + ((((int)threadIdx.x) & 31) >> 2)) < heads) {
-              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_27 & 1))) {
-                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_27 & 1)) < total_q) {
-                  *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_27) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_27) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
+              if (0 <= (((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_29 & 1))) {
+                if ((((((((int)threadIdx.x) >> 5) * 2) + q0) + (((int)blockIdx.x) * tile_tokens)) + (i_29 & 1)) < total_q) {
+                  *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)1024) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2) * (int64_t)128)) + (((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)2) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((int64_t)i_29) & (int64_t)1)) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_1 + 0);
                 }
               }
             }
@@ -762,21 +812,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
       } else {
         if (groups == 4) {
           #pragma unroll
-          for (int i_28 = 0; i_28 < 32; ++i_28) {
+          for (int i_30 = 0; i_30 < 32; ++i_30) {
             half_t dQ_local_cast_2[2];
-            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-              uint1 __17;
-              float2 __18;
-                float2 v__16 = *(float2*)(acc_dq + (i_28 * 2));
-                float2 v__17 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                __18.x = (v__16.x*v__17.x);
-                __18.y = (v__16.y*v__17.y);
-              ((half2*)(&__17))[0] = __float22half2_rn(((float2*)(&__18))[0]);
-              *(uint1*)(dQ_local_cast_2 + 0) = __17;
+            if ((((((((int)threadIdx.x) >> 5) * 4) + ((i_30 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+              uint1 __23;
+              float2 __24;
+                float2 v__22 = *(float2*)(acc_dq + (i_30 * 2));
+                float2 v__23 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                __24.x = (v__22.x*v__23.x);
+                __24.y = (v__22.y*v__23.y);
+              ((half2*)(&__23))[0] = __float22half2_rn(((float2*)(&__24))[0]);
+              *(uint1*)(dQ_local_cast_2 + 0) = __23;
               if (((((int)blockIdx.z) * 4) + ((((int)threadIdx.x) & 15) >> 2)) < heads) {
-                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_28 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                    *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_28) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_28) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
+                if (0 <= ((((((((int)threadIdx.x) >> 5) * 4) + ((i_30 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                  if (((((((((int)threadIdx.x) >> 5) * 4) + ((i_30 & 1) * 2)) + ((((int)threadIdx.x) & 31) >> 4)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                    *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)512) + (((((int64_t)((int)threadIdx.x)) & (int64_t)15) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)4) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)2)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_2 + 0);
                   }
                 }
               }
@@ -785,21 +835,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
         } else {
           if (groups == 2) {
             #pragma unroll
-            for (int i_29 = 0; i_29 < 32; ++i_29) {
+            for (int i_31 = 0; i_31 < 32; ++i_31) {
               half_t dQ_local_cast_3[2];
-              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
-                uint1 __19;
-                float2 __20;
-                  float2 v__18 = *(float2*)(acc_dq + (i_29 * 2));
-                  float2 v__19 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                  __20.x = (v__18.x*v__19.x);
-                  __20.y = (v__18.y*v__19.y);
-                ((half2*)(&__19))[0] = __float22half2_rn(((float2*)(&__20))[0]);
-                *(uint1*)(dQ_local_cast_3 + 0) = __19;
+              if ((((((((int)threadIdx.x) >> 5) * 8) + ((i_31 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) - min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens)))) < 0) {
+                uint1 __25;
+                float2 __26;
+                  float2 v__24 = *(float2*)(acc_dq + (i_31 * 2));
+                  float2 v__25 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                  __26.x = (v__24.x*v__25.x);
+                  __26.y = (v__24.y*v__25.y);
+                ((half2*)(&__25))[0] = __float22half2_rn(((float2*)(&__26))[0]);
+                *(uint1*)(dQ_local_cast_3 + 0) = __25;
                 if (((((int)blockIdx.z) * 2) + ((((int)threadIdx.x) & 7) >> 2)) < heads) {
-                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_29 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                      *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_29) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_29) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_3 + 0);
+                  if (0 <= ((((((((int)threadIdx.x) >> 5) * 8) + ((i_31 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                    if (((((((((int)threadIdx.x) >> 5) * 8) + ((i_31 & 1) * 4)) + ((((int)threadIdx.x) & 31) >> 3)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                      *(uint1*)(dQ + (((((((int64_t)((int)blockIdx.z)) * (int64_t)256) + (((((int64_t)((int)threadIdx.x)) & (int64_t)7) >> (int64_t)2) * (int64_t)128)) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)8) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)4)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)3)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_3 + 0);
                     }
                   }
                 }
@@ -808,21 +858,21 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
           } else {
             if (groups == 1) {
               #pragma unroll
-              for (int i_30 = 0; i_30 < 32; ++i_30) {
+              for (int i_32 = 0; i_32 < 32; ++i_32) {
                 half_t dQ_local_cast_4[2];
-                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
-                  uint1 __21;
-                  float2 __22;
-                    float2 v__20 = *(float2*)(acc_dq + (i_30 * 2));
-                    float2 v__21 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                    __22.x = (v__20.x*v__21.x);
-                    __22.y = (v__20.y*v__21.y);
-                  ((half2*)(&__21))[0] = __float22half2_rn(((float2*)(&__22))[0]);
-                  *(uint1*)(dQ_local_cast_4 + 0) = __21;
+                if ((((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < tile_tokens) && (((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (len_q - (((int)blockIdx.x) * tile_tokens)))) {
+                  uint1 __27;
+                  float2 __28;
+                    float2 v__26 = *(float2*)(acc_dq + (i_32 * 2));
+                    float2 v__27 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                    __28.x = (v__26.x*v__27.x);
+                    __28.y = (v__26.y*v__27.y);
+                  ((half2*)(&__27))[0] = __float22half2_rn(((float2*)(&__28))[0]);
+                  *(uint1*)(dQ_local_cast_4 + 0) = __27;
                   if (((int)blockIdx.z) < heads) {
-                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
-                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_30 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
-                        *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_30) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_30) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_4 + 0);
+                    if (0 <= ((((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens))) {
+                      if (((((((((int)threadIdx.x) >> 5) * 16) + ((i_32 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) + q0) + (((int)blockIdx.x) * tile_tokens)) < total_q) {
+                        *(uint1*)(dQ + ((((((int64_t)((int)blockIdx.z)) * (int64_t)128) + ((((((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_32) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) + ((int64_t)q0)) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_32) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_4 + 0);
                       }
                     }
                   }
@@ -830,34 +880,34 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dq
               }
             } else {
               #pragma unroll
-              for (int i_31 = 0; i_31 < 32; ++i_31) {
+              for (int i_33 = 0; i_33 < 32; ++i_33) {
                 half_t dQ_local_cast_5[2];
-                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
-                  uint1 __23;
-                  float2 __24;
-                    float2 v__22 = *(float2*)(acc_dq + (i_31 * 2));
-                    float2 v__23 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
-                    __24.x = (v__22.x*v__23.x);
-                    __24.y = (v__22.y*v__23.y);
-                  ((half2*)(&__23))[0] = __float22half2_rn(((float2*)(&__24))[0]);
-                  *(uint1*)(dQ_local_cast_5 + 0) = __23;
-                  int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                if (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) < (min(tile_tokens, (len_q - (((int)blockIdx.x) * tile_tokens))) * groups)) {
+                  uint1 __29;
+                  float2 __30;
+                    float2 v__28 = *(float2*)(acc_dq + (i_33 * 2));
+                    float2 v__29 = make_float2((scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/), (scale_log2 / 0x1.71547652b82fep+0f/*1.442695e+00*/));
+                    __30.x = (v__28.x*v__29.x);
+                    __30.y = (v__28.y*v__29.y);
+                  ((half2*)(&__29))[0] = __float22half2_rn(((float2*)(&__30))[0]);
+                  *(uint1*)(dQ_local_cast_5 + 0) = __29;
+                  int rmod_33 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                   if (0 <= ((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_33)) || ((groups < 0) && (rmod_33 <= 0))) ? rmod_33 : (rmod_33 + groups)))) {
-                    int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                    int rmod_34 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
                     if (((((int)blockIdx.z) * groups) + ((((0 <= groups) && (0 <= rmod_34)) || ((groups < 0) && (rmod_34 <= 0))) ? rmod_34 : (rmod_34 + groups))) < heads) {
-                      int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                      int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                      int rmod_35 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                      int rdiv_17 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                       if (0 <= ((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_35)) || ((groups < 0) && (rmod_35 <= 0))) ? rdiv_17 : (rdiv_17 - 1)))) {
-                        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
-                        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_31 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
+                        int rmod_36 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) % groups);
+                        int rdiv_18 = (((((((int)threadIdx.x) >> 5) * 16) + ((i_33 & 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) / groups);
                         if (((q0 + (((int)blockIdx.x) * tile_tokens)) + ((((0 <= groups) && (0 <= rmod_36)) || ((groups < 0) && (rmod_36 <= 0))) ? rdiv_18 : (rdiv_18 - 1))) < total_q) {
-                          int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
-                          int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_31) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
-                          *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_31) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_5 + 0);
+                          int64_t rmod_37 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_38 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_19 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          int64_t rmod_39 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rmod_40 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) % ((int64_t)groups));
+                          int64_t rdiv_20 = (((((((int64_t)((int)threadIdx.x)) >> (int64_t)5) * (int64_t)16) + ((((int64_t)i_33) & (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)2)) / ((int64_t)groups));
+                          *(uint1*)(dQ + ((((((((int64_t)((int)blockIdx.z)) * ((int64_t)groups)) * (int64_t)128) + ((((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_39)) || ((((int64_t)groups) < (int64_t)0) && (rmod_39 <= (int64_t)0))) ? rmod_39 : (rmod_39 + ((int64_t)groups))) * (int64_t)128)) + ((((((int64_t)q0) + (((int64_t)((int)blockIdx.x)) * ((int64_t)tile_tokens))) + (((((int64_t)0 <= ((int64_t)groups)) && ((int64_t)0 <= rmod_40)) || ((((int64_t)groups) < (int64_t)0) && (rmod_40 <= (int64_t)0))) ? rdiv_20 : (rdiv_20 - (int64_t)1))) * ((int64_t)heads)) * (int64_t)128)) + ((((int64_t)i_33) >> (int64_t)1) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2))) = *(uint1*)(dQ_local_cast_5 + 0);
                         }
                       }
                     }
