@@ -23,6 +23,7 @@ Kernels (one PrimFunc each):
   fwd             O, LSE                                  grid (tiles, batch, Hk)
                   (sm_90a, G >= 16: pairs of 4-token tiles as 2-block clusters, _fwd_pair)
   bwd_preprocess  Delta[h, p] = dO[p, h] . O[p, h]        grid (ceil(total_q / 64), Hq)
+                  Stats[p, h] = (LSE[h, p] log2(e), Delta[h, p])
   bwd_dq          dQ, tiles and union as fwd (sm_90a also  grid (tiles, batch, Hk)
                   has a unit of 4-token tiles for G >= 16; there the next block's K and V
                   load by TMA while the current one is computed, see _bwd_dq)
@@ -751,9 +752,10 @@ def _bwd_preprocess(dtype, D, arch):
         Delta: T.Tensor([heads, total_q], accum),
         Stats: T.Tensor([total_q, heads, 2], accum),
     ):
-        # Delta as bwd_dq reads it (a tile's rows of one head), and each row's (LSE, Delta) as
-        # bwd_dkdv does: a group's rows are a few tokens' G heads, so there a token's stats are
-        # one 8 * G-byte run instead of 2 * G sectors
+        # Delta as bwd_dq reads it (a tile's rows of one head), and each row's (LSE log2(e), Delta)
+        # as bwd_dkdv does: a group's rows are a few tokens' G heads, so there a token's stats
+        # are one 8 * G-byte run instead of 2 * G sectors; the LSE comes scaled for exp2, which
+        # takes a multiply a row off every group step of bwd_dkdv
         with T.Kernel(T.ceildiv(total_q, ROWS), T.ceildiv(heads, HEADS), threads=128) as (bx, by):
             prod = T.alloc_fragment([ROWS, D], accum)
             delta = T.alloc_fragment([ROWS], accum)
@@ -767,7 +769,7 @@ def _bwd_preprocess(dtype, D, arch):
                     for r in T.Parallel(ROWS):
                         if bx * ROWS + r < total_q:
                             Delta[h, bx * ROWS + r] = delta[r]
-                        st_s[r, hh, 0] = LSE[h, T.min(bx * ROWS + r, total_q - 1)]
+                        st_s[r, hh, 0] = LSE[h, T.min(bx * ROWS + r, total_q - 1)] * LOG2E
                         st_s[r, hh, 1] = delta[r]
             for r, hh, j in T.Parallel(ROWS, HEADS, 2):
                 if bx * ROWS + r < total_q and by * HEADS + hh < heads:
@@ -1278,8 +1280,9 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             stat_lookup(q0, base, n_rows, tok_s, rtok_s, rhead_s, tx, rowl, headl)
             gather_rows(Q, dO, n_rows, tx, Q_s, dO_s, row0, rowl, headl)
         if tx < BM:
-            # the row's (LSE, Delta), one 8-byte copy: a token's G heads are 8 * G adjacent bytes
-            # of Stats, where LSE and Delta laid out (head, row) put each head's in its own sector
+            # the row's (LSE log2(e), Delta), one 8-byte copy: a token's G heads are 8 * G adjacent
+            # bytes of Stats, where LSE and Delta laid out (head, row) put each head's in its own
+            # sector
             T.ptx_cp_async(T.access_ptr(st_s[row0 + tx, 0], "w", 2),
                            T.access_ptr(Stats[rowl[PASSES], headl[PASSES], 0], "r", 2), 2, predicate=tx < n_rows)
 
@@ -1310,14 +1313,14 @@ def _bwd_dkdv(dtype, D, arch, boxes=0):
             # every row's LSE is finite (rows past a group of BM // G tokens are zero-filled
             # and never read back)
             for c, r in T.Parallel(BLOCK_N, BM):
-                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - st_s[off + r, 0] * LOG2E)
+                acc_sT[c, r] = T.exp2(acc_sT[c, r] * scale_log2 - st_s[off + r, 0])
         else:
             for c, r in T.Parallel(BLOCK_N, BM):
                 acc_sT[c, r] = T.if_then_else(
                     r < n_rows
                     and st_s[off + r, 0] != NEG_INF
                     and kb * BLOCK_N + c <= shift + tok_s[base + rtok_s[r]],
-                    T.exp2(acc_sT[c, r] * scale_log2 - st_s[off + r, 0] * LOG2E),
+                    T.exp2(acc_sT[c, r] * scale_log2 - st_s[off + r, 0]),
                     0,
                 )
         if reg_operands:

@@ -401,14 +401,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) infllmv2_sparse_attn_bwd_dk
           if ((n_rows == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
             for (int i_7 = 0; i_7 < 16; ++i_7) {
-              acc_sT[i_7] = exp2f(((acc_sT[i_7] * scale_log2) - (((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_7 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_7 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              acc_sT[i_7] = exp2f(((acc_sT[i_7] * scale_log2) - ((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_7 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_7 & 1) * 2))]));
             }
           } else {
             #pragma unroll
             for (int i_8 = 0; i_8 < 16; ++i_8) {
               float condval_24;
               if (((((((((((int)threadIdx.x) >> 7) * 32) + ((i_8 >> 2) * 8)) + ((((int)threadIdx.x) & 3) * 2)) + (i_8 & 1)) < n_rows) && (((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + (((((int)threadIdx.x) & 127) >> 5) * 16)) + (((i_8 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[(((((((int64_t)((int)threadIdx.x)) >> (int64_t)7) * (int64_t)32) + ((((int64_t)i_8) >> (int64_t)2) * (int64_t)8)) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_8) & (int64_t)1))]))]) - len_q)))) {
-                condval_24 = exp2f(((acc_sT[i_8] * scale_log2) - (((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                condval_24 = exp2f(((acc_sT[i_8] * scale_log2) - ((float*)st_s)[(((((((int)threadIdx.x) >> 7) * 64) + ((i_8 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_8 & 1) * 2))]));
               } else {
                 condval_24 = 0x0p+0f/*0.000000e+00*/;
               }

@@ -87,7 +87,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_pr
           } else {
             condval_3 = 0x0p+0f/*0.000000e+00*/;
           }
-          st_s[(((i_2 * 64) + ((((int)threadIdx.x) >> 4) * 8)) + (hh * 2))] = condval_3;
+          st_s[(((i_2 * 64) + ((((int)threadIdx.x) >> 4) * 8)) + (hh * 2))] = (condval_3 * 0x1.71547652b82fep+0f/*1.442695e+00*/);
           st_s[((((i_2 * 64) + ((((int)threadIdx.x) >> 4) * 8)) + (hh * 2)) + 1)] = delta[i_2];
         }
       }

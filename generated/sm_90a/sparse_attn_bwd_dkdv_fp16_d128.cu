@@ -466,14 +466,14 @@ extern "C" __global__ void __launch_bounds__(128, 1) infllmv2_sparse_attn_bwd_dk
           if ((n_rows_2 == (tile_tokens * groups)) && (((kb_1 * 64) + 63) <= ((len_k + ((int*)tok_s)[(((int64_t)m) * ((int64_t)tile_tokens))]) - len_q))) {
             #pragma unroll
             for (int i_5 = 0; i_5 < 32; ++i_5) {
-              acc_sT[i_5] = exp2f(((acc_sT[i_5] * scale_log2) - (((float*)st_s)[(((((m & 1) * 128) + ((i_5 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_5 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+              acc_sT[i_5] = exp2f(((acc_sT[i_5] * scale_log2) - ((float*)st_s)[(((((m & 1) * 128) + ((i_5 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_5 & 1) * 2))]));
             }
           } else {
             #pragma unroll
             for (int i_6 = 0; i_6 < 32; ++i_6) {
               float condval_26;
               if ((((((((i_6 >> 2) * 8) + ((((int)threadIdx.x) & 3) * 2)) + (i_6 & 1)) < n_rows_2) && (((float*)st_s)[(((((m & 1) * 128) + ((i_6 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] != -CUDART_INF_F)) && (((((kb_1 * 64) + ((((int)threadIdx.x) >> 5) * 16)) + (((i_6 & 3) >> 1) * 8)) + ((((int)threadIdx.x) & 31) >> 2)) <= ((len_k + ((int*)tok_s)[((((int64_t)m) * ((int64_t)tile_tokens)) + ((int64_t)((int*)rtok_s)[((((((int64_t)i_6) >> (int64_t)2) * (int64_t)8) + ((((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)2)) + (((int64_t)i_6) & (int64_t)1))]))]) - len_q)))) {
-                condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - (((float*)st_s)[(((((m & 1) * 128) + ((i_6 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))] * 0x1.71547652b82fep+0f/*1.442695e+00*/)));
+                condval_26 = exp2f(((acc_sT[i_6] * scale_log2) - ((float*)st_s)[(((((m & 1) * 128) + ((i_6 >> 2) * 16)) + ((((int)threadIdx.x) & 3) * 4)) + ((i_6 & 1) * 2))]));
               } else {
                 condval_26 = 0x0p+0f/*0.000000e+00*/;
               }
