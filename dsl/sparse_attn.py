@@ -324,12 +324,17 @@ def _make_tile_union(topk, threads, T_MAX, lone_token_path=False, pack=1):
     return tile_union
 
 
+def _tile_sees_block(blk, p0):
+    """Whether every token of a tile (the first at position p0) sees all of block blk."""
+    return (blk + 1) * BLOCK_N <= p0 + 1
+
+
 def _whole_block(umask, n_tok, blk, p0):
     """Whether every token of a tile (the first at position p0) picked block blk and sees all of
     it: such blocks (most of a tile's union when neighbouring tokens' selections agree) skip the
     per-element mask. Rows past the tile's tokens then get unmasked scores, confined to rows
     that are never written. (T.And: outside a prim_func body Python's `and` would drop a term.)"""
-    return T.And(umask == (1 << n_tok) - 1, (blk + 1) * BLOCK_N <= p0 + 1)
+    return T.And(umask == (1 << n_tok) - 1, _tile_sees_block(blk, p0))
 
 
 def _dyn():
@@ -811,7 +816,7 @@ def _bwd_dq(dtype, D, arch, tokens):
             # every token picked and sees the block, so its rows' LSEs are finite
             for r, c in T.Parallel(BLOCK_M, BLOCK_N):
                 acc_s[r, c] = T.exp2(acc_s[r, c] * scale_log2 - lse_r[r])
-        elif (blk + 1) * BLOCK_N <= p0 + 1:
+        elif _tile_sees_block(blk, p0):
             # every token sees the whole block, so only the rows decide: a row whose token did not
             # pick it (or an empty row) takes +inf for its LSE and exp2 gives 0, two selects a
             # thread instead of a test on every element
